@@ -1,0 +1,493 @@
+"""The metric catalogue: every metric family grpo-exporter publishes, as data.
+
+This module is the single source of truth. The step computation checks its keys against it, the collector
+builds its families from it, and the rules, dashboards and metric reference are generated from it. It imports
+nothing of ours.
+
+Conventions (binding, checked by :func:`validate` at import time):
+
+* names start with ``grpo_``, use ``[a-z0-9_]``, and end with their base unit (``_nats``, ``_tokens``,
+  ``_seconds``...); counters and only counters end in ``_total``; values confined to 0..1 end in ``_ratio``;
+* every label has a bounded set of values: either listed here, or bounded by a named config knob;
+* the ``run`` label is added to every series by the collector and is not listed per metric.
+
+Layers are the seed's signal chain ("信号链四问"): a failure in a layer makes every layer behind it meaningless.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class MetricType(StrEnum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    SUMMARY = "summary"
+    HISTOGRAM = "histogram"
+
+
+class Layer(StrEnum):
+    """Signal-chain layer, used verbatim as the ``layer`` label of alerts."""
+
+    LIVENESS = "0-liveness"
+    GRADIENT = "1-gradient"
+    REWARD = "2-reward"
+    SAMPLES = "3-samples"
+    DIVERSITY = "4-diversity"
+
+
+class Source(StrEnum):
+    """Who computes a metric: the per-step tensor math, or the stateful monitor around it."""
+
+    STEP = "step"
+    MONITOR = "monitor"
+
+
+@dataclass(frozen=True)
+class Label:
+    """A label and its bounded value set.
+
+    ``values`` lists the allowed values; when it is empty the values come from configuration and ``bound``
+    names the config knob that bounds them.
+    """
+
+    name: str
+    values: tuple[str, ...] = ()
+    bound: str = ""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric family."""
+
+    name: str
+    type: MetricType
+    help: str
+    layer: Layer
+    unit: str = ""
+    labels: tuple[Label, ...] = ()
+    inputs: tuple[str, ...] = ()
+    source: Source = Source.STEP
+    quantiles: tuple[float, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(label.name for label in self.labels)
+
+    def key(self, suffix: str = "", **labels: str) -> str:
+        """The sample key ``name+suffix{label="value",...}`` used in step mappings and tests.
+
+        Labels are written in catalogue order; a label this family does not declare, or a value outside a
+        fixed value set, raises ``ValueError``.
+        """
+        declared = {label.name: label for label in self.labels}
+        extra = set(labels) - set(declared) - {"quantile", "le"}
+        if extra:
+            raise ValueError(f"metric {self.name!r} has no label(s) {sorted(extra)}; declared: {sorted(declared)}")
+        for name, value in labels.items():
+            label = declared.get(name)
+            if label is not None and label.values and value not in label.values:
+                raise ValueError(
+                    f"metric {self.name!r} label {name!r}: expected one of {label.values}, got {value!r}"
+                )
+        ordered = [n for n in (*self.label_names, "quantile", "le") if n in labels]
+        body = ",".join(f'{n}="{labels[n]}"' for n in ordered)
+        return f"{self.name}{suffix}{{{body}}}" if body else f"{self.name}{suffix}"
+
+
+def format_quantile(q: float) -> str:
+    """Prometheus label value of a quantile: ``0.5``, ``0.999``, ``1``."""
+    return repr(float(q)).removesuffix(".0")
+
+
+GAP_QUANTILES = (0.5, 0.99, 0.999, 1.0)
+RATIO_QUANTILES = (0.0, 0.5, 0.95, 0.99, 1.0)
+LENGTH_QUANTILES = (0.99,)
+SOLVE_RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+OBSERVE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+NONFINITE_TENSORS = (
+    "logprobs",
+    "old_logprobs",
+    "rollout_logprobs",
+    "ref_logprobs",
+    "entropy",
+    "advantages",
+    "rewards",
+    "log_ratio",
+    "ratio",
+    "loss",
+    "grad_norm",
+)
+ADVANTAGE_SIGNS = ("positive", "negative", "zero")
+CLIP_BOUNDS = ("upper", "lower")
+OUTCOMES = ("correct", "incorrect", "all")
+ZERO_VARIANCE_OUTCOMES = ("all_correct", "all_incorrect", "unknown")
+ESS_LEVELS = ("token", "sequence")
+STAGES = ("rollout", "update", "grad", "guard", "publish", "scrape", "distributed")
+
+_COMPONENT = Label("component", bound="max_reward_components (names from reward_components, plus 'total')")
+_K = Label("k", bound="pass_k (plus 1 and group_size)")
+
+G, R, S, D, L = Layer.GRADIENT, Layer.REWARD, Layer.SAMPLES, Layer.DIVERSITY, Layer.LIVENESS
+C, GA, SU, H = MetricType.COUNTER, MetricType.GAUGE, MetricType.SUMMARY, MetricType.HISTOGRAM
+_TOKEN = ("loss_mask",)
+
+CATALOG: tuple[Metric, ...] = (
+    # ---- layer 1: does the gradient match what I think? ------------------------------------------------
+    Metric(
+        "grpo_engine_logprob_gap_nats", SU,
+        "Per-token |rollout_logprobs - old_logprobs| on loss tokens: the rollout engine and the trainer "
+        "disagreeing on the same token under the same weights, in nats. Quantiles describe the last step; "
+        "_sum/_count are cumulative. Seed: mean < 0.001 healthy, mean >= 0.01 stop training; the 0.01 line "
+        "applies to the mean, never to the max.",
+        G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), quantiles=GAP_QUANTILES,
+    ),
+    Metric(
+        "grpo_engine_logprob_gap_mean_nats", GA,
+        "Mean engine log-prob gap |rollout_logprobs - old_logprobs| over the last step's loss tokens, nats.",
+        G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN),
+    ),
+    Metric(
+        "grpo_onpolicy_outside_clip_tokens_total", C,
+        "Loss tokens whose importance ratio is already outside [1-eps_low, 1+eps_high] on the first update "
+        "of a fresh rollout batch, before any weight changed (seed: 'clip before any update' = stop).",
+        G, "tokens", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN),
+    ),
+    Metric(
+        "grpo_onpolicy_checked_tokens_total", C,
+        "Loss tokens examined by the on-policy ratio check (first update of each rollout batch).",
+        G, "tokens", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN),
+    ),
+    Metric(
+        "grpo_onpolicy_outside_clip_ratio", GA,
+        "Share of loss tokens outside the clip range on the last on-policy update; should be ~0.",
+        G, "ratio", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN),
+    ),
+    Metric(
+        "grpo_onpolicy_log_ratio_abs_max_nats", GA,
+        "Max |logprobs - old_logprobs| over loss tokens on the last on-policy update, nats; ~0 when trainer "
+        "and behaviour policy compute the same probabilities.",
+        G, "nats", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN),
+    ),
+    Metric(
+        "grpo_nonfinite_values_total", C,
+        "Non-finite (NaN or +-Inf) values seen, per tensor; token tensors are checked on loss tokens only, "
+        "so a -inf padding sentinel is not counted. log_ratio and ratio are computed in fp32 without clamp.",
+        G, "values", labels=(Label("tensor", NONFINITE_TENSORS),), inputs=(),
+    ),
+    Metric(
+        "grpo_loss_mask_length_mismatch_sequences_total", C,
+        "Sequences with loss tokens whose loss-token count differs from completion_lengths (seed: assert "
+        "loss_mask.sum() == completion tokens).",
+        G, "sequences", inputs=("completion_lengths", *_TOKEN),
+    ),
+    Metric(
+        "grpo_loss_mask_empty_sequences_total", C,
+        "Completions with tokens but no loss tokens (masked whole, e.g. overlong filtering): a reason count, "
+        "not an error.",
+        G, "sequences", inputs=("completion_lengths", *_TOKEN),
+    ),
+    Metric(
+        "grpo_loss_mask_outside_completion_tokens_total", C,
+        "Loss tokens on positions that are not completion tokens (prompt, tool output, padding): a mask bug.",
+        G, "tokens", inputs=("completion_lengths", *_TOKEN),
+    ),
+    Metric(
+        "grpo_log_ratio_clamp_hit_tokens_total", C,
+        "Loss tokens whose |log ratio| reached the numerical log-ratio clamp (the fuse before exp). Should be "
+        "~0; frequent hits mean look at probability consistency or staleness, not at the clamp.",
+        G, "tokens", inputs=("logprobs", "old_logprobs", "log_ratio_clamp", *_TOKEN),
+    ),
+    Metric(
+        "grpo_log_ratio_clamp_hit_ratio", GA,
+        "Share of the last step's loss tokens whose |log ratio| reached the numerical clamp.",
+        G, "ratio", inputs=("logprobs", "old_logprobs", "log_ratio_clamp", *_TOKEN),
+    ),
+    Metric(
+        "grpo_grad_norm_pre_clip", GA,
+        "Global gradient L2 norm before clipping (log before clipping: this is where spikes are visible).",
+        G, inputs=("grad_norm_pre_clip|grads",),
+    ),
+    Metric(
+        "grpo_grad_norm_post_clip", GA,
+        "Global gradient L2 norm after clipping.",
+        G, inputs=("grad_norm_pre_clip|grads", "grad_norm_post_clip|max_grad_norm"),
+    ),
+    Metric(
+        "grpo_optimizer_steps_total", C,
+        "Optimizer steps whose gradient norm was recorded.",
+        G, "steps", inputs=("grad_norm_pre_clip|grads",),
+    ),
+    Metric(
+        "grpo_grad_clip_active_steps_total", C,
+        "Optimizer steps where the pre-clip norm exceeded max_grad_norm, i.e. clipping rescaled the update. "
+        "Active on nearly every step means the root cause is unsolved.",
+        G, "steps", inputs=("grad_norm_pre_clip|grads", "max_grad_norm"),
+    ),
+    Metric(
+        "grpo_param_relative_update", GA,
+        "Relative parameter update |theta_after - theta_before| / |theta_before| over the sampled parameters "
+        "of the last optimizer step (dimensionless).",
+        G, inputs=("params_before", "params_after"),
+    ),
+    Metric(
+        "grpo_rollout_staleness_versions", GA,
+        "Policy versions between the trainer and the policy that generated the rollouts being trained on.",
+        G, "versions", inputs=("policy_version", "rollout_policy_version"),
+    ),
+    Metric(
+        "grpo_kl_ref_nats", GA,
+        "Mean per-token KL(pi_theta || pi_ref) over loss tokens with the k3 estimator "
+        "exp(ref - logp) - (ref - logp) - 1 (unbiased, non-negative), nats.",
+        G, "nats", inputs=("logprobs", "ref_logprobs", *_TOKEN),
+    ),
+    # ---- layer 2: does the reward measure what I think? -------------------------------------------------
+    Metric(
+        "grpo_completions_total", C,
+        "Completions observed (N = prompts x group size per rollout batch).",
+        R, "completions", inputs=("rewards",),
+    ),
+    Metric(
+        "grpo_reward_mean", GA,
+        "Mean reward of the last rollout batch, per reward component and for the total (component='total').",
+        R, labels=(_COMPONENT,), inputs=("rewards|reward_components",),
+    ),
+    Metric(
+        "grpo_reward_group_std_mean", GA,
+        "Mean over groups of the within-group reward standard deviation (population), before any "
+        "normalisation: a tiny value scaled up by sigma-normalisation is noise made loud.",
+        R, labels=(_COMPONENT,), inputs=("rewards|reward_components",),
+    ),
+    Metric(
+        "grpo_reward_group_range_mean", GA,
+        "Mean over groups of the within-group reward range (max - min), before any normalisation.",
+        R, labels=(_COMPONENT,), inputs=("rewards|reward_components",),
+    ),
+    Metric(
+        "grpo_advantage_abs_max", GA,
+        "Max |advantage| over the last batch's sequences (over loss tokens for per-token advantages).",
+        R, inputs=("advantages",),
+    ),
+    Metric(
+        "grpo_advantage_bound", GA,
+        "Largest |advantage| group normalisation can produce: (G-1)/sqrt(G) with unbiased std (G=16: 3.75, "
+        "G=8: 2.47), sqrt(G-1) with population std, (G-1)/G x group reward range without std. Above it is a "
+        "data or reward bug, not dynamics.",
+        R, inputs=("group_size", "advantage_norm"),
+    ),
+    Metric(
+        "grpo_advantage_over_bound_sequences_total", C,
+        "Sequences whose |advantage| exceeds the normalisation bound of their group.",
+        R, "sequences", inputs=("advantages",),
+    ),
+    Metric(
+        "grpo_completion_length_tokens", SU,
+        "Completion length in tokens by outcome (correct / incorrect / all); p99 of the last step, "
+        "_sum/_count cumulative. Length growing only on incorrect = 1/|o| loss aggregation; growing faster "
+        "on correct = length hack.",
+        R, "tokens", labels=(Label("outcome", OUTCOMES),), inputs=("completion_lengths",),
+        quantiles=LENGTH_QUANTILES,
+    ),
+    Metric(
+        "grpo_truncated_completions_total", C,
+        "Completions that hit the maximum length (sample level; kept apart from token-level clip fractions).",
+        R, "completions", inputs=("truncated",),
+    ),
+    # ---- layer 3: how many samples decide this update? --------------------------------------------------
+    Metric(
+        "grpo_ess_ratio", GA,
+        "Effective sample size ratio (sum w)^2 / (sum w^2) / n of the importance weights of the last update, "
+        "per token and per sequence (w = exp of the summed log ratio). Falls before grad norm spikes.",
+        S, "ratio", labels=(Label("level", ESS_LEVELS),), inputs=("logprobs", "old_logprobs", *_TOKEN),
+    ),
+    Metric(
+        "grpo_update_tokens_total", C,
+        "Loss tokens entering the policy loss, by advantage sign: the denominators of the clip fractions.",
+        S, "tokens", labels=(Label("advantage_sign", ADVANTAGE_SIGNS),), inputs=("advantages", *_TOKEN),
+    ),
+    Metric(
+        "grpo_clipped_tokens_total", C,
+        "Loss tokens whose gradient the PPO clip truly cuts: upper = A>0 and r>1+eps_high, lower = A<0 and "
+        "r<1-eps_low. Divide upper by positive-advantage tokens and lower by negative ones; never merge them.",
+        S, "tokens", labels=(Label("bound", CLIP_BOUNDS),),
+        inputs=("logprobs", "old_logprobs", "advantages", *_TOKEN),
+    ),
+    Metric(
+        "grpo_clipped_tokens_ratio", GA,
+        "Per-step truly-clipped fraction by bound, normalised by the tokens of the gating advantage sign. "
+        "Lower dominant while upper ~0 is a collapse precursor.",
+        S, "ratio", labels=(Label("bound", CLIP_BOUNDS),),
+        inputs=("logprobs", "old_logprobs", "advantages", *_TOKEN),
+    ),
+    Metric(
+        "grpo_out_of_range_unclipped_tokens_total", C,
+        "Loss tokens outside the clip range on the side opposite to their advantage sign (A<0 and "
+        "r>1+eps_high, A>0 and r<1-eps_low): the min() keeps the unclipped term, gradient still flows.",
+        S, "tokens", labels=(Label("bound", CLIP_BOUNDS),),
+        inputs=("logprobs", "old_logprobs", "advantages", *_TOKEN),
+    ),
+    Metric(
+        "grpo_importance_weight", SU,
+        "Per-token importance ratio pi_theta/pi_old on loss tokens (dimensionless; 1 = unchanged). Quantiles "
+        "0 (min), 0.5, 0.95, 0.99, 1 (max) of the last update: the mean hides e^5 outliers.",
+        S, inputs=("logprobs", "old_logprobs", *_TOKEN), quantiles=RATIO_QUANTILES,
+    ),
+    Metric(
+        "grpo_groups_total", C,
+        "Prompt groups observed.",
+        S, "groups", inputs=("rewards",),
+    ),
+    Metric(
+        "grpo_zero_variance_groups_total", C,
+        "Groups whose rewards are all equal (no task gradient), split all_correct / all_incorrect (unknown "
+        "without `correct`): the same share calls for opposite fixes.",
+        S, "groups", labels=(Label("outcome", ZERO_VARIANCE_OUTCOMES),), inputs=("rewards",),
+    ),
+    Metric(
+        "grpo_zero_variance_groups_ratio", GA,
+        "Share of the last batch's groups with zero reward variance.",
+        S, "ratio", inputs=("rewards",),
+    ),
+    Metric(
+        "grpo_zero_variance_groups_expected_ratio", GA,
+        "Predicted zero-variance share E[p^G + (1-p)^G] over the batch's prompts, p each prompt's prior "
+        "solve-rate estimate. The observed share is abnormal only well above this, not above a fixed 50%.",
+        S, "ratio", inputs=("prompt_solve_rate",),
+    ),
+    Metric(
+        "grpo_zero_advantage_tokens_ratio", GA,
+        "Share of the last update's loss tokens with zero advantage: they sit in a token-level loss "
+        "denominator and dilute the gradient like a smaller batch and learning rate.",
+        S, "ratio", inputs=("advantages", *_TOKEN),
+    ),
+    Metric(
+        "grpo_mixed_group_solve_rate_ratio", H,
+        "Solve rate (share correct) of groups with mixed outcomes; piled at 0.1 and 0.9 means sigma "
+        "normalisation gives the lone minority the largest weight.",
+        S, "ratio", inputs=("correct",), buckets=SOLVE_RATE_BUCKETS,
+    ),
+    # ---- layer 4: does the policy still read the question? ----------------------------------------------
+    Metric(
+        "grpo_entropy_mean_nats", GA,
+        "Mean token entropy over the last update's loss tokens, nats: a coarse alarm, diluted by format tokens.",
+        D, "nats", inputs=("entropy", *_TOKEN),
+    ),
+    Metric(
+        "grpo_entropy_top_mean_nats", GA,
+        "Mean entropy of the top `entropy_top_fraction` (default 20%) highest-entropy loss positions of the "
+        "step, nats: the forking tokens, a fixed-size set comparable across steps.",
+        D, "nats", inputs=("entropy", *_TOKEN),
+    ),
+    Metric(
+        "grpo_pass_at_k_ratio", GA,
+        "Unbiased pass@k 1 - C(n-c,k)/C(n,k) averaged over all groups of the last rollout batch, before any "
+        "zero-variance filtering; k = 1, the group size, and configured k. pass@1 up with pass@G down = "
+        "narrowing.",
+        D, "ratio", labels=(_K,), inputs=("correct",),
+    ),
+    Metric(
+        "grpo_unique_completions_ratio", GA,
+        "Mean over groups of distinct completions / group size (exact token-sequence identity).",
+        D, "ratio", inputs=("completion_ids", "completion_lengths"),
+    ),
+    Metric(
+        "grpo_edit_distance_median_ratio", GA,
+        "Median normalised token edit distance between completions of the same group, over sampled groups "
+        "(computed off the training thread).",
+        D, "ratio", inputs=("completion_ids", "completion_lengths"), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_retrieval_accuracy_ratio", GA,
+        "Share of completions that score highest under their own prompt among the batch's P prompts; near "
+        "chance 1/P = template collapse even at high entropy.",
+        D, "ratio", inputs=("retrieval_scores",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_retrieval_chance_ratio", GA,
+        "Chance level 1/P of the retrieval accuracy for the last evaluated batch.",
+        D, "ratio", inputs=("retrieval_scores",), source=Source.MONITOR,
+    ),
+    # ---- liveness and the exporter itself ---------------------------------------------------------------
+    Metric("grpo_last_step", GA, "Last training step observed.", L, inputs=("step",), source=Source.MONITOR),
+    Metric(
+        "grpo_last_step_timestamp_seconds", GA,
+        "Unix time at which the last step was observed; stall detection.",
+        L, "seconds", inputs=("step",), source=Source.MONITOR,
+    ),
+    Metric("grpo_steps_total", C, "Steps observed.", L, "steps", inputs=("step",), source=Source.MONITOR),
+    Metric(
+        "grpo_observe_duration_seconds", H,
+        "Wall time spent inside observe calls, by stage, seconds.",
+        L, "seconds", labels=(Label("stage", STAGES),), source=Source.MONITOR, buckets=OBSERVE_BUCKETS,
+    ),
+    Metric(
+        "grpo_exporter_errors_total", C,
+        "Errors caught inside the exporter, by stage; training went on.",
+        L, "errors", labels=(Label("stage", STAGES),), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_dropped_reward_components_total", C,
+        "Reward component observations dropped because more components than max_reward_components were given.",
+        L, "components", source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_build_info", GA,
+        "Constant 1 labelled with the exporter and torch versions.",
+        L, labels=(Label("version", bound="package version"), Label("torch_version", bound="torch version")),
+        source=Source.MONITOR,
+    ),
+)
+
+_NAME = re.compile(r"^grpo_[a-z][a-z0-9_]*[a-z0-9]$")
+_LABEL = re.compile(r"^[a-z][a-z0-9_]*$")
+_RESERVED_LABELS = {"run", "job", "instance", "quantile", "le"}
+
+
+def validate(metrics: tuple[Metric, ...]) -> None:
+    """Raise ``ValueError`` naming the first metric that breaks the naming or label conventions."""
+    seen: set[str] = set()
+    for m in metrics:
+        where = f"catalogue metric {m.name!r}"
+        if not _NAME.match(m.name) or "__" in m.name:
+            raise ValueError(f"{where}: name must match {_NAME.pattern}")
+        if m.name in seen:
+            raise ValueError(f"{where}: duplicate name")
+        seen.add(m.name)
+        if (m.type is MetricType.COUNTER) != m.name.endswith("_total"):
+            raise ValueError(f"{where}: '_total' is for counters, and every counter ends in '_total'")
+        stem = m.name.removesuffix("_total")
+        if m.unit and not stem.endswith(f"_{m.unit}"):
+            raise ValueError(f"{where}: unit {m.unit!r} must be the name's suffix")
+        if stem.endswith("_ratio") and m.unit != "ratio":
+            raise ValueError(f"{where}: '_ratio' names a 0..1 value; set unit='ratio'")
+        if not m.help.strip():
+            raise ValueError(f"{where}: empty help")
+        for label in m.labels:
+            if not _LABEL.match(label.name) or label.name in _RESERVED_LABELS:
+                raise ValueError(f"{where}: bad or reserved label name {label.name!r}")
+            if not label.values and not label.bound:
+                raise ValueError(f"{where}: label {label.name!r} needs fixed values or a config bound")
+        if (m.type is MetricType.SUMMARY) != bool(m.quantiles):
+            raise ValueError(f"{where}: summaries and only summaries declare quantiles")
+        if (m.type is MetricType.HISTOGRAM) != bool(m.buckets):
+            raise ValueError(f"{where}: histograms and only histograms declare buckets")
+        if any(not 0.0 <= q <= 1.0 for q in m.quantiles) or list(m.buckets) != sorted(set(m.buckets)):
+            raise ValueError(f"{where}: quantiles must lie in [0, 1]; buckets must increase strictly")
+
+
+validate(CATALOG)
+
+BY_NAME: dict[str, Metric] = {m.name: m for m in CATALOG}
+
+
+def metric(name: str) -> Metric:
+    """The catalogue entry called ``name``; ``KeyError`` with close names when there is none."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        close = [n for n in BY_NAME if name.removeprefix("grpo_")[:8] in n]
+        raise KeyError(f"no catalogue metric {name!r}; similar: {close[:5]}") from None

@@ -1,0 +1,67 @@
+"""Validated configuration of the per-step metric math.
+
+Validated once at the boundary; the hot path trusts it. The monitor's own settings (run id, port, TLS...) wrap
+this model in a later layer.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from grpo_exporter.catalog import GAP_QUANTILES, LENGTH_QUANTILES, RATIO_QUANTILES, SOLVE_RATE_BUCKETS
+
+AdvantageNorm = Literal["unbiased", "population", "none"]
+
+
+class MetricsConfig(BaseModel):
+    """Knobs of the metric math. Defaults follow the seed and common GRPO setups."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    group_size: int = Field(ge=1, description="G: completions per prompt; contiguous groups unless group_ids")
+    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip lower side: ratio < 1 - eps_low")
+    clip_eps_high: float = Field(0.2, gt=0.0, description="PPO clip upper side: ratio > 1 + eps_high")
+    advantage_norm: AdvantageNorm = Field(
+        "unbiased", description="group std normalisation: unbiased (torch.std), population, or none (Dr. GRPO)"
+    )
+    log_ratio_clamp: float | None = Field(
+        None, gt=0.0, description="numerical |log ratio| clamp before exp (the fuse); None = not used"
+    )
+    advantage_bound_rtol: float = Field(
+        1e-3, ge=0.0, description="relative slack before |A| counts as above the normalisation bound"
+    )
+    pass_k: tuple[int, ...] = Field((), description="extra k for pass@k besides 1 and group_size; each <= G")
+    entropy_top_fraction: float = Field(0.2, gt=0.0, le=1.0, description="share of highest-entropy positions")
+    gap_quantiles: tuple[float, ...] = GAP_QUANTILES
+    ratio_quantiles: tuple[float, ...] = RATIO_QUANTILES
+    length_quantiles: tuple[float, ...] = LENGTH_QUANTILES
+    solve_rate_buckets: tuple[float, ...] = SOLVE_RATE_BUCKETS
+    max_reward_components: int = Field(8, ge=0, description="cap on distinct reward component labels")
+
+    @field_validator("gap_quantiles", "ratio_quantiles", "length_quantiles")
+    @classmethod
+    def _quantiles_in_unit_interval(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if not v or any(not 0.0 <= q <= 1.0 for q in v) or list(v) != sorted(set(v)):
+            raise ValueError(f"expected strictly increasing quantiles in [0, 1], got {v}")
+        return v
+
+    @field_validator("solve_rate_buckets")
+    @classmethod
+    def _buckets_inside_open_unit_interval(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0.0 < b < 1.0 for b in v) or list(v) != sorted(set(v)):
+            raise ValueError(f"expected strictly increasing bucket bounds in (0, 1), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _pass_k_within_group(self) -> MetricsConfig:
+        bad = [k for k in self.pass_k if not 1 <= k <= self.group_size]
+        if bad:
+            raise ValueError(f"pass_k: expected every k in [1, group_size={self.group_size}], got {bad}")
+        return self
+
+    @property
+    def pass_ks(self) -> tuple[int, ...]:
+        """k values for pass@k: 1, the group size, and the configured extras, sorted."""
+        return tuple(sorted({1, self.group_size, *self.pass_k}))

@@ -1,0 +1,86 @@
+"""Layer 4, "does the policy still read the question?": entropy, pass@k, in-group distinct completions.
+
+Seed sections: 第 2 篇 §1 (mean entropy, a coarse alarm), §4 (entropy of the top-20% most uncertain
+positions, a fixed-size set), §3 (pass@k with k = group size, computed before zero-variance filtering),
+§2 (distinct completions within a group).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.functional.groups import Groups
+from grpo_exporter.functional.reading import Reading, fraction, masked_mean
+from grpo_exporter.functional.selection import top_fraction_mean
+
+
+class Entropy(NamedTuple):
+    mean: Reading
+    top_mean: Reading
+
+
+def entropy_stats(entropy: Tensor, loss_mask: Tensor, top_fraction: float) -> Entropy:
+    """Mean token entropy over finite loss tokens, and the mean over the top ``top_fraction`` of them."""
+    valid = loss_mask & torch.isfinite(entropy)
+    return Entropy(masked_mean(entropy, valid), top_fraction_mean(entropy, valid, top_fraction))
+
+
+def pass_at_k(correct: Tensor, groups: Groups, k: int) -> Reading:
+    """Unbiased pass@k = 1 - C(n-c, k) / C(n, k) per group (Chen et al. 2021), averaged over every group
+    with n >= k. The ratio is the product over i < k of (n-c-i)/(n-i), clamped at 0 once n-c-i <= 0."""
+    n = groups.sizes().double()
+    c = groups.count(correct.bool()).double()
+    i = torch.arange(k, dtype=torch.float64, device=correct.device).unsqueeze(0)
+    eligible = n >= k
+    terms = ((n - c).unsqueeze(1) - i).clamp(min=0.0) / (n.unsqueeze(1) - i).clamp(min=1.0)
+    pass_k = 1.0 - terms.prod(dim=1)
+    return fraction(torch.where(eligible, pass_k, 0.0).sum(), eligible.sum())
+
+
+_HASHES = ((1_000_003, 2_147_483_647), (999_983, 2_147_483_629))
+
+
+@functools.lru_cache(maxsize=32)
+def _powers(width: int, base: int, modulus: int, device: str) -> Tensor:
+    values, acc = [], 1
+    for _ in range(width):
+        values.append(acc)
+        acc = acc * base % modulus
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def sequence_hashes(completion_ids: Tensor, positions: Tensor) -> Tensor:
+    """(N, 3) int64 fingerprint of each completion: two polynomial hashes mod primes below 2^31 of the
+    tokens at ``positions`` (products stay below 2^62, exact in int64) and the token count. A collision
+    needs both 31-bit hashes and the length to agree."""
+    width = completion_ids.shape[1]
+    tokens = torch.where(positions, completion_ids.long() + 1, 0)
+    columns = []
+    for base, modulus in _HASHES:
+        powers = _powers(width, base, modulus, str(completion_ids.device))
+        columns.append(((tokens % modulus) * powers % modulus).sum(dim=1) % modulus)
+    columns.append(positions.sum(dim=1))
+    return torch.stack(columns, dim=1)
+
+
+def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Reading:
+    """Mean over groups of (distinct completions in the group) / (group size), by exact token identity up
+    to the hash above. Sorting is lexicographic by (group, fingerprint) with stable argsorts: no host sync."""
+    keys = torch.cat([groups.index.unsqueeze(1), sequence_hashes(completion_ids, positions)], dim=1)
+    order = torch.arange(keys.shape[0], device=keys.device)
+    for column in reversed(range(keys.shape[1])):
+        order = order[torch.argsort(keys[order, column], stable=True)]
+    ordered = keys[order]
+    first = torch.ones(ordered.shape[0], dtype=torch.bool, device=keys.device)
+    first[1:] = (ordered[1:] != ordered[:-1]).any(dim=1)
+    distinct = groups.count(torch.empty_like(first).scatter_(0, order, first))
+    sizes = groups.sizes()
+    populated = sizes > 0
+    share = torch.where(populated, distinct.double() / sizes.clamp(min=1).double(), 0.0)
+    return fraction(share.sum(), populated.sum())
+
+

@@ -1,0 +1,171 @@
+"""Layer 1, "does the gradient match what I think?": probability consistency, masks, numerics, update size.
+
+Seed sections: 两侧引擎的 logprob 差 (engine gap), 第 1 步 最小一致性测试 (ratio clipped before any update),
+第 2 步 mask (loss_mask.sum() == completion tokens), 第 3 步 NaN/Inf and the log-ratio clamp, 第 4 步 grad norm
+before/after clipping and |dtheta|/|theta|.
+
+All functions take tensors and return 0-d tensors (or readings of them): no host sync, fp32 arithmetic, and
+masked positions replaced before any arithmetic so a -inf padding sentinel never produces NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.functional.reading import Reading, fraction, masked_max, masked_mean
+from grpo_exporter.functional.selection import masked_quantiles
+
+
+class LogRatio(NamedTuple):
+    """Per-token log ratio in fp32 (0 outside the loss mask) and where it is a finite loss token."""
+
+    value: Tensor
+    valid: Tensor
+    loss_mask: Tensor
+
+
+def masked_difference(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
+    """``a - b`` in fp32 on ``mask``, 0 elsewhere; padding values never enter the subtraction."""
+    return torch.where(mask, a.float(), 0.0) - torch.where(mask, b.float(), 0.0)
+
+
+def log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> LogRatio:
+    """log pi_theta - log pi_old on loss tokens, in fp32 (seed 4.1: subtract in fp32, never in bf16)."""
+    value = masked_difference(logprobs, old_logprobs, loss_mask)
+    return LogRatio(value, loss_mask & torch.isfinite(value), loss_mask)
+
+
+class EngineGap(NamedTuple):
+    total: Tensor
+    count: Tensor
+    mean: Reading
+    quantiles: Reading
+
+
+def engine_gap(
+    rollout_logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor, quantiles: Sequence[float]
+) -> EngineGap:
+    """|rollout_logprobs - old_logprobs| on finite loss tokens, nats: sum, count, mean and quantiles.
+
+    Seed (第 3 篇 §3): mean < 0.001 is usually healthy, mean near or above 0.01 stop and check; p99/p99.9
+    track the worst tokens; max locates samples but never carries the 0.01 line.
+    """
+    gap = masked_difference(rollout_logprobs, old_logprobs, loss_mask).abs()
+    valid = loss_mask & torch.isfinite(gap)
+    total = torch.where(valid, gap, 0.0).double().sum()
+    count = valid.sum()
+    return EngineGap(total, count, fraction(total, count), masked_quantiles(gap, valid, quantiles))
+
+
+class OnPolicyCheck(NamedTuple):
+    outside: Tensor
+    checked: Tensor
+    outside_ratio: Reading
+    abs_log_ratio_max: Reading
+
+
+def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float) -> OnPolicyCheck:
+    """On the first update of a fresh rollout batch the ratio must be 1.
+
+    Counts loss tokens whose ratio already lies outside [1-eps_low, 1+eps_high] whatever the advantage
+    sign (seed 1.1: "未训先大面积撞 clip" = stop training and fix the probability path), and max |log ratio|.
+    """
+    ratio = torch.exp(lr.value)
+    outside = lr.valid & ((ratio > 1.0 + eps_high) | (ratio < 1.0 - eps_low))
+    checked = lr.valid.sum()
+    return OnPolicyCheck(
+        outside.sum(), checked, fraction(outside.sum(), checked), masked_max(lr.value.abs(), lr.valid)
+    )
+
+
+def nonfinite_count(x: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Number of NaN/Inf entries of ``x`` (only where ``mask`` is True, when given)."""
+    bad = ~torch.isfinite(x)
+    return (bad & mask).sum() if mask is not None else bad.sum()
+
+
+def nonfinite_ratio_count(lr: LogRatio) -> tuple[Tensor, Tensor]:
+    """Non-finite log ratios and ratios on loss tokens; the ratio is exp(log ratio) in fp32 without clamp,
+    so it also counts the tokens that would overflow where exp comes before the clamp (seed 4.2)."""
+    bad_lr = lr.loss_mask & ~torch.isfinite(lr.value)
+    bad_ratio = lr.loss_mask & ~torch.isfinite(torch.exp(lr.value))
+    return bad_lr.sum(), bad_ratio.sum()
+
+
+class MaskAudit(NamedTuple):
+    length_mismatch: Tensor
+    empty: Tensor
+    outside_completion: Tensor
+
+
+def completion_positions(completion_lengths: Tensor, width: int) -> Tensor:
+    """(N, width) bool: position t holds a completion token iff t < completion_lengths[i]."""
+    t = torch.arange(width, device=completion_lengths.device)
+    return t.unsqueeze(0) < completion_lengths.unsqueeze(1)
+
+
+def mask_audit(loss_mask: Tensor, completion_lengths: Tensor, completion_mask: Tensor | None = None) -> MaskAudit:
+    """Audit the loss mask against the rollout engine's completion lengths (seed 第 2 步).
+
+    * length mismatch: sequences with loss tokens whose loss-token count differs from their length;
+    * empty: sequences with a completion but no loss token (masked whole: counted as a reason, not a bug);
+    * outside completion: loss tokens on positions that are not completion tokens (prompt, tool, padding),
+      judged by ``completion_mask`` when given, else by t < completion_lengths.
+    """
+    counts = loss_mask.sum(dim=1)
+    lengths = completion_lengths.to(counts.dtype)
+    positions = completion_mask if completion_mask is not None else completion_positions(
+        completion_lengths, loss_mask.shape[1]
+    )
+    return MaskAudit(
+        ((counts > 0) & (counts != lengths)).sum(),
+        ((counts == 0) & (lengths > 0)).sum(),
+        (loss_mask & ~positions).sum(),
+    )
+
+
+class ClampHits(NamedTuple):
+    hits: Tensor
+    hit_ratio: Reading
+
+
+def clamp_hits(lr: LogRatio, bound: float) -> ClampHits:
+    """Loss tokens whose |log ratio| reached the numerical clamp ``bound`` (the fuse; seed 4.2-4.3).
+
+    Non-finite log ratios count as hits: they are what the fuse exists for.
+    """
+    reached = lr.loss_mask & ~(lr.value.abs() < bound * (1.0 - 1e-6))
+    return ClampHits(reached.sum(), fraction(reached.sum(), lr.loss_mask.sum()))
+
+
+def total_norm(tensors: Sequence[Tensor]) -> Tensor:
+    """Global L2 norm of a list of tensors (e.g. gradients), accumulated in fp32."""
+    norms = [torch.linalg.vector_norm(t.detach(), dtype=torch.float32) for t in tensors]
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clipped_norm(pre_clip: Tensor, max_norm: Tensor | float) -> Tensor:
+    """Norm after ``torch.nn.utils.clip_grad_norm_``: scaled by min(1, max_norm / (pre + 1e-6))."""
+    coefficient = torch.clamp(torch.as_tensor(max_norm, dtype=torch.float32) / (pre_clip.float() + 1e-6), max=1.0)
+    return pre_clip.float() * coefficient
+
+
+def relative_update(before: Sequence[Tensor], after: Sequence[Tensor]) -> Reading:
+    """|theta_after - theta_before| / |theta_before| over (sampled) parameters; absent when |theta| = 0."""
+    delta = total_norm([a.detach().float() - b.detach().float() for a, b in zip(after, before, strict=True)])
+    return fraction(delta, total_norm(before))
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Reading:
+    """Mean per-token KL(pi_theta || pi_ref) by the k3 estimator exp(d) - d - 1, d = ref - logp (Schulman),
+    in fp32 over finite loss tokens; unbiased and non-negative per token."""
+    d = masked_difference(ref_logprobs, logprobs, loss_mask)
+    valid = loss_mask & torch.isfinite(d)
+    d = torch.where(valid, d, 0.0)
+    return masked_mean(torch.exp(d) - d - 1.0, valid)

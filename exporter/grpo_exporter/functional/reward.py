@@ -1,0 +1,78 @@
+"""Layer 2, "does the reward measure what I think?": reward components, advantage size, length by outcome.
+
+Seed sections: 2.2 (the (G-1)/sqrt(G) bound; above it is a data or reward bug), the warning "monitor reward
+range, sigma and every component *before* normalisation", 4.1 (split length by correctness) and 4.3 (split
+the reward by component).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.functional.groups import Groups, group_stats
+from grpo_exporter.functional.reading import Reading, fraction, masked_max, masked_mean
+from grpo_exporter.functional.selection import masked_quantiles
+
+
+class RewardStats(NamedTuple):
+    mean: Reading
+    group_std_mean: Reading
+    group_range_mean: Reading
+
+
+def reward_stats(values: Tensor, groups: Groups) -> RewardStats:
+    """Mean of finite rewards, and the means over groups of the within-group population std and range."""
+    stats = group_stats(values, groups)
+    n_groups = stats.exists.sum()
+    return RewardStats(
+        masked_mean(values, torch.isfinite(values)),
+        fraction(torch.where(stats.exists, stats.population_std, 0.0).sum(), n_groups),
+        fraction(torch.where(stats.exists, stats.range, 0.0).sum(), n_groups),
+    )
+
+
+def sequence_abs_advantage(advantages: Tensor, loss_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per-sequence |A| (max over finite loss tokens for (N, T) advantages) and whether it exists."""
+    if advantages.dim() == 1:
+        return advantages.float().abs(), torch.isfinite(advantages)
+    valid = torch.isfinite(advantages)
+    if loss_mask is not None:
+        valid = valid & loss_mask
+    per_seq = torch.where(valid, advantages.float().abs(), -1.0).amax(dim=1)
+    return per_seq.clamp(min=0.0), valid.any(dim=1)
+
+
+class AdvantageCheck(NamedTuple):
+    abs_max: Reading
+    over_bound: Tensor
+
+
+def advantage_check(
+    advantages: Tensor, loss_mask: Tensor | None, groups: Groups, bounds: Tensor, rtol: float
+) -> AdvantageCheck:
+    """Max |A| and the number of sequences above their group's normalisation bound (with relative slack
+    ``rtol`` for rounding and the eps in std + eps)."""
+    abs_a, exists = sequence_abs_advantage(advantages, loss_mask)
+    limit = bounds[groups.index] * (1.0 + rtol) + 1e-6
+    over = exists & (abs_a.double() > limit)
+    return AdvantageCheck(masked_max(abs_a, exists), over.sum())
+
+
+class LengthStats(NamedTuple):
+    total: Tensor
+    count: Tensor
+    quantiles: Reading
+
+
+def length_stats(completion_lengths: Tensor, members: Tensor, quantiles: Sequence[float]) -> LengthStats:
+    """Sum, count and quantiles of the completion lengths (tokens) of the ``members`` (N,) bool subset."""
+    lengths = completion_lengths.double()
+    return LengthStats(
+        torch.where(members, lengths, 0.0).sum(),
+        members.sum(),
+        masked_quantiles(completion_lengths.float(), members, quantiles),
+    )

@@ -1,0 +1,164 @@
+"""Layer 3, "how many samples decide this update?": ESS, clip fractions by sign, ratio tails, zero variance.
+
+Seed sections: 第 3 篇 §1 (zero-variance share against E[p^G + (1-p)^G], never a fixed 50%; token-level
+dilution), §2 (upper and lower clip counted apart and read against the advantage sign), §5 (ESS ratio, the
+early warning), and 第 5 篇 §一/§四 (the PPO min() only truly cuts the gradient when ratio and advantage
+point the same way: upper = A>0 and r>1+eps_high, lower = A<0 and r<1-eps_low).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.functional.gradient import LogRatio
+from grpo_exporter.functional.groups import Groups, group_stats
+from grpo_exporter.functional.reading import Reading, fraction, masked_max
+from grpo_exporter.functional.selection import masked_quantiles
+
+
+def token_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
+    """Advantages per token: (N,) broadcast along the sequence, (N, T) as given; fp32."""
+    return advantages.float().unsqueeze(1).expand(shape) if advantages.dim() == 1 else advantages.float()
+
+
+def _ess(log_weights: Tensor, valid: Tensor) -> Reading:
+    """(sum w)^2 / (sum w^2) / n with w = exp(log_weights), shifted by the max log weight first so that
+    huge ratios neither overflow nor vanish (ESS is scale invariant)."""
+    shift = masked_max(log_weights, valid).value
+    w = torch.where(valid, torch.exp((log_weights - shift).clamp(max=0.0)), 0.0).double()
+    n = valid.sum()
+    ess = w.sum().square() / w.square().sum().clamp(min=torch.finfo(torch.float64).tiny)
+    return fraction(ess, n)
+
+
+class ESS(NamedTuple):
+    token: Reading
+    sequence: Reading
+
+
+def ess_ratio(lr: LogRatio) -> ESS:
+    """ESS ratio of the importance weights of loss tokens, and of sequences with w_i = exp(sum_t log r_it)
+    (the sequence-level importance weight) over sequences with at least one finite loss token."""
+    seq_log_w = torch.where(lr.valid, lr.value, 0.0).sum(dim=1)
+    return ESS(_ess(lr.value, lr.valid), _ess(seq_log_w, lr.valid.any(dim=1)))
+
+
+class SignCounts(NamedTuple):
+    positive: Tensor
+    negative: Tensor
+    zero: Tensor
+
+
+def advantage_sign_tokens(token_adv: Tensor, loss_mask: Tensor) -> SignCounts:
+    """Loss tokens with a finite advantage, by sign."""
+    valid = loss_mask & torch.isfinite(token_adv)
+    return SignCounts(
+        (valid & (token_adv > 0)).sum(), (valid & (token_adv < 0)).sum(), (valid & (token_adv == 0)).sum()
+    )
+
+
+class ClipCounts(NamedTuple):
+    upper: Tensor
+    lower: Tensor
+    upper_unclipped: Tensor
+    lower_unclipped: Tensor
+    upper_ratio: Reading
+    lower_ratio: Reading
+
+
+def clip_counts(lr: LogRatio, token_adv: Tensor, eps_low: float, eps_high: float) -> ClipCounts:
+    """Truly clipped tokens by bound, the opposite-sign out-of-range tokens apart, and per-step fractions
+    normalised by the tokens of the gating sign (upper / positive-advantage, lower / negative-advantage)."""
+    valid = lr.valid & torch.isfinite(token_adv)
+    ratio = torch.exp(lr.value)
+    above, below = ratio > 1.0 + eps_high, ratio < 1.0 - eps_low
+    positive, negative = valid & (token_adv > 0), valid & (token_adv < 0)
+    upper, lower = (positive & above).sum(), (negative & below).sum()
+    return ClipCounts(
+        upper,
+        lower,
+        (negative & above).sum(),
+        (positive & below).sum(),
+        fraction(upper, positive.sum()),
+        fraction(lower, negative.sum()),
+    )
+
+
+def importance_weight_quantiles(lr: LogRatio, quantiles: Sequence[float]) -> Reading:
+    """Quantiles of the per-token ratio exp(log ratio) over finite loss tokens (may be +Inf, never NaN)."""
+    return masked_quantiles(torch.exp(lr.value), lr.valid, quantiles)
+
+
+def zero_advantage_share(token_adv: Tensor, loss_mask: Tensor) -> Reading:
+    """Share of loss tokens (finite advantage) whose advantage is exactly 0: gradient dilution."""
+    valid = loss_mask & torch.isfinite(token_adv)
+    return fraction((valid & (token_adv == 0)).sum(), valid.sum())
+
+
+class ZeroVariance(NamedTuple):
+    groups: Tensor
+    all_correct: Tensor
+    all_incorrect: Tensor
+    unknown: Tensor
+    share: Reading
+
+
+def zero_variance_groups(rewards: Tensor, groups: Groups, correct: Tensor | None) -> ZeroVariance:
+    """Groups whose finite rewards are all equal, split by outcome when ``correct`` is given.
+
+    Equality is exact (range == 0): a std computed in floating point can be a tiny non-zero for equal values.
+    Without ``correct`` every zero-variance group is 'unknown'; with it, a zero-variance group whose
+    correctness is mixed (a reward that ignores correctness) is 'unknown' too.
+    """
+    stats = group_stats(rewards, groups)
+    populated = groups.sizes() > 0
+    zero = populated & (stats.range == 0)
+    n_groups = populated.sum()
+    if correct is None:
+        all_correct = all_incorrect = torch.zeros((), dtype=torch.int64, device=rewards.device)
+        unknown = zero.sum()
+    else:
+        hits = groups.count(correct.bool())
+        sizes = groups.sizes()
+        all_correct = (zero & (hits == sizes)).sum()
+        all_incorrect = (zero & (hits == 0)).sum()
+        unknown = zero.sum() - all_correct - all_incorrect
+    return ZeroVariance(n_groups, all_correct, all_incorrect, unknown, fraction(zero.sum(), n_groups))
+
+
+def expected_zero_variance_ratio(prompt_solve_rate: Tensor, groups: Groups) -> Reading:
+    """E[p^G + (1-p)^G] averaged over the batch's groups (seed 第 3 篇 §1).
+
+    p is the group's prior solve-rate estimate (mean of the members' finite ``prompt_solve_rate``), G its
+    size: the chance that G independent samples are all correct or all wrong.
+    """
+    valid = torch.isfinite(prompt_solve_rate)
+    members = groups.count(valid)
+    has = members > 0
+    p = (groups.sum(torch.where(valid, prompt_solve_rate.double(), 0.0)) / members.clamp(min=1)).clamp(0.0, 1.0)
+    g = groups.sizes().double()
+    expected = p.pow(g) + (1.0 - p).pow(g)
+    return fraction(torch.where(has, expected, 0.0).sum(), has.sum())
+
+
+class SolveRateHistogram(NamedTuple):
+    cumulative: Tensor  # (len(buckets) + 1,) counts with solve rate <= bound; the last is +Inf
+    total: Tensor
+    count: Tensor
+
+
+def mixed_group_solve_rates(correct: Tensor, groups: Groups, buckets: Sequence[float]) -> SolveRateHistogram:
+    """Histogram of the solve rate c/n of groups with mixed outcomes (0 < c < n): are they piled at the
+    ends, where sigma normalisation gives the lone minority the largest weight (seed 第 4 篇 落地顺序 2)?"""
+    hits = groups.count(correct.bool()).double()
+    sizes = groups.sizes().double()
+    mixed = (hits > 0) & (hits < sizes)
+    rate = hits / sizes.clamp(min=1.0)
+    bounds = torch.tensor([*buckets, math.inf], dtype=torch.float64, device=correct.device)
+    cumulative = (mixed.unsqueeze(0) & (rate.unsqueeze(0) <= bounds.unsqueeze(1))).sum(dim=1)
+    return SolveRateHistogram(cumulative, torch.where(mixed, rate, 0.0).sum(), mixed.sum())

@@ -1,0 +1,234 @@
+"""The validated container of one step's inputs.
+
+N completions = P prompts x G samples; T = padded completion length (position t of a row is the t-th
+completion token). Every field is optional: a metric whose inputs are missing is simply not computed.
+Validation reads only shapes, dtypes and devices, so it never synchronises with an accelerator; a wrong
+field raises :class:`InputError` naming the field, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.functional.groups import Groups, contiguous_groups, groups_from_ids
+
+SEQUENCE_FLOATS = ("rewards", "prompt_solve_rate")
+SEQUENCE_BOOLS = ("correct", "truncated")
+TOKEN_FLOATS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy")
+TOKEN_BOOLS = ("loss_mask", "completion_mask")
+SCALARS = ("grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss")
+INTEGERS = ("policy_version", "rollout_policy_version", "step")
+
+
+class InputError(ValueError):
+    """A step input with the wrong shape, dtype, device or type."""
+
+    def __init__(self, name: str, expected: str, received: str) -> None:
+        self.field, self.expected, self.received = name, expected, received
+        super().__init__(f"`{name}`: expected {expected}, got {received}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"tensor of shape {tuple(value.shape)}, dtype {value.dtype}, device {value.device}"
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's tensors and scalars. Construct with keywords; ``__post_init__`` validates and normalises
+    (boolean fields accept bool, integer or 0/1 float tensors and are stored as bool)."""
+
+    rewards: Tensor | None = None
+    group_ids: Tensor | None = None
+    correct: Tensor | None = None
+    truncated: Tensor | None = None
+    reward_components: Mapping[str, Tensor] = field(default_factory=dict)
+    prompt_solve_rate: Tensor | None = None
+    completion_lengths: Tensor | None = None
+    completion_mask: Tensor | None = None
+    completion_ids: Tensor | None = None
+    loss_mask: Tensor | None = None
+    logprobs: Tensor | None = None
+    old_logprobs: Tensor | None = None
+    rollout_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    entropy: Tensor | None = None
+    advantages: Tensor | None = None
+    on_policy: bool | None = None
+    grads: Sequence[Tensor] | None = None
+    grad_norm_pre_clip: Tensor | float | None = None
+    grad_norm_post_clip: Tensor | float | None = None
+    max_grad_norm: Tensor | float | None = None
+    params_before: Sequence[Tensor] | None = None
+    params_after: Sequence[Tensor] | None = None
+    loss: Tensor | float | None = None
+    policy_version: int | None = None
+    rollout_policy_version: int | None = None
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        shape = _Shape()
+        device: list[tuple[str, torch.device]] = []
+
+        def tensor(name: str, value: Any) -> Tensor:
+            if not isinstance(value, Tensor):
+                raise InputError(name, "a torch.Tensor", _describe(value))
+            if device and value.device != device[0][1]:
+                raise InputError(name, f"device {device[0][1]} like `{device[0][0]}`", _describe(value))
+            device.append((name, value.device))
+            return value
+
+        def as_bool(name: str, value: Tensor) -> Tensor:
+            if value.dtype == torch.bool:
+                return value
+            if value.is_complex():
+                raise InputError(name, "a bool (or 0/1 integer) tensor", _describe(value))
+            return value != 0
+
+        for name in (*SEQUENCE_FLOATS, *SEQUENCE_BOOLS, "group_ids", "completion_lengths"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            shape.sequence(name, tensor(name, value))
+            if name in SEQUENCE_FLOATS:
+                _floating(name, value)
+            elif name in SEQUENCE_BOOLS:
+                object.__setattr__(self, name, as_bool(name, value))
+            elif value.is_floating_point() or value.dtype == torch.bool:
+                raise InputError(name, "an integer tensor", _describe(value))
+
+        components = dict(self.reward_components or {})
+        for key, value in components.items():
+            name = f"reward_components[{key!r}]"
+            if not isinstance(key, str) or not key or key == "total":
+                raise InputError("reward_components", "non-empty string names other than 'total'", _describe(key))
+            shape.sequence(name, tensor(name, value))
+            _floating(name, value)
+        object.__setattr__(self, "reward_components", components)
+
+        for name in (*TOKEN_FLOATS, *TOKEN_BOOLS, "completion_ids"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            shape.tokens(name, tensor(name, value))
+            if name in TOKEN_FLOATS:
+                _floating(name, value)
+            elif name in TOKEN_BOOLS:
+                object.__setattr__(self, name, as_bool(name, value))
+            elif value.is_floating_point() or value.dtype == torch.bool:
+                raise InputError(name, "an integer tensor of token ids", _describe(value))
+
+        if self.advantages is not None:
+            adv = tensor("advantages", self.advantages)
+            _floating("advantages", adv)
+            if adv.dim() == 1:
+                shape.sequence("advantages", adv)
+            else:
+                shape.tokens("advantages", adv)
+
+        if self.on_policy is not None and not isinstance(self.on_policy, bool):
+            raise InputError("on_policy", "a Python bool", _describe(self.on_policy))
+        for name in SCALARS:
+            value = getattr(self, name)
+            if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+                continue
+            if not isinstance(value, Tensor) or value.numel() != 1:
+                raise InputError(name, "a number or a one-element tensor", _describe(value))
+            object.__setattr__(self, name, tensor(name, value).reshape(()))
+        for name in INTEGERS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise InputError(name, "a Python int", _describe(value))
+        for name in ("grads", "params_before", "params_after"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, Tensor) or not all(isinstance(t, Tensor) for t in value):
+                raise InputError(name, "a sequence of tensors", _describe(value))
+            object.__setattr__(self, name, list(value))
+        if (self.params_before is None) != (self.params_after is None):
+            raise InputError("params_after", "params_before and params_after together", "only one of them")
+        if self.params_before is not None:
+            before, after = self.params_before, self.params_after or []
+            if len(before) != len(after) or any(a.shape != b.shape for a, b in zip(after, before, strict=False)):
+                raise InputError(
+                    "params_after",
+                    f"the {len(before)} shapes of params_before {[tuple(t.shape) for t in before][:4]}",
+                    f"{len(after)} tensors of shapes {[tuple(t.shape) for t in after][:4]}",
+                )
+
+        object.__setattr__(self, "_n", shape.n)
+        object.__setattr__(self, "_device", device[0][1] if device else torch.device("cpu"))
+
+    @property
+    def n(self) -> int | None:
+        """Number of completions N, when any per-completion field was given."""
+        return self._n  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the tensors (cpu when none was given)."""
+        return self._device  # type: ignore[attr-defined, no-any-return]
+
+    def groups(self, group_size: int) -> Groups | None:
+        """Prompt groups: from ``group_ids`` when given, else contiguous blocks of ``group_size``."""
+        if self.n is None:
+            return None
+        if self.group_ids is not None:
+            return groups_from_ids(self.group_ids)
+        if self.n % group_size:
+            raise InputError(
+                "group_ids",
+                f"group_ids, or N divisible by group_size={group_size} for contiguous groups",
+                f"N={self.n} and no group_ids",
+            )
+        return contiguous_groups(self.n, group_size, self.device)
+
+    def given(self) -> tuple[str, ...]:
+        """Names of the fields that were provided."""
+        return tuple(
+            f.name
+            for f in fields(self)
+            if getattr(self, f.name) is not None and (f.name != "reward_components" or self.reward_components)
+        )
+
+
+def _floating(name: str, value: Tensor) -> None:
+    if not value.is_floating_point():
+        raise InputError(name, "a floating-point tensor (fp32, bf16, fp16 or fp64)", _describe(value))
+
+
+class _Shape:
+    """Tracks N and T across fields so the first mismatch names both fields."""
+
+    def __init__(self) -> None:
+        self.n: int | None = None
+        self.n_from = ""
+        self.t: int | None = None
+        self.t_from = ""
+
+    def sequence(self, name: str, value: Tensor) -> None:
+        if value.dim() != 1:
+            raise InputError(name, "shape (N,): one value per completion", _describe(value))
+        self._n(name, value)
+
+    def tokens(self, name: str, value: Tensor) -> None:
+        if value.dim() != 2:
+            raise InputError(name, "shape (N, T): one value per completion token", _describe(value))
+        self._n(name, value)
+        if self.t is None:
+            self.t, self.t_from = value.shape[1], name
+        elif value.shape[1] != self.t:
+            raise InputError(name, f"shape (N, T) with T={self.t} like `{self.t_from}`", _describe(value))
+
+    def _n(self, name: str, value: Tensor) -> None:
+        if self.n is None:
+            self.n, self.n_from = value.shape[0], name
+        elif value.shape[0] != self.n:
+            raise InputError(name, f"N={self.n} rows like `{self.n_from}`", _describe(value))
