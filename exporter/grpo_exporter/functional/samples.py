@@ -21,6 +21,20 @@ from grpo_exporter.functional.reading import Reading, fraction, masked_max
 from grpo_exporter.functional.selection import masked_quantiles
 
 
+def clip_log_widths(eps_low: float, eps_high: float) -> tuple[float, float]:
+    """Widths of the clip range in log space, (-log(1-eps_low), log(1+eps_high)), nats.
+
+    Seed 第 5 篇 §1.1: the default [0.8, 1.2] is symmetric in ratio but not in log space, 0.223 below against
+    0.182 above (ratio ~1.225), so the lower side is reached later and counts differ by geometry alone.
+    """
+    return -math.log1p(-eps_low), math.log1p(eps_high)
+
+
+def symmetric_eps_high(eps_low: float) -> float:
+    """eps_high that makes the clip range symmetric in log space: eps_low / (1 - eps_low) (seed §1.2)."""
+    return eps_low / (1.0 - eps_low)
+
+
 def token_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
     """Advantages per token: (N,) broadcast along the sequence, (N, T) as given; fp32."""
     return advantages.float().unsqueeze(1).expand(shape) if advantages.dim() == 1 else advantages.float()

@@ -1,0 +1,262 @@
+"""Independent, deliberately plain reference for every per-step metric: Python loops and numpy in float64.
+
+It shares no code with the library (not even key formatting) so that a bug has to be made twice to hide.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from batches import Batch
+
+
+def _q(x: float) -> str:
+    return repr(float(x)).removesuffix(".0")
+
+
+def _quantiles(values: list[float], qs: tuple[float, ...]) -> list[float]:
+    return [float(v) for v in np.quantile(np.asarray(values, dtype=np.float64), qs)]
+
+
+def reference(batch: Batch, cfg: Any) -> dict[str, float]:
+    with np.errstate(invalid="ignore", over="ignore"):  # -inf - -inf at a wrongly masked padding position
+        return _reference(batch, cfg)
+
+
+def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
+    a, comps, sc = batch.arrays, batch.components, batch.scalars
+    out: dict[str, float] = {}
+    mask = a["loss_mask"]
+    n, width = mask.shape
+    cells = [(i, t) for i in range(n) for t in range(width) if mask[i, t]]
+
+    # grouping
+    gids = a["group_ids"] if "group_ids" in a else np.arange(n) // cfg.group_size
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(gids.tolist()):
+        groups.setdefault(g, []).append(i)
+    members = list(groups.values())
+
+    # ---- layer 1 --------------------------------------------------------------------------------------
+    def nonfinite(name: str, x: np.ndarray, token: bool) -> None:
+        bad = sum(1 for i, t in cells if not math.isfinite(x[i, t])) if token else int((~np.isfinite(x)).sum())
+        out[f'grpo_nonfinite_values_total{{tensor="{name}"}}'] = float(bad)
+
+    for name in ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy"):
+        nonfinite(name, a[name], True)
+    nonfinite("advantages", a["advantages"], a["advantages"].ndim == 2)
+    nonfinite("rewards", a["rewards"], False)
+    out['grpo_nonfinite_values_total{tensor="loss"}'] = 0.0 if math.isfinite(sc["loss"]) else 1.0
+
+    gap = [abs(a["rollout_logprobs"][i, t] - a["old_logprobs"][i, t]) for i, t in cells]
+    gap = [v for v in gap if math.isfinite(v)]
+    out["grpo_engine_logprob_gap_nats_sum"] = float(sum(gap))
+    out["grpo_engine_logprob_gap_nats_count"] = float(len(gap))
+    if gap:
+        out["grpo_engine_logprob_gap_mean_nats"] = float(np.mean(gap))
+        for q, v in zip(cfg.gap_quantiles, _quantiles(gap, cfg.gap_quantiles), strict=True):
+            out[f'grpo_engine_logprob_gap_nats{{quantile="{_q(q)}"}}'] = v
+
+    log_ratio = {c: a["logprobs"][c] - a["old_logprobs"][c] for c in cells}
+    finite_lr = {c: v for c, v in log_ratio.items() if math.isfinite(v)}
+    ratio = {c: math.exp(v) if v < 700 else math.inf for c, v in finite_lr.items()}
+    out['grpo_nonfinite_values_total{tensor="log_ratio"}'] = float(len(log_ratio) - len(finite_lr))
+    out['grpo_nonfinite_values_total{tensor="ratio"}'] = float(
+        len(log_ratio) - sum(1 for v in finite_lr.values() if v < 88.72)
+    )
+    lo, hi = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
+    if sc.get("on_policy"):
+        outside = sum(1 for r in ratio.values() if r > hi or r < lo)
+        out["grpo_onpolicy_outside_clip_tokens_total"] = float(outside)
+        out["grpo_onpolicy_checked_tokens_total"] = float(len(ratio))
+        if ratio:
+            out["grpo_onpolicy_outside_clip_ratio"] = outside / len(ratio)
+            out["grpo_onpolicy_log_ratio_abs_max_nats"] = max(abs(v) for v in finite_lr.values())
+    if cfg.log_ratio_clamp is not None:
+        hits = sum(1 for c in cells if not abs(log_ratio[c]) < cfg.log_ratio_clamp * (1 - 1e-6))
+        out["grpo_log_ratio_clamp_hit_tokens_total"] = float(hits)
+        if cells:
+            out["grpo_log_ratio_clamp_hit_ratio"] = hits / len(cells)
+
+    lengths = a["completion_lengths"]
+    mismatch = empty = outside_completion = 0
+    for i in range(n):
+        count = int(mask[i].sum())
+        mismatch += count > 0 and count != lengths[i]
+        empty += count == 0 and lengths[i] > 0
+        outside_completion += sum(1 for t in range(width) if mask[i, t] and t >= lengths[i])
+    out["grpo_loss_mask_length_mismatch_sequences_total"] = float(mismatch)
+    out["grpo_loss_mask_empty_sequences_total"] = float(empty)
+    out["grpo_loss_mask_outside_completion_tokens_total"] = float(outside_completion)
+
+    kl = []
+    for c in cells:
+        d = a["ref_logprobs"][c] - a["logprobs"][c]
+        if math.isfinite(d):
+            kl.append(math.exp(d) - d - 1)
+    if kl:
+        out["grpo_kl_ref_nats"] = float(np.mean(kl))
+
+    pre, max_norm = sc["grad_norm_pre_clip"], sc["max_grad_norm"]
+    out["grpo_grad_norm_pre_clip"] = pre
+    out["grpo_grad_norm_post_clip"] = pre * min(1.0, max_norm / (pre + 1e-6))
+    out["grpo_optimizer_steps_total"] = 1.0
+    out["grpo_grad_clip_active_steps_total"] = float(pre > max_norm)
+    out['grpo_nonfinite_values_total{tensor="grad_norm"}'] = float(not math.isfinite(pre))
+    out["grpo_rollout_staleness_versions"] = float(sc["policy_version"] - sc["rollout_policy_version"])
+
+    # ---- layer 2 --------------------------------------------------------------------------------------
+    out["grpo_completions_total"] = float(n)
+    for component, values in {"total": a["rewards"], **comps}.items():
+        finite = [v for v in values if math.isfinite(v)]
+        if finite:
+            out[f'grpo_reward_mean{{component="{component}"}}'] = float(np.mean(finite))
+        stds, ranges = [], []
+        for idx in members:
+            r = [values[i] for i in idx if math.isfinite(values[i])]
+            if r:
+                stds.append(float(np.std(r)))
+                ranges.append(max(r) - min(r))
+        if stds:
+            out[f'grpo_reward_group_std_mean{{component="{component}"}}'] = float(np.mean(stds))
+            out[f'grpo_reward_group_range_mean{{component="{component}"}}'] = float(np.mean(ranges))
+
+    adv = a["advantages"]
+    per_seq: dict[int, float] = {}
+    for i in range(n):
+        if adv.ndim == 1:
+            if math.isfinite(adv[i]):
+                per_seq[i] = abs(adv[i])
+        else:
+            vals = [abs(adv[i, t]) for t in range(width) if mask[i, t] and math.isfinite(adv[i, t])]
+            if vals:
+                per_seq[i] = max(vals)
+    bounds = {}
+    for idx in members:
+        g = len(idx)
+        if cfg.advantage_norm == "unbiased":
+            b = (g - 1) / math.sqrt(g)
+        elif cfg.advantage_norm == "population":
+            b = math.sqrt(g - 1)
+        else:
+            r = [a["rewards"][i] for i in idx if math.isfinite(a["rewards"][i])]
+            b = (max(r) - min(r)) * (g - 1) / g if r else 0.0
+        for i in idx:
+            bounds[i] = b
+    if per_seq:
+        out["grpo_advantage_abs_max"] = max(per_seq.values())
+    out["grpo_advantage_over_bound_sequences_total"] = float(
+        sum(1 for i, v in per_seq.items() if v > bounds[i] * (1 + cfg.advantage_bound_rtol) + 1e-6)
+    )
+    out["grpo_advantage_bound"] = max(bounds.values())
+
+    outcomes = {"all": [True] * n, "correct": list(a["correct"]), "incorrect": [not c for c in a["correct"]]}
+    for outcome, chosen in outcomes.items():
+        ls = [float(lengths[i]) for i in range(n) if chosen[i]]
+        out[f'grpo_completion_length_tokens_sum{{outcome="{outcome}"}}'] = float(sum(ls))
+        out[f'grpo_completion_length_tokens_count{{outcome="{outcome}"}}'] = float(len(ls))
+        if ls:
+            for q, v in zip(cfg.length_quantiles, _quantiles(ls, cfg.length_quantiles), strict=True):
+                out[f'grpo_completion_length_tokens{{outcome="{outcome}",quantile="{_q(q)}"}}'] = v
+    out["grpo_truncated_completions_total"] = float(a["truncated"].sum())
+
+    # ---- layer 3 --------------------------------------------------------------------------------------
+    def token_adv(i: int, t: int) -> float:
+        return float(adv[i] if adv.ndim == 1 else adv[i, t])
+
+    signed = [(c, token_adv(*c)) for c in cells if math.isfinite(token_adv(*c))]
+    pos = [c for c, v in signed if v > 0]
+    neg = [c for c, v in signed if v < 0]
+    zero = [c for c, v in signed if v == 0]
+    out['grpo_update_tokens_total{advantage_sign="positive"}'] = float(len(pos))
+    out['grpo_update_tokens_total{advantage_sign="negative"}'] = float(len(neg))
+    out['grpo_update_tokens_total{advantage_sign="zero"}'] = float(len(zero))
+    if signed:
+        out["grpo_zero_advantage_tokens_ratio"] = len(zero) / len(signed)
+
+    w = np.asarray(list(ratio.values()))
+    if w.size:
+        out['grpo_ess_ratio{level="token"}'] = float(w.sum() ** 2 / (w**2).sum() / w.size)
+    seq_w = []
+    for i in range(n):
+        lrs = [finite_lr[(i, t)] for t in range(width) if (i, t) in finite_lr]
+        if lrs:
+            seq_w.append(sum(lrs))
+    if seq_w:
+        sw = np.exp(np.asarray(seq_w) - max(seq_w))
+        out['grpo_ess_ratio{level="sequence"}'] = float(sw.sum() ** 2 / (sw**2).sum() / sw.size)
+    if ratio:
+        for q, v in zip(cfg.ratio_quantiles, _quantiles(list(ratio.values()), cfg.ratio_quantiles), strict=True):
+            out[f'grpo_importance_weight{{quantile="{_q(q)}"}}'] = v
+    out["grpo_importance_weight_sum"] = float(sum(ratio.values()))
+    out["grpo_importance_weight_count"] = float(len(ratio))
+
+    upper = sum(1 for c in pos if c in ratio and ratio[c] > hi)
+    lower = sum(1 for c in neg if c in ratio and ratio[c] < lo)
+    out['grpo_clipped_tokens_total{bound="upper"}'] = float(upper)
+    out['grpo_clipped_tokens_total{bound="lower"}'] = float(lower)
+    out['grpo_out_of_range_unclipped_tokens_total{bound="upper"}'] = float(
+        sum(1 for c in neg if c in ratio and ratio[c] > hi)
+    )
+    out['grpo_out_of_range_unclipped_tokens_total{bound="lower"}'] = float(
+        sum(1 for c in pos if c in ratio and ratio[c] < lo)
+    )
+    pos_n = sum(1 for c in pos if c in ratio)
+    neg_n = sum(1 for c in neg if c in ratio)
+    if pos_n:
+        out['grpo_clipped_tokens_ratio{bound="upper"}'] = upper / pos_n
+    if neg_n:
+        out['grpo_clipped_tokens_ratio{bound="lower"}'] = lower / neg_n
+
+    counts = {"all_correct": 0, "all_incorrect": 0, "unknown": 0}
+    for idx in members:
+        r = [a["rewards"][i] for i in idx if math.isfinite(a["rewards"][i])]
+        if max(r) == min(r):
+            hits = sum(bool(a["correct"][i]) for i in idx)
+            key = "all_correct" if hits == len(idx) else "all_incorrect" if hits == 0 else "unknown"
+            counts[key] += 1
+    out["grpo_groups_total"] = float(len(members))
+    for key, value in counts.items():
+        out[f'grpo_zero_variance_groups_total{{outcome="{key}"}}'] = float(value)
+    out["grpo_zero_variance_groups_ratio"] = sum(counts.values()) / len(members)
+    expected = []
+    for idx in members:
+        p = float(np.mean([a["prompt_solve_rate"][i] for i in idx]))
+        expected.append(p ** len(idx) + (1 - p) ** len(idx))
+    out["grpo_zero_variance_groups_expected_ratio"] = float(np.mean(expected))
+
+    rates = []
+    for idx in members:
+        hits = sum(bool(a["correct"][i]) for i in idx)
+        if 0 < hits < len(idx):
+            rates.append(hits / len(idx))
+    for b in cfg.solve_rate_buckets:
+        out[f'grpo_mixed_group_solve_rate_ratio_bucket{{le="{_q(b)}"}}'] = float(sum(1 for r in rates if r <= b))
+    out['grpo_mixed_group_solve_rate_ratio_bucket{le="+Inf"}'] = float(len(rates))
+    out["grpo_mixed_group_solve_rate_ratio_sum"] = float(sum(rates))
+    out["grpo_mixed_group_solve_rate_ratio_count"] = float(len(rates))
+
+    # ---- layer 4 --------------------------------------------------------------------------------------
+    ent = [a["entropy"][c] for c in cells if math.isfinite(a["entropy"][c])]
+    if ent:
+        out["grpo_entropy_mean_nats"] = float(np.mean(ent))
+        k = max(1, math.ceil(Fraction(str(cfg.entropy_top_fraction)) * len(ent)))
+        out["grpo_entropy_top_mean_nats"] = float(np.mean(sorted(ent, reverse=True)[:k]))
+    for k in sorted({1, cfg.group_size, *cfg.pass_k}):
+        values = []
+        for idx in members:
+            size, hits = len(idx), sum(bool(a["correct"][i]) for i in idx)
+            if size >= k:
+                values.append(1 - math.comb(size - hits, k) / math.comb(size, k))
+        if values:
+            out[f'grpo_pass_at_k_ratio{{k="{k}"}}'] = float(np.mean(values))
+    unique = []
+    for idx in members:
+        seqs = {tuple(a["completion_ids"][i, : lengths[i]].tolist()) for i in idx}
+        unique.append(len(seqs) / len(idx))
+    out["grpo_unique_completions_ratio"] = float(np.mean(unique))
+    return out

@@ -1,0 +1,177 @@
+"""Empty masks, one-token sequences, all-correct / all-wrong batches, NaN and inf, and 16.7M tokens."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from batches import make_batch
+
+from grpo_exporter.config import MetricsConfig
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.step import compute_step
+
+CFG = MetricsConfig(group_size=8, log_ratio_clamp=20.0)
+TOKEN_GAUGES = (
+    "grpo_engine_logprob_gap_mean_nats",
+    'grpo_engine_logprob_gap_nats{quantile="0.5"}',
+    'grpo_importance_weight{quantile="0.5"}',
+    'grpo_ess_ratio{level="token"}',
+    'grpo_ess_ratio{level="sequence"}',
+    "grpo_entropy_mean_nats",
+    "grpo_entropy_top_mean_nats",
+    "grpo_kl_ref_nats",
+    "grpo_onpolicy_outside_clip_ratio",
+    "grpo_onpolicy_log_ratio_abs_max_nats",
+    'grpo_clipped_tokens_ratio{bound="upper"}',
+    "grpo_zero_advantage_tokens_ratio",
+    "grpo_log_ratio_clamp_hit_ratio",
+)
+
+
+def no_nan(metrics: dict[str, float]) -> None:
+    assert not [k for k, v in metrics.items() if math.isnan(v)]
+
+
+def test_empty_loss_mask_makes_token_metrics_absent_not_zero():
+    batch = make_batch(0)
+    x = batch.inputs(loss_mask=torch.zeros_like(torch.from_numpy(batch.arrays["loss_mask"])))
+    m = compute_step(x, CFG)
+    no_nan(m)
+    for key in TOKEN_GAUGES:
+        assert key not in m, key
+    assert m["grpo_engine_logprob_gap_nats_count"] == 0
+    assert m['grpo_update_tokens_total{advantage_sign="positive"}'] == 0
+    assert m['grpo_nonfinite_values_total{tensor="logprobs"}'] == 0
+    assert m["grpo_loss_mask_empty_sequences_total"] == 48
+    assert "grpo_reward_mean{component=\"total\"}" in m  # sequence-level metrics do not need the mask
+
+
+def test_one_token_sequences():
+    n = 16
+    lp = torch.full((n, 1), -0.5)
+    x = StepInputs(
+        rewards=torch.arange(n).float() % 2,
+        loss_mask=torch.ones(n, 1, dtype=torch.bool),
+        completion_lengths=torch.ones(n, dtype=torch.int64),
+        logprobs=lp + 0.1,
+        old_logprobs=lp,
+        rollout_logprobs=lp,
+        entropy=torch.linspace(0, 1, n).unsqueeze(1),
+        advantages=torch.linspace(-1, 1, n),
+    )
+    m = compute_step(x, CFG)
+    no_nan(m)
+    assert m["grpo_engine_logprob_gap_mean_nats"] == 0
+    assert m['grpo_importance_weight{quantile="1"}'] == pytest.approx(math.exp(0.1))
+    assert m['grpo_ess_ratio{level="token"}'] == pytest.approx(1.0)
+    assert m['grpo_ess_ratio{level="sequence"}'] == pytest.approx(1.0)
+    assert m["grpo_entropy_top_mean_nats"] == pytest.approx(np.mean(np.linspace(0, 1, n)[-4:]), rel=1e-6)
+    assert m["grpo_loss_mask_length_mismatch_sequences_total"] == 0
+
+
+@pytest.mark.parametrize(("value", "outcome"), [(True, "all_correct"), (False, "all_incorrect")])
+def test_all_correct_and_all_wrong_batches(value, outcome):
+    n, g = 32, 8
+    correct = torch.full((n,), value)
+    rewards = correct.float()
+    mask = torch.ones(n, 5, dtype=torch.bool)
+    lp = torch.full((n, 5), -1.0)
+    x = StepInputs(
+        rewards=rewards, correct=correct, advantages=torch.zeros(n), loss_mask=mask, logprobs=lp + 0.3,
+        old_logprobs=lp,
+    )
+    m = compute_step(x, CFG)
+    no_nan(m)
+    assert m[f'grpo_zero_variance_groups_total{{outcome="{outcome}"}}'] == 4
+    assert m["grpo_zero_variance_groups_ratio"] == 1.0
+    assert m["grpo_zero_advantage_tokens_ratio"] == 1.0
+    assert m['grpo_reward_group_std_mean{component="total"}'] == 0.0
+    assert m["grpo_mixed_group_solve_rate_ratio_count"] == 0
+    assert m['grpo_pass_at_k_ratio{k="8"}'] == float(value)
+    # no positive or negative advantage token: the per-step clip fractions do not exist
+    assert 'grpo_clipped_tokens_ratio{bound="upper"}' not in m
+    assert 'grpo_clipped_tokens_ratio{bound="lower"}' not in m
+    assert m['grpo_clipped_tokens_total{bound="upper"}'] == 0
+
+
+def test_nan_and_inf_inside_inputs_are_counted_and_skipped():
+    batch = make_batch(1)
+    base = batch.inputs()
+    mask = base.loss_mask.clone()
+    i, t = 2, 0
+    assert mask[i, t]
+    poisoned = {
+        "logprobs": base.logprobs.clone(),
+        "rollout_logprobs": base.rollout_logprobs.clone(),
+        "entropy": base.entropy.clone(),
+    }
+    poisoned["logprobs"][i, t] = math.nan
+    poisoned["rollout_logprobs"][i, t] = math.inf
+    poisoned["entropy"][i, t] = -math.inf
+    m = compute_step(batch.inputs(**poisoned), CFG)
+    before = compute_step(base, CFG)  # the batch already trains on one -inf padding position (row 7)
+    no_nan(m)
+    for tensor in ("logprobs", "rollout_logprobs", "entropy", "log_ratio", "ratio"):
+        key = f'grpo_nonfinite_values_total{{tensor="{tensor}"}}'
+        assert m[key] - before[key] == 1, tensor
+    # everything else equals the same batch with that token masked out
+    mask[i, t] = False
+    clean = compute_step(batch.inputs(loss_mask=mask), CFG)
+    for key in (*TOKEN_GAUGES[:8], 'grpo_importance_weight{quantile="0.99"}'):
+        assert m[key] == pytest.approx(clean[key], rel=1e-6), key
+
+
+def test_infinite_quantile_endpoints_never_give_nan():
+    from grpo_exporter.functional.selection import masked_quantiles
+
+    x = torch.tensor([-math.inf, 1.0, 1.0, math.inf])
+    r = masked_quantiles(x, torch.ones(4, dtype=torch.bool), (0.0, 0.2, 0.5, 0.9, 1.0))
+    assert r.value.tolist() == [-math.inf, -math.inf, 1.0, math.inf, math.inf]
+
+
+def test_exp_overflow_is_counted_as_nonfinite_ratio_not_nan():
+    lp = torch.zeros(8, 2)
+    x = StepInputs(
+        rewards=torch.zeros(8), loss_mask=torch.ones(8, 2, dtype=torch.bool), logprobs=lp + torch.tensor([0.0, 100.0]),
+        old_logprobs=lp, advantages=torch.ones(8),
+    )
+    m = compute_step(x, CFG)
+    no_nan(m)
+    assert m['grpo_nonfinite_values_total{tensor="ratio"}'] == 8
+    assert m['grpo_nonfinite_values_total{tensor="log_ratio"}'] == 0
+    assert m["grpo_log_ratio_clamp_hit_tokens_total"] == 8
+    assert m['grpo_importance_weight{quantile="1"}'] == math.inf
+    assert m['grpo_ess_ratio{level="token"}'] == pytest.approx(0.5)
+
+
+def test_negative_infinity_padding_is_not_a_fault():
+    batch = make_batch(2)
+    assert np.isneginf(batch.arrays["logprobs"][~batch.arrays["loss_mask"]]).any()
+    m = compute_step(batch.inputs(), CFG)
+    no_nan(m)
+    for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+        # the batch's one wrongly masked padding position (row 7) is the only non-finite loss token
+        assert m[f'grpo_nonfinite_values_total{{tensor="{name}"}}'] == 1
+
+
+@pytest.mark.slow
+def test_sixteen_million_token_step():
+    """A 4100 x 4096 (16.79M tokens) ragged bf16 step: every token metric, exact quantiles."""
+    gen = torch.Generator().manual_seed(5)
+    n, width = 4100, 4096
+    lengths = torch.randint(1, width + 1, (n,), generator=gen)
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    old = (-torch.rand(n, width, generator=gen) * 4).to(torch.bfloat16)
+    rollout = (old.float() + torch.randn(n, width, generator=gen) * 1e-3).to(torch.bfloat16)
+    x = StepInputs(loss_mask=mask, old_logprobs=old, rollout_logprobs=rollout, completion_lengths=lengths)
+    m = compute_step(x, MetricsConfig(group_size=4))
+    assert mask.numel() > 1 << 24
+    gap = (rollout.float() - old.float()).abs()[mask].double().numpy()
+    assert m["grpo_engine_logprob_gap_nats_count"] == gap.size
+    assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(gap.mean(), rel=1e-6)
+    for q in (0.5, 0.99, 0.999, 1.0):
+        key = f'grpo_engine_logprob_gap_nats{{quantile="{repr(q).removesuffix(".0")}"}}'
+        assert m[key] == pytest.approx(float(np.quantile(gap, q)), rel=1e-6), q

@@ -1,0 +1,69 @@
+"""Bad input: a clear error naming the field, what was expected and what came."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_exporter.config import MetricsConfig
+from grpo_exporter.inputs import InputError, StepInputs
+from grpo_exporter.step import compute_step
+
+N, T = 8, 5
+
+
+def ok(**kw):
+    base = dict(rewards=torch.zeros(N), loss_mask=torch.ones(N, T, dtype=torch.bool), logprobs=torch.zeros(N, T))
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "expected", "received"),
+    [
+        (ok(old_logprobs=torch.zeros(N, T - 1)), "old_logprobs", "T=5 like `logprobs`", "(8, 4)"),
+        (ok(old_logprobs=torch.zeros(N + 1, T)), "old_logprobs", "N=8 rows like `rewards`", "(9, 5)"),
+        (ok(rewards=torch.zeros(N, 1)), "rewards", "shape (N,)", "(8, 1)"),
+        (ok(logprobs=torch.zeros(N, T, dtype=torch.int64)), "logprobs", "floating-point", "torch.int64"),
+        (ok(completion_lengths=torch.ones(N)), "completion_lengths", "an integer tensor", "torch.float32"),
+        (ok(entropy=[[0.0] * T] * N), "entropy", "a torch.Tensor", "list"),
+        (ok(on_policy=1), "on_policy", "a Python bool", "int 1"),
+        (ok(grad_norm_pre_clip=torch.ones(2)), "grad_norm_pre_clip", "one-element tensor", "(2,)"),
+        (ok(reward_components={"total": torch.zeros(N)}), "reward_components", "other than 'total'", "'total'"),
+        (ok(reward_components={"fmt": torch.zeros(N - 1)}), "reward_components['fmt']", "N=8", "(7,)"),
+        (ok(params_before=[torch.ones(2)]), "params_after", "together", "only one"),
+        (ok(params_before=[torch.ones(2)], params_after=[torch.ones(3)]), "params_after", "(2,)", "(3,)"),
+        (ok(old_logprobs=torch.zeros(N, T, device="meta")), "old_logprobs", "device cpu", "device meta"),
+        (ok(policy_version=1.5), "policy_version", "a Python int", "float"),
+    ],
+)
+def test_error_names_field_expected_and_received(kwargs, field, expected, received):
+    with pytest.raises(InputError) as err:
+        StepInputs(**kwargs)
+    assert err.value.field == field
+    assert expected in err.value.expected
+    assert received in err.value.received
+    assert str(err.value).startswith(f"`{field}`: expected ")
+
+
+def test_group_size_must_divide_n_without_group_ids():
+    with pytest.raises(InputError, match=r"`group_ids`: expected .*group_size=3.* got N=8"):
+        compute_step(StepInputs(**ok()), MetricsConfig(group_size=3))
+    compute_step(StepInputs(**ok(group_ids=torch.tensor([0, 0, 0, 1, 1, 1, 2, 2]))), MetricsConfig(group_size=3))
+
+
+def test_masks_are_normalised_to_bool():
+    x = StepInputs(**ok(loss_mask=torch.ones(N, T, dtype=torch.int64), correct=torch.ones(N)))
+    assert x.loss_mask.dtype == torch.bool
+    assert x.correct.dtype == torch.bool
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="pass_k"):
+        MetricsConfig(group_size=4, pass_k=(8,))
+    with pytest.raises(ValueError, match="clip_eps_low"):
+        MetricsConfig(group_size=4, clip_eps_low=1.5)
+    with pytest.raises(ValueError, match="group_size"):
+        MetricsConfig(group_size=0)
+    with pytest.raises(ValueError, match="gap_quantiles"):
+        MetricsConfig(group_size=4, gap_quantiles=(0.9, 0.5))

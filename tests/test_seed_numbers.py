@@ -1,0 +1,177 @@
+"""The seed's own numbers, reproduced by the library (seed = shared/seed/000_8a3487d064520aca.txt)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_exporter.config import MetricsConfig
+from grpo_exporter.functional import diversity, gradient, samples
+from grpo_exporter.functional.groups import (
+    advantage_bound,
+    contiguous_groups,
+    group_normalized_advantages,
+)
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.step import compute_step
+
+
+def binary_group(correct: int, size: int) -> torch.Tensor:
+    return torch.tensor([1.0] * correct + [0.0] * (size - correct))
+
+
+@pytest.mark.parametrize(
+    ("p", "a_correct", "a_incorrect"),
+    [(0.5, 1.00, -1.00), (0.9, 0.33, -3.00), (0.1, 3.00, -0.33)],
+)
+def test_sigma_normalised_binary_advantages(p, a_correct, a_incorrect):
+    """Seed §二 table (population std, 10 answers): p=0.5 -> +-1.00; 0.9 -> +0.33/-3.00; 0.1 -> +3.00/-0.33."""
+    rewards = binary_group(round(p * 10), 10)
+    adv = group_normalized_advantages(rewards, contiguous_groups(10, 10), "population", eps=0.0)
+    assert round(adv[0].item(), 2) == a_correct
+    assert round(adv[-1].item(), 2) == a_incorrect
+    assert math.isclose(adv[0].item(), math.sqrt((1 - p) / p), rel_tol=1e-6)  # seed 2.1 general formula
+    assert math.isclose(adv.sum().item(), 0.0, abs_tol=1e-5)
+
+
+def test_dr_grpo_advantages_drop_sigma():
+    """Seed §三: without sigma the 9-right-1-wrong group gets +0.1 / -0.9."""
+    adv = group_normalized_advantages(binary_group(9, 10), contiguous_groups(10, 10), "none")
+    assert adv[0].item() == pytest.approx(0.1)
+    assert adv[-1].item() == pytest.approx(-0.9)
+
+
+def test_advantage_bounds():
+    """Seed 2.2: unbiased std bound (G-1)/sqrt(G): G=16 -> 3.75, G=8 -> 2.47; population std sqrt(G-1)."""
+    assert advantage_bound(16, "unbiased") == 3.75
+    assert round(advantage_bound(8, "unbiased"), 2) == 2.47
+    for g in (2, 4, 8, 16, 64):
+        assert advantage_bound(g, "population") == pytest.approx(math.sqrt(g - 1))
+
+
+@pytest.mark.parametrize("norm", ["unbiased", "population"])
+@pytest.mark.parametrize("g", [2, 8, 16, 33])
+def test_bound_is_attained_by_a_lone_minority(norm, g):
+    adv = group_normalized_advantages(binary_group(1, g), contiguous_groups(g, g), norm, eps=0.0)
+    assert adv.abs().max().item() == pytest.approx(advantage_bound(g, norm), rel=1e-5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    g=st.integers(2, 64),
+    prompts=st.integers(1, 6),
+    binary=st.booleans(),
+    norm=st.sampled_from(["unbiased", "population"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_no_group_ever_exceeds_the_bound(g, prompts, binary, norm, seed):
+    """Randomised: binary or continuous rewards (the bound holds for both, seed 2.2), any G."""
+    gen = torch.Generator().manual_seed(seed)
+    n = g * prompts
+    rewards = (torch.rand(n, generator=gen) < torch.rand(1, generator=gen)).float() if binary else torch.rand(
+        n, generator=gen
+    ) * 10 ** torch.randint(-4, 3, (1,), generator=gen).float()
+    groups = contiguous_groups(n, g)
+    adv = group_normalized_advantages(rewards, groups, norm, eps=0.0)
+    assert adv.abs().max().item() <= advantage_bound(g, norm) * (1 + 1e-5)
+    metrics = compute_step(StepInputs(rewards=rewards, advantages=adv), MetricsConfig(group_size=g, advantage_norm=norm))
+    assert metrics["grpo_advantage_over_bound_sequences_total"] == 0
+
+
+def test_advantage_above_bound_is_counted():
+    rewards = binary_group(1, 16)
+    adv = group_normalized_advantages(rewards, contiguous_groups(16, 16), "unbiased", eps=0.0)
+    adv[0] = 5.0  # the "A=5" of the seed's notes: above 3.75, a data or reward bug
+    metrics = compute_step(StepInputs(rewards=rewards, advantages=adv), MetricsConfig(group_size=16))
+    assert metrics["grpo_advantage_over_bound_sequences_total"] == 1
+    assert metrics["grpo_advantage_bound"] == 3.75
+    assert metrics["grpo_advantage_abs_max"] == 5.0
+
+
+@pytest.mark.parametrize(
+    ("advantage", "ratio", "truncated", "bound"),
+    [
+        (+1.0, 1.5, True, "upper"),  # wants up, already above 1+eps: gradient cut
+        (-1.0, 0.5, True, "lower"),  # wants down, already below 1-eps: gradient cut
+        (+1.0, 0.5, False, "lower"),  # wants up from below: min keeps r*A, gradient flows
+        (-1.0, 1.5, False, "upper"),  # wants down from above: min keeps r*A, gradient flows
+    ],
+)
+def test_four_sign_side_cases_of_the_ppo_clip(advantage, ratio, truncated, bound):
+    """Seed 第 5 篇 §四: the clip truly cuts the gradient only when ratio and advantage point the same way.
+    Checked against autograd on the PPO-clip objective with eps = 0.2."""
+    old = torch.tensor([[-1.0]])
+    logp = (old + math.log(ratio)).requires_grad_(True)
+    adv = torch.tensor([[advantage]])
+    r = torch.exp(logp - old)
+    objective = torch.min(r * adv, torch.clamp(r, 0.8, 1.2) * adv).sum()
+    objective.backward()
+    assert (logp.grad.abs().item() == 0.0) is truncated
+
+    lr = gradient.log_ratio(logp.detach(), old, torch.ones(1, 1, dtype=torch.bool))
+    counts = samples.clip_counts(lr, adv, 0.2, 0.2)
+    clipped = {"upper": counts.upper.item(), "lower": counts.lower.item()}
+    unclipped = {"upper": counts.upper_unclipped.item(), "lower": counts.lower_unclipped.item()}
+    assert clipped[bound] == int(truncated)
+    assert unclipped[bound] == int(not truncated)
+    assert sum(clipped.values()) + sum(unclipped.values()) == 1
+
+
+def test_log_space_asymmetry_of_the_default_clip():
+    """Seed 第 5 篇 §1.1: log 0.8 ~ -0.223, log 1.2 ~ +0.182, ratio ~1.225."""
+    lower, upper = samples.clip_log_widths(0.2, 0.2)
+    assert round(lower, 3) == 0.223
+    assert round(upper, 3) == 0.182
+    assert round(lower / upper, 3) == 1.224  # exact
+    assert round(round(lower, 3) / round(upper, 3), 3) == 1.225  # the seed's ~1.225, from its rounded widths
+
+
+@pytest.mark.parametrize(("eps_low", "eps_high"), [(0.20, 0.25), (0.25, 0.333), (0.28, 0.389), (0.32, 0.471)])
+def test_geometric_symmetry_table(eps_low, eps_high):
+    """Seed §1.2 table: eps_high = eps_low / (1 - eps_low) makes both sides equal in log space."""
+    assert round(samples.symmetric_eps_high(eps_low), 3) == eps_high
+    lower, upper = samples.clip_log_widths(eps_low, samples.symmetric_eps_high(eps_low))
+    assert lower == pytest.approx(upper)
+
+
+def test_expected_zero_variance_ratio_matches_simulation():
+    """Seed 第 3 篇 §1: the zero-variance share is E[p^G + (1-p)^G], a function of G and difficulty."""
+    rng = np.random.default_rng(7)
+    for g in (4, 8, 32):
+        p = rng.choice([0.05, 0.3, 0.5, 0.8, 0.97], size=64)
+        solve_rate = torch.from_numpy(np.repeat(p, g)).float()
+        groups = contiguous_groups(64 * g, g)
+        expected = samples.expected_zero_variance_ratio(solve_rate, groups).value.item()
+        shares = []
+        for _ in range(400):
+            correct = torch.from_numpy(rng.random(64 * g) < np.repeat(p, g))
+            shares.append(samples.zero_variance_groups(correct.float(), groups, correct).share.value.item())
+        se = np.std(shares) / math.sqrt(len(shares))
+        assert abs(np.mean(shares) - expected) < 4 * se + 1e-9, (g, np.mean(shares), expected)
+        assert expected == pytest.approx(float(np.mean(p**g + (1 - p) ** g)), rel=1e-6)
+
+
+def test_fifty_percent_zero_variance_line_is_wrong():
+    """Same prompts at p=0.5: G=4 gives 12.5% expected, G=32 gives ~0: a fixed line cannot serve both."""
+    for g, want in ((4, 0.125), (32, 2 * 0.5**32)):
+        groups = contiguous_groups(g, g)
+        got = samples.expected_zero_variance_ratio(torch.full((g,), 0.5), groups).value.item()
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+def test_pass_at_k_against_closed_form():
+    """Unbiased estimator 1 - C(n-c, k)/C(n, k) for every c and k at n = 16."""
+    n = 16
+    correct = torch.cat([binary_group(c, n) for c in range(n + 1)]).bool()
+    groups = contiguous_groups(correct.numel(), n)
+    for k in range(1, n + 1):
+        got = diversity.pass_at_k(correct, groups, k).value.item()
+        want = np.mean([1 - math.comb(n - c, k) / math.comb(n, k) for c in range(n + 1)])
+        assert got == pytest.approx(want, rel=1e-6), k
+        if k == 1:
+            assert got == pytest.approx(0.5)

@@ -1,0 +1,51 @@
+"""One step, one device-to-host transfer: every way a tensor reaches the host is counted during the call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batches import make_batch
+
+from grpo_exporter.config import MetricsConfig
+from grpo_exporter.step import compute_step
+
+HOST_METHODS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+@pytest.fixture
+def host_calls(monkeypatch):
+    calls: list[str] = []
+    for name in HOST_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, __name=name, __original=original, **kwargs):
+            calls.append(__name)
+            return __original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_step_makes_exactly_one_transfer(host_calls, dtype):
+    batch = make_batch(0, dtype=dtype, shuffled_groups=True)
+    inputs = batch.inputs(
+        grads=[torch.randn(3, 4), torch.randn(5)],
+        grad_norm_pre_clip=None,
+        params_before=[torch.ones(4)],
+        params_after=[torch.full((4,), 1.01)],
+        loss=torch.tensor(0.3),
+    )
+    cfg = MetricsConfig(group_size=8, log_ratio_clamp=20.0, pass_k=(2, 4))
+    host_calls.clear()
+    metrics = compute_step(inputs, cfg)
+    assert host_calls == ["tolist"]
+    assert len(metrics) > 90
+
+
+def test_the_spy_sees_hidden_syncs(host_calls):
+    """The counter would catch a metric that branched on data."""
+    t = torch.ones(3)
+    if t.sum() > 0:
+        float(t[0])
+    assert host_calls == ["__bool__", "__float__"]
