@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from batches import make_batch
 
+from batches import make_batch
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.step import compute_step
@@ -74,7 +74,7 @@ def test_one_token_sequences():
 
 @pytest.mark.parametrize(("value", "outcome"), [(True, "all_correct"), (False, "all_incorrect")])
 def test_all_correct_and_all_wrong_batches(value, outcome):
-    n, g = 32, 8
+    n = 32
     correct = torch.full((n,), value)
     rewards = correct.float()
     mask = torch.ones(n, 5, dtype=torch.bool)

@@ -13,7 +13,7 @@ N, T = 8, 5
 
 
 def ok(**kw):
-    base = dict(rewards=torch.zeros(N), loss_mask=torch.ones(N, T, dtype=torch.bool), logprobs=torch.zeros(N, T))
+    base = {"rewards": torch.zeros(N), "loss_mask": torch.ones(N, T, dtype=torch.bool), "logprobs": torch.zeros(N, T)}
     base.update(kw)
     return base
 

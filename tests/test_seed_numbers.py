@@ -79,7 +79,8 @@ def test_no_group_ever_exceeds_the_bound(g, prompts, binary, norm, seed):
     groups = contiguous_groups(n, g)
     adv = group_normalized_advantages(rewards, groups, norm, eps=0.0)
     assert adv.abs().max().item() <= advantage_bound(g, norm) * (1 + 1e-5)
-    metrics = compute_step(StepInputs(rewards=rewards, advantages=adv), MetricsConfig(group_size=g, advantage_norm=norm))
+    cfg = MetricsConfig(group_size=g, advantage_norm=norm)
+    metrics = compute_step(StepInputs(rewards=rewards, advantages=adv), cfg)
     assert metrics["grpo_advantage_over_bound_sequences_total"] == 0
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import make_batch
 
+from batches import make_batch
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.step import compute_step
 

@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from batches import make_batch
-from reference import reference
 
+from batches import make_batch
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.step import compute_step
+from reference import reference
 
 CASES = [
     pytest.param(seed, dtype, shuffled, token_adv, norm, id=f"s{seed}-{str(dtype)[6:]}-{norm}{'-ids' * shuffled}"

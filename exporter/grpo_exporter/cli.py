@@ -1,0 +1,41 @@
+"""The ``grpo-exporter`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from grpo_exporter import __version__
+
+
+def _catalog(args: argparse.Namespace) -> int:
+    from grpo_exporter.metric_docs import metrics_markdown
+
+    text = metrics_markdown()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote {args.out}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-exporter", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"grpo-exporter {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    catalog = commands.add_parser("catalog", help="print or write the metric reference generated from the catalogue")
+    catalog.add_argument("--out", help="write to this file instead of stdout (e.g. docs/metrics.md)")
+    catalog.set_defaults(run=_catalog)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

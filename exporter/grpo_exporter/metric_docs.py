@@ -1,0 +1,60 @@
+"""The metric reference (docs/metrics.md), generated from the catalogue; a test fails when the file drifts."""
+
+from __future__ import annotations
+
+from grpo_exporter.catalog import CATALOG, Layer, Metric, MetricType
+
+_LAYER_TITLES = {
+    Layer.GRADIENT: "Layer 1 — does the gradient match what I think?",
+    Layer.REWARD: "Layer 2 — does the reward measure what I think?",
+    Layer.SAMPLES: "Layer 3 — how many samples decide this update?",
+    Layer.DIVERSITY: "Layer 4 — does the policy still read the question?",
+    Layer.LIVENESS: "Liveness and the exporter itself",
+}
+
+
+def _samples(m: Metric) -> str:
+    if m.type is MetricType.SUMMARY:
+        qs = ", ".join(repr(q).removesuffix(".0") for q in m.quantiles)
+        return f"quantile {qs}; `_sum`, `_count`"
+    if m.type is MetricType.HISTOGRAM:
+        return f"`_bucket` le {', '.join(repr(b) for b in m.buckets)}, +Inf; `_sum`, `_count`"
+    return ""
+
+
+def _labels(m: Metric) -> str:
+    parts = []
+    for label in m.labels:
+        values = "\\|".join(label.values) if label.values else f"bounded by {label.bound}"
+        parts.append(f"`{label.name}`: {values}")
+    return "; ".join(parts)
+
+
+def _inputs(m: Metric) -> str:
+    return ", ".join(" or ".join(f"`{name}`" for name in spec.split("|")) for spec in m.inputs) or "—"
+
+
+def metrics_markdown() -> str:
+    """The whole reference page as Markdown."""
+    lines = [
+        "# Metric reference",
+        "",
+        "<!-- Generated from grpo_exporter.catalog by `grpo-exporter catalog --out docs/metrics.md`. Do not edit. -->",
+        "",
+        "Every series also carries the `run` label. Counters count this run's events since the exporter started;",
+        "gauges and summary quantiles describe the last step; summary and histogram `_sum`/`_count` are",
+        "cumulative, so `rate(x_sum[w]) / rate(x_count[w])` is an exact windowed mean.",
+        "`step` metrics are computed from the step's tensors with one host transfer; `monitor` metrics are",
+        "kept by the stateful exporter around them.",
+        "",
+    ]
+    for layer, title in _LAYER_TITLES.items():
+        lines += [f"## {title}", "", "| metric | type | labels | needs | source | meaning |", "|---" * 6 + "|"]
+        for m in (m for m in CATALOG if m.layer is layer):
+            kind = f"{m.type.value} ({_samples(m)})" if _samples(m) else m.type.value
+            help_text = m.help.replace("|", "\\|")
+            lines.append(
+                f"| `{m.name}` | {kind} | {_labels(m) or '—'} | {_inputs(m)} | {m.source.value} | {help_text} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""The catalogue: conventions, completeness against the step computation, and the generated reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from batches import make_batch
+from grpo_exporter.catalog import CATALOG, Label, Layer, Metric, MetricType, Source, metric, validate
+from grpo_exporter.config import MetricsConfig
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.metric_docs import metrics_markdown
+from grpo_exporter.step import compute_step
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = re.compile(r'^(?P<sample>[a-z0-9_]+)(\{(?P<labels>.*)\})?$')
+SUFFIXES = {MetricType.SUMMARY: ("", "_sum", "_count"), MetricType.HISTOGRAM: ("_bucket", "_sum", "_count")}
+
+
+def parse(key: str) -> tuple[str, dict[str, str]]:
+    match = KEY.match(key)
+    assert match, key
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', match["labels"] or ""))
+    return match["sample"], labels
+
+
+def family_of(sample: str) -> Metric:
+    for m in CATALOG:
+        if sample in (m.name + s for s in SUFFIXES.get(m.type, ("",))):
+            return m
+    raise AssertionError(f"sample {sample!r} belongs to no catalogue metric")
+
+
+def full_step() -> dict[str, float]:
+    batch = make_batch(0, shuffled_groups=True)
+    inputs = batch.inputs(
+        params_before=[torch.ones(3)], params_after=[torch.full((3,), 1.1)], completion_mask=None
+    )
+    return compute_step(inputs, MetricsConfig(group_size=8, log_ratio_clamp=20.0, pass_k=(2,)))
+
+
+def test_every_step_key_is_a_catalogue_sample_with_allowed_labels():
+    for key in full_step():
+        sample, labels = parse(key)
+        m = family_of(sample)
+        allowed = set(m.label_names)
+        if m.type is MetricType.SUMMARY and sample == m.name:
+            allowed.add("quantile")
+        if sample.endswith("_bucket"):
+            allowed.add("le")
+        assert set(labels) == allowed, key
+        for label in m.labels:
+            if label.values:
+                assert labels[label.name] in label.values, key
+
+
+def test_every_step_metric_is_computed_from_a_full_batch():
+    produced = {family_of(parse(k)[0]).name for k in full_step()}
+    expected = {m.name for m in CATALOG if m.source is Source.STEP}
+    assert expected - produced == set()
+
+
+def test_metric_inputs_are_step_fields_or_config():
+    known = {f.name for f in dataclasses.fields(StepInputs)} | set(MetricsConfig.model_fields) | {"retrieval_scores"}
+    for m in CATALOG:
+        for spec in m.inputs:
+            assert set(spec.split("|")) <= known, (m.name, spec)
+
+
+def test_every_layer_has_metrics_and_the_catalogue_is_valid():
+    validate(CATALOG)
+    assert {m.layer for m in CATALOG} == set(Layer)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (Metric("grpo_things", MetricType.COUNTER, "h", Layer.SAMPLES), "_total"),
+        (Metric("grpo_things_total", MetricType.GAUGE, "h", Layer.SAMPLES), "_total"),
+        (Metric("grpo_gap", MetricType.GAUGE, "h", Layer.GRADIENT, "nats"), "suffix"),
+        (Metric("grpo_share_ratio", MetricType.GAUGE, "h", Layer.SAMPLES), "_ratio"),
+        (Metric("grpo:rec", MetricType.GAUGE, "h", Layer.SAMPLES), "name must match"),
+        (Metric("things", MetricType.GAUGE, "h", Layer.SAMPLES), "name must match"),
+        (Metric("grpo_xy", MetricType.GAUGE, "h", Layer.SAMPLES, labels=(Label("prompt"),)), "bound"),
+        (Metric("grpo_xy", MetricType.GAUGE, "h", Layer.SAMPLES, labels=(Label("run", ("a",)),)), "reserved"),
+        (Metric("grpo_xy", MetricType.SUMMARY, "h", Layer.SAMPLES), "quantiles"),
+        (Metric("grpo_xy", MetricType.GAUGE, " ", Layer.SAMPLES), "help"),
+    ],
+)
+def test_validate_rejects_convention_breaks(bad, message):
+    with pytest.raises(ValueError, match=message):
+        validate((bad,))
+
+
+def test_duplicate_names_are_rejected():
+    with pytest.raises(ValueError, match="duplicate"):
+        validate((CATALOG[0], CATALOG[0]))
+
+
+def test_key_rejects_undeclared_labels_and_values():
+    m = metric("grpo_clipped_tokens_total")
+    assert m.key(bound="upper") == 'grpo_clipped_tokens_total{bound="upper"}'
+    with pytest.raises(ValueError, match="expected one of"):
+        m.key(bound="middle")
+    with pytest.raises(ValueError, match="no label"):
+        m.key(prompt="p1")
+    with pytest.raises(KeyError, match="no catalogue metric"):
+        metric("grpo_clip_fraction")
+
+
+def test_generated_metric_reference_is_up_to_date():
+    committed = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    assert committed == metrics_markdown(), "docs/metrics.md drifted: run `grpo-exporter catalog --out docs/metrics.md`"
+    for m in CATALOG:
+        assert f"`{m.name}`" in committed
