@@ -1,0 +1,15 @@
+# Developer shortcuts. Each target sets itself up (torch CPU wheel first, see scripts/setup.sh).
+.PHONY: setup test lint generate
+
+setup:
+	bash scripts/setup.sh
+
+test:
+	bash scripts/test.sh
+
+lint: setup
+	.venv/bin/ruff check .
+
+# Regenerate every committed generated file from the catalogue.
+generate: setup
+	.venv/bin/grpo-exporter catalog --out docs/metrics.md
