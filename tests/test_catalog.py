@@ -14,6 +14,7 @@ from grpo_exporter.catalog import CATALOG, Label, Layer, Metric, MetricType, Sou
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.metric_docs import metrics_markdown
+from grpo_exporter.monitor_config import MonitorConfig
 from grpo_exporter.step import compute_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def test_every_step_metric_is_computed_from_a_full_batch():
 
 
 def test_metric_inputs_are_step_fields_or_config():
-    known = {f.name for f in dataclasses.fields(StepInputs)} | set(MetricsConfig.model_fields) | {"retrieval_scores"}
+    known = {f.name for f in dataclasses.fields(StepInputs)} | set(MonitorConfig.model_fields) | {"retrieval_scores"}
     for m in CATALOG:
         for spec in m.inputs:
             assert set(spec.split("|")) <= known, (m.name, spec)

@@ -16,6 +16,7 @@ Layers are the seed's signal chain ("信号链四问"): a failure in a layer mak
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from enum import StrEnum
@@ -435,6 +436,13 @@ CATALOG: tuple[Metric, ...] = (
         L, "components", source=Source.MONITOR,
     ),
     Metric(
+        "grpo_reference_baseline", GA,
+        "Value of a metric in a known-good reference run (reference_baseline config), for baseline-relative "
+        "rules: `metric` is the catalogue family, `labels` the sample's labels as written in the key.",
+        L, labels=(Label("metric", bound="reference_baseline keys"), Label("labels", bound="reference_baseline keys")),
+        inputs=("reference_baseline",), source=Source.MONITOR,
+    ),
+    Metric(
         "grpo_build_info", GA,
         "Constant 1 labelled with the exporter and torch versions.",
         L, labels=(Label("version", bound="package version"), Label("torch_version", bound="torch version")),
@@ -482,6 +490,31 @@ def validate(metrics: tuple[Metric, ...]) -> None:
 validate(CATALOG)
 
 BY_NAME: dict[str, Metric] = {m.name: m for m in CATALOG}
+
+
+_KEY = re.compile(r"^(?P<name>[a-zA-Z_][a-zA-Z0-9_]*)(?:\{(?P<labels>.*)\})?$")
+_PAIR = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_key(key: str) -> tuple[str, dict[str, str]]:
+    """Inverse of :meth:`Metric.key`: ``'x_sum{a="b"}'`` -> ``('x_sum', {'a': 'b'})``."""
+    match = _KEY.match(key.strip())
+    if match is None:
+        raise ValueError(f"expected a sample key like name{{label=\"value\"}}, got {key!r}")
+    return match["name"], dict(_PAIR.findall(match["labels"] or ""))
+
+
+def family_of(sample_name: str) -> Metric:
+    """The catalogue family a sample name belongs to (``x_bucket`` -> histogram ``x``)."""
+    return _FAMILY_OF_SAMPLE[sample_name]
+
+
+_FAMILY_OF_SAMPLE: dict[str, Metric] = {}
+for _m in CATALOG:
+    _suffixes = {MetricType.SUMMARY: ("", "_sum", "_count"), MetricType.HISTOGRAM: ("_bucket", "_sum", "_count")}
+    for _suffix in _suffixes.get(_m.type, ("",)):
+        _FAMILY_OF_SAMPLE[_m.name + _suffix] = _m
 
 
 def metric(name: str) -> Metric:

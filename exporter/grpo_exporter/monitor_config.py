@@ -1,0 +1,143 @@
+"""The monitor's configuration: the metric math plus run identity, HTTP endpoint, guard and baselines.
+
+One pydantic model, validated once at construction. Sources, later ones winning: defaults, a YAML file,
+``GRPO_EXPORTER_*`` environment variables (``GRPO_EXPORTER_GROUP_SIZE=16``; lists as JSON or ``a,b``),
+keyword arguments. An invalid value fails at construction with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+from rapidfuzz import process
+
+from grpo_exporter import catalog
+from grpo_exporter.config import MetricsConfig
+
+ENV_PREFIX = "GRPO_EXPORTER_"
+DEFAULT_PORT = 9887  # in the exporters' range 9100-9999 of Prometheus' default port allocations
+PASSWORD_SCHEME = "pbkdf2_sha256"
+
+
+def hash_password(password: str, iterations: int = 200_000) -> str:
+    """A salted PBKDF2-SHA256 hash for ``basic_auth_password_hash``: ``pbkdf2_sha256$iterations$salt$hex``."""
+    salt = secrets.token_hex(16)
+    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations).hex()
+    return f"{PASSWORD_SCHEME}${iterations}${salt}${digest}"
+
+
+def verify_password(password: str, encoded: str) -> bool:
+    """Constant-time check of ``password`` against a :func:`hash_password` string."""
+    scheme, iterations, salt, digest = encoded.split("$")
+    candidate = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), int(iterations)).hex()
+    return scheme == PASSWORD_SCHEME and hmac.compare_digest(candidate, digest)
+
+
+class MonitorConfig(MetricsConfig):
+    """Everything :class:`~grpo_exporter.monitor.GRPOMonitor` needs; the metric knobs are inherited."""
+
+    run: str = Field(min_length=1, max_length=128, description="run id: the `run` label of every series")
+    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 is an explicit choice for containers")
+    port: int | None = Field(
+        DEFAULT_PORT, ge=0, le=65535, description="HTTP port; 0 picks a free one; None serves nothing"
+    )
+    tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS when given with tls_key")
+    tls_key: Path | None = None
+    basic_auth_user: str | None = None
+    basic_auth_password_hash: str | None = Field(None, description="from grpo_exporter.hash_password()")
+    strict: bool = Field(False, description="raise instead of counting and logging exporter errors (tests)")
+    guard: Literal["warn", "raise", "off"] = Field(
+        "warn", description="what a layer-1 stop criterion does inside training: log, raise, or nothing"
+    )
+    engine_gap_stop_nats: float = Field(0.01, gt=0, description="guard: mean engine gap that stops training")
+    onpolicy_clip_stop_ratio: float = Field(
+        0.0, ge=0, lt=1, description="guard: share of tokens outside the clip range on an on-policy update"
+    )
+    runbook_url: str = Field("docs/runbooks.md", description="base of runbook links in guard messages")
+    reference_baseline: dict[str, float] = Field(
+        default_factory=dict, description="sample key -> value of a known-good run, published as baselines"
+    )
+    max_tracked_prompts: int = Field(100_000, ge=1, description="solve-rate history entries kept (LRU)")
+    solve_rate_prior: float = Field(0.5, ge=0, le=1, description="solve-rate estimate of an unseen prompt")
+    solve_rate_halflife: float = Field(4.0, gt=0, description="observations after which history weighs half")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_clip_eps(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "clip_eps" in data:
+            data = dict(data)
+            eps = data.pop("clip_eps")
+            low, high = (eps, eps) if isinstance(eps, int | float) else eps
+            data.setdefault("clip_eps_low", low)
+            data.setdefault("clip_eps_high", high)
+        return data
+
+    @field_validator("reference_baseline", mode="before")
+    @classmethod
+    def _load_baseline(cls, value: Any) -> Any:
+        if isinstance(value, str | Path):
+            path = Path(value)
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            if not isinstance(loaded, Mapping):
+                raise ValueError(f"expected a mapping of sample key -> number in {path}, got {type(loaded).__name__}")
+            return dict(loaded)
+        return value
+
+    @field_validator("reference_baseline")
+    @classmethod
+    def _baseline_keys_exist(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, number in value.items():
+            name, labels = catalog.parse_key(key)
+            if name not in catalog.BY_NAME:
+                guess = process.extractOne(name, list(catalog.BY_NAME))
+                hint = f"; did you mean {guess[0]!r}?" if guess else ""
+                raise ValueError(f"expected catalogue metric names as keys, got {name!r}{hint}")
+            catalog.metric(name).key(**labels)  # raises on undeclared labels
+            if not math.isfinite(number):
+                raise ValueError(f"expected a finite baseline for {key!r}, got {number}")
+        return value
+
+    @model_validator(mode="after")
+    def _pairs(self) -> MonitorConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: expected both or neither")
+        if (self.basic_auth_user is None) != (self.basic_auth_password_hash is None):
+            raise ValueError("basic_auth_user and basic_auth_password_hash: expected both or neither")
+        if self.basic_auth_password_hash and not self.basic_auth_password_hash.startswith(PASSWORD_SCHEME + "$"):
+            raise ValueError("basic_auth_password_hash: expected a hash_password() string, not a plain password")
+        return self
+
+    @classmethod
+    def load(
+        cls, file: str | Path | None = None, environ: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> MonitorConfig:
+        """Defaults < YAML ``file`` < ``GRPO_EXPORTER_*`` variables of ``environ`` < ``kwargs``."""
+        data: dict[str, Any] = {}
+        if file is not None:
+            loaded = yaml.safe_load(Path(file).read_text(encoding="utf-8")) or {}
+            if not isinstance(loaded, Mapping):
+                raise ValueError(f"{file}: expected a YAML mapping of settings, got {type(loaded).__name__}")
+            data.update(loaded)
+        env = os.environ if environ is None else environ
+        for key, raw in env.items():
+            if key.startswith(ENV_PREFIX):
+                data[key.removeprefix(ENV_PREFIX).lower()] = _env_value(raw)
+        data.update(kwargs)
+        return cls.model_validate(data)
+
+
+def _env_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.split(",") if "," in raw else raw

@@ -1,0 +1,60 @@
+"""Cumulative and last-step values, published to scrapers as immutable snapshots.
+
+Written by the training thread only; read by scrape threads. The lock guards nothing but the swap of the
+snapshot reference, so a slow or concurrent scrape never blocks an observe call beyond that swap.
+
+Counter samples and the ``_sum``/``_count``/``_bucket`` samples of summaries and histograms are *additive*:
+each step's increment is added. Gauges and summary quantiles are *replaced*: each stage (rollout, update,
+liveness...) owns the values it last produced, and a value its latest call did not produce is dropped
+(absent, never a stale number passed off as current).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from grpo_exporter.catalog import MetricType, family_of, parse_key
+
+
+def is_additive(key: str) -> bool:
+    """Whether a sample accumulates across steps (counters, sums, counts, buckets)."""
+    sample, _ = parse_key(key)
+    family = family_of(sample)
+    return family.type is MetricType.COUNTER or sample != family.name or family.type is MetricType.HISTOGRAM
+
+
+class Publication:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._additive: dict[str, float] = {}
+        self._replaced: dict[str, dict[str, float]] = {}
+        self._snapshot: Mapping[str, float] = MappingProxyType({})
+
+    def add(self, increments: Mapping[str, float]) -> None:
+        """Add increments to additive samples."""
+        for key, value in increments.items():
+            self._additive[key] = self._additive.get(key, 0.0) + value
+
+    def merge(self, stage: str, metrics: Mapping[str, float]) -> None:
+        """Add a step's additive samples and make its other samples the stage's current values."""
+        self.add({k: v for k, v in metrics.items() if is_additive(k)})
+        self._replaced[stage] = {k: v for k, v in metrics.items() if not is_additive(k)}
+
+    def replace(self, stage: str, values: Mapping[str, float]) -> None:
+        """Replace a stage's values without touching the additive samples."""
+        self._replaced[stage] = dict(values)
+
+    def publish(self) -> None:
+        """Make the current state visible to scrapers (one reference swap under the lock)."""
+        merged = dict(self._additive)
+        for values in self._replaced.values():
+            merged.update(values)
+        snapshot = MappingProxyType(merged)
+        with self._lock:
+            self._snapshot = snapshot
+
+    def snapshot(self) -> Mapping[str, float]:
+        with self._lock:
+            return self._snapshot
