@@ -7,4 +7,19 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+source"
 
-__all__ = ["__version__"]
+from grpo_exporter.guard import TrainingSignalError
+from grpo_exporter.inputs import InputError, StepInputs
+from grpo_exporter.monitor import GRPOMonitor
+from grpo_exporter.monitor_config import MonitorConfig, hash_password
+from grpo_exporter.server import PortInUseError
+
+__all__ = [
+    "GRPOMonitor",
+    "InputError",
+    "MonitorConfig",
+    "PortInUseError",
+    "StepInputs",
+    "TrainingSignalError",
+    "__version__",
+    "hash_password",
+]

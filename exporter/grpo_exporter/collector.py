@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from grpo_exporter.catalog import CATALOG, family_of, parse_key
+from grpo_exporter.catalog import CATALOG, MetricType, family_of, parse_key
 from grpo_exporter.publication import Publication
 
 _ORDER = {m.name: i for i, m in enumerate(CATALOG)}
@@ -21,26 +21,35 @@ class CatalogCollector(Collector):
     quantiles). A scrape never raises: it yields what the snapshot holds.
     """
 
-    def __init__(self, publication: Publication, run: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        publication: Publication,
+        run: str,
+        registry: CollectorRegistry | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
         self._publication = publication
         self._run = run
+        self._on_error = on_error
         if registry is not None:
             registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         for key, value in sorted(self._publication.snapshot().items()):
-            sample, labels = parse_key(key)
-            spec = family_of(sample)
-            family = families.get(spec.name)
-            if family is None:
-                family = families[spec.name] = Metric(spec.name, spec.help, spec.type.value)
-            family.add_sample(sample, {"run": self._run, **labels}, value)
-        yield from sorted(families.values(), key=lambda f: _ORDER[_spec_name(f)])
-
-
-def _spec_name(family: Metric) -> str:
-    return family.name + "_total" if family.type == "counter" else family.name
+            try:
+                sample, labels = parse_key(key)
+                spec = family_of(sample)
+                family = families.get(spec.name)
+                if family is None:
+                    # prometheus-client appends _total to counter families itself
+                    name = spec.name.removesuffix("_total") if spec.type is MetricType.COUNTER else spec.name
+                    family = families[spec.name] = Metric(name, spec.help, spec.type.value)
+                family.add_sample(sample, {"run": self._run, **labels}, value)
+            except Exception as exc:  # a scrape never raises: skip the sample, report it
+                if self._on_error is not None:
+                    self._on_error(exc)
+        yield from (families[name] for name in sorted(families, key=_ORDER.__getitem__))
 
 
 __all__ = ["CatalogCollector"]

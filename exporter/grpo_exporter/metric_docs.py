@@ -34,6 +34,27 @@ def _inputs(m: Metric) -> str:
     return ", ".join(" or ".join(f"`{name}`" for name in spec.split("|")) for spec in m.inputs) or "—"
 
 
+def _calls() -> list[str]:
+    """Which GRPOMonitor call takes which input, read from the signatures themselves."""
+    import inspect
+
+    from grpo_exporter.monitor import GRPOMonitor
+
+    lines = ["## Which call takes which input", "", "| call | inputs |", "|---|---|"]
+    for name in ("observe_rollout", "observe_update", "clip_grad_norm_", "observe_retrieval"):
+        params = [p for p in inspect.signature(getattr(GRPOMonitor, name)).parameters if p not in ("self", "step")]
+        shown = ", ".join(f"`{p}`" if p != "more" else "any other step field" for p in params)
+        lines.append(f"| `{name}` | {shown} |")
+    lines += [
+        "",
+        "`clip_grad_norm_` supplies `grads`/`grad_norm_pre_clip`, `max_grad_norm` and, from the second call on,",
+        "`params_before`/`params_after` (a bounded sample of the parameters around the previous optimizer step).",
+        "`prompt_ids` feeds the per-prompt solve-rate history behind `prompt_solve_rate`.",
+        "",
+    ]
+    return lines
+
+
 def metrics_markdown() -> str:
     """The whole reference page as Markdown."""
     lines = [
@@ -48,6 +69,7 @@ def metrics_markdown() -> str:
         "kept by the stateful exporter around them.",
         "",
     ]
+    lines += _calls()
     for layer, title in _LAYER_TITLES.items():
         lines += [f"## {title}", "", "| metric | type | labels | needs | source | meaning |", "|---" * 6 + "|"]
         for m in (m for m in CATALOG if m.layer is layer):

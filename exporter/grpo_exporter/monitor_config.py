@@ -70,6 +70,9 @@ class MonitorConfig(MetricsConfig):
     max_tracked_prompts: int = Field(100_000, ge=1, description="solve-rate history entries kept (LRU)")
     solve_rate_prior: float = Field(0.5, ge=0, le=1, description="solve-rate estimate of an unseen prompt")
     solve_rate_halflife: float = Field(4.0, gt=0, description="observations after which history weighs half")
+    edit_distance_groups: int = Field(
+        4, ge=0, description="groups per rollout whose in-group edit distance is computed off-thread; 0 = off"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -1,7 +1,8 @@
 """Cumulative and last-step values, published to scrapers as immutable snapshots.
 
-Written by the training thread only; read by scrape threads. The lock guards nothing but the swap of the
-snapshot reference, so a slow or concurrent scrape never blocks an observe call beyond that swap.
+Written by the training thread (and the edit-distance worker, under ``writing``); read by scrape threads. The
+read lock guards nothing but the swap of the snapshot reference, so a slow or concurrent scrape never blocks
+an observe call beyond that swap.
 
 Counter samples and the ``_sum``/``_count``/``_bucket`` samples of summaries and histograms are *additive*:
 each step's increment is added. Gauges and summary quantiles are *replaced*: each stage (rollout, update,
@@ -28,6 +29,7 @@ def is_additive(key: str) -> bool:
 class Publication:
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.writing = threading.RLock()  # the training thread and the edit-distance worker both write
         self._additive: dict[str, float] = {}
         self._replaced: dict[str, dict[str, float]] = {}
         self._snapshot: Mapping[str, float] = MappingProxyType({})

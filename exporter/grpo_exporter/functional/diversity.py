@@ -84,3 +84,17 @@ def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: G
     return fraction(share.sum(), populated.sum())
 
 
+
+
+def retrieval_accuracy(scores: Tensor, own_prompt: Tensor) -> Reading:
+    """Share of completions that score strictly highest under their own prompt (seed 第 2 篇 §5).
+
+    ``scores`` (N, P): a user score of completion i under prompt j (e.g. its log-prob given prompt j);
+    ``own_prompt`` (N,): the column of each completion's own prompt. Rows whose own score is not finite are
+    skipped. Chance level is 1/P; near it, answers no longer depend on the question (template collapse).
+    """
+    s = scores.float()
+    own = s.gather(1, own_prompt.long().unsqueeze(1)).squeeze(1)
+    others = s.scatter(1, own_prompt.long().unsqueeze(1), -torch.inf).amax(dim=1)
+    valid = torch.isfinite(own)
+    return fraction((valid & (own > others)).sum(), valid.sum())
