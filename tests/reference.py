@@ -205,8 +205,7 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
     out['grpo_out_of_range_unclipped_tokens_total{bound="lower"}'] = float(
         sum(1 for c in pos if c in ratio and ratio[c] < lo)
     )
-    pos_n = sum(1 for c in pos if c in ratio)
-    neg_n = sum(1 for c in neg if c in ratio)
+    pos_n, neg_n = len(pos), len(neg)  # the update_tokens_total denominators
     if pos_n:
         out['grpo_clipped_tokens_ratio{bound="upper"}'] = upper / pos_n
     if neg_n:

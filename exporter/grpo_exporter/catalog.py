@@ -177,7 +177,8 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_nonfinite_values_total", C,
         "Non-finite (NaN or +-Inf) values seen, per tensor; token tensors are checked on loss tokens only, "
-        "so a -inf padding sentinel is not counted. log_ratio and ratio are computed in fp32 without clamp.",
+        "so a -inf padding sentinel is not counted; a tensor handed to two observe calls is checked in both. "
+        "log_ratio and ratio are computed in fp32 without clamp.",
         G, "values", labels=(Label("tensor", NONFINITE_TENSORS),), inputs=(),
     ),
     Metric(

@@ -303,7 +303,7 @@ class GRPOMonitor:
         ``solve_rate_halflife`` observations; unseen prompts start at ``solve_rate_prior``), kept for the
         ``max_tracked_prompts`` most recently seen prompts.
         """
-        if not carried:
+        if "prompt_ids" not in carried:
             return {}
         groups: dict[int, tuple[float, list[float]]] = {}
         for prompt, ok, group in zip(carried["prompt_ids"], carried["correct"], carried["group"], strict=True):

@@ -32,10 +32,10 @@ def always(value: Tensor) -> Reading:
 
 
 def fraction(numerator: Tensor, denominator: Tensor) -> Reading:
-    """numerator / denominator, absent when the denominator is 0."""
+    """numerator / denominator in fp64 (counts above 2^24 stay exact), absent when the denominator is 0."""
     present = denominator > 0
     den = torch.where(present, denominator, torch.ones_like(denominator)).double()
-    return reading((numerator.double() / den).float(), present)
+    return reading(numerator.double() / den, present)
 
 
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:

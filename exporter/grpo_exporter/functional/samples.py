@@ -87,11 +87,16 @@ class ClipCounts(NamedTuple):
 
 def clip_counts(lr: LogRatio, token_adv: Tensor, eps_low: float, eps_high: float) -> ClipCounts:
     """Truly clipped tokens by bound, the opposite-sign out-of-range tokens apart, and per-step fractions
-    normalised by the tokens of the gating sign (upper / positive-advantage, lower / negative-advantage)."""
-    valid = lr.valid & torch.isfinite(token_adv)
+    normalised by the tokens of the gating sign (upper / positive-advantage, lower / negative-advantage).
+
+    The denominators are the loss tokens with a finite advantage of that sign, exactly the
+    ``grpo_update_tokens_total`` counters, so a windowed counter ratio equals the pooled per-step fraction;
+    a token whose log ratio is not finite cannot be classified and is never counted as clipped.
+    """
+    signed = lr.loss_mask & torch.isfinite(token_adv)
+    positive, negative = signed & (token_adv > 0), signed & (token_adv < 0)
     ratio = torch.exp(lr.value)
-    above, below = ratio > 1.0 + eps_high, ratio < 1.0 - eps_low
-    positive, negative = valid & (token_adv > 0), valid & (token_adv < 0)
+    above, below = lr.valid & (ratio > 1.0 + eps_high), lr.valid & (ratio < 1.0 - eps_low)
     upper, lower = (positive & above).sum(), (negative & below).sum()
     return ClipCounts(
         upper,

@@ -1,0 +1,68 @@
+"""Feeding a GRPOMonitor from test batches, reading it back, and a few HTTP helpers."""
+
+from __future__ import annotations
+
+import ssl
+import urllib.request
+from typing import Any
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from batches import make_batch
+from grpo_exporter import GRPOMonitor
+from grpo_exporter.catalog import parse_key
+from grpo_exporter.inputs import StepInputs
+
+ROLLOUT_FIELDS = (
+    "rewards", "group_ids", "correct", "truncated", "rollout_logprobs", "old_logprobs", "loss_mask",
+    "completion_lengths", "completion_ids",
+)  # fmt: skip
+UPDATE_FIELDS = ("logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs")
+
+
+def rollout_kwargs(x: StepInputs) -> dict[str, Any]:
+    kw = {name: getattr(x, name) for name in ROLLOUT_FIELDS if getattr(x, name) is not None}
+    kw["reward_components"] = dict(x.reward_components)
+    return kw
+
+
+def update_kwargs(x: StepInputs, rows: slice = slice(None)) -> dict[str, Any]:
+    kw = {name: getattr(x, name)[rows] for name in UPDATE_FIELDS if getattr(x, name) is not None}
+    kw["on_policy"] = x.on_policy
+    return kw
+
+
+def feed(mon: GRPOMonitor, step: int, seed: int, micro: int = 1, **batch_kw: Any) -> StepInputs:
+    """One rollout + ``micro`` update micro-steps + a grad clip; returns the batch's inputs."""
+    x = make_batch(seed, **batch_kw).inputs()
+    mon.observe_rollout(step, **rollout_kwargs(x))
+    n = x.loss_mask.shape[0]
+    size = n // micro
+    for i in range(micro):
+        mon.observe_update(step, **update_kwargs(x, slice(i * size, (i + 1) * size)))
+    model = torch.nn.Linear(4, 3)
+    torch.manual_seed(step)
+    model(torch.randn(5, 4)).square().sum().backward()
+    mon.clip_grad_norm_(model.parameters(), 0.5)
+    return x
+
+
+def registry_value(mon: GRPOMonitor, key: str) -> float | None:
+    """A sample of the monitor's registry, by catalogue key, with the run label added."""
+    name, labels = parse_key(key)
+    return mon.registry.get_sample_value(name, {"run": mon.config.run, **labels})
+
+
+def scrape(url: str, context: ssl.SSLContext | None = None, headers: dict[str, str] | None = None) -> str:
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=10, context=context) as response:
+        return response.read().decode()
+
+
+def parse_exposition(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out

@@ -1,0 +1,242 @@
+"""GRPOMonitor end to end inside one process: values through a fresh registry, counters over many steps,
+micro-step accumulation, the never-crash policy, the guard, and configuration sources."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from batches import make_batch
+from grpo_exporter import GRPOMonitor, InputError, MonitorConfig, TrainingSignalError
+from grpo_exporter.catalog import CATALOG, MetricType, parse_key
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.publication import is_additive
+from grpo_exporter.step import compute_step
+from monitor_helpers import feed, registry_value, rollout_kwargs, update_kwargs
+
+SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "port": None, "guard": "off"}
+
+
+def monitor(**overrides) -> GRPOMonitor:
+    return GRPOMonitor(run="exp-42", **(SETTINGS | overrides))
+
+
+def rollout_inputs(x: StepInputs) -> StepInputs:
+    return StepInputs(**rollout_kwargs(x))
+
+
+def update_inputs(x: StepInputs) -> StepInputs:
+    return StepInputs(**update_kwargs(x))
+
+
+def test_registry_values_equal_the_functional_metrics():
+    with monitor() as mon:
+        x = feed(mon, 0, seed=0)
+        cfg = mon.config
+        expected = compute_step(rollout_inputs(x), cfg)
+        for key, value in compute_step(update_inputs(x), cfg).items():
+            expected[key] = expected.get(key, 0.0) + value if is_additive(key) else value
+        for key, value in expected.items():
+            got = registry_value(mon, key)
+            assert got == pytest.approx(value, rel=1e-12, abs=1e-15), key
+        assert registry_value(mon, "grpo_steps_total") == 1
+        assert registry_value(mon, "grpo_last_step") == 0
+        assert registry_value(mon, "grpo_grad_norm_pre_clip") > 0
+
+
+def test_counters_agree_exactly_over_a_multistep_run_and_pool_like_tokens():
+    steps = range(5)
+    with monitor() as mon:
+        inputs = [feed(mon, step, seed=10 + step) for step in steps]
+        totals: dict[str, float] = {}
+        for x in inputs:
+            for key, value in [*compute_step(rollout_inputs(x), mon.config).items(),
+                               *compute_step(update_inputs(x), mon.config).items()]:
+                if is_additive(key):
+                    totals[key] = totals.get(key, 0.0) + value
+        for key, value in totals.items():
+            assert registry_value(mon, key) == value, key
+        # a fraction computed as a ratio of counters equals the per-token fraction of the pooled batch
+        names = [name for name in update_kwargs(inputs[0]) if name != "on_policy"]
+        pooled = StepInputs(**{name: torch.cat([update_kwargs(x)[name] for x in inputs]) for name in names})
+        pooled_metrics = compute_step(pooled, mon.config)
+        for bound, sign in (("upper", "positive"), ("lower", "negative")):
+            ratio = registry_value(mon, f'grpo_clipped_tokens_total{{bound="{bound}"}}') / registry_value(
+                mon, f'grpo_update_tokens_total{{advantage_sign="{sign}"}}'
+            )
+            assert ratio == pytest.approx(pooled_metrics[f'grpo_clipped_tokens_ratio{{bound="{bound}"}}'], rel=1e-12)
+        sums = [registry_value(mon, f"grpo_importance_weight_{s}") for s in ("sum", "count")]
+        assert sums == pytest.approx([pooled_metrics[f"grpo_importance_weight_{s}"] for s in ("sum", "count")])
+        assert registry_value(mon, "grpo_steps_total") == 5
+
+
+def test_micro_steps_are_accumulated_into_the_step():
+    """Four micro-batches of one optimizer step publish what the whole batch gives, with one computation."""
+    with monitor() as whole, monitor() as split:
+        x = feed(whole, 0, seed=3)
+        feed(split, 0, seed=3, micro=4)
+        token_level = ("grpo_ess", "grpo_importance", "grpo_entropy", "grpo_clipped", "grpo_kl", "grpo_onpolicy")
+        for m in CATALOG:
+            if m.type in (MetricType.GAUGE, MetricType.SUMMARY) and m.name.startswith(token_level):
+                for key in (k for k in whole.metrics() if parse_key(k)[0].startswith(m.name)):
+                    assert split.metrics()[key] == pytest.approx(whole.metrics()[key], rel=1e-6), key
+        assert split.metrics()["grpo_update_tokens_total{advantage_sign=\"positive\"}"] == whole.metrics()[
+            "grpo_update_tokens_total{advantage_sign=\"positive\"}"
+        ]
+        assert x.loss_mask is not None
+
+
+def test_update_metrics_wait_for_the_end_of_the_step():
+    with monitor() as mon:
+        x = make_batch(0).inputs()
+        mon.observe_update(0, **update_kwargs(x))
+        assert "grpo_ess_ratio{level=\"token\"}" not in mon.metrics()
+        mon.observe_rollout(1, **rollout_kwargs(x))  # the next step ends step 0
+        assert "grpo_ess_ratio{level=\"token\"}" in mon.metrics()
+
+
+def test_an_exception_in_one_metric_does_not_stop_the_others(monkeypatch):
+    import grpo_exporter.functional.diversity as diversity
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(diversity, "pass_at_k", broken)
+    with monitor() as mon:
+        for step in range(3):
+            feed(mon, step, seed=step)
+        m = mon.metrics()
+        assert not [k for k in m if k.startswith("grpo_pass_at_k_ratio")]
+        assert 'grpo_reward_mean{component="total"}' in m
+        assert 'grpo_ess_ratio{level="token"}' in m
+        assert registry_value(mon, 'grpo_exporter_errors_total{stage="rollout"}') == 3
+        assert registry_value(mon, "grpo_steps_total") == 3
+    with monitor(strict=True) as mon, pytest.raises(RuntimeError, match="injected"):
+        feed(mon, 0, seed=0)
+
+
+def test_wrong_shapes_are_counted_or_raised_in_strict_mode(caplog):
+    x = make_batch(0).inputs()
+    bad = update_kwargs(x) | {"logprobs": x.logprobs[:, :-1]}
+    with monitor() as mon, caplog.at_level(logging.WARNING, logger="grpo_exporter"):
+        mon.observe_update(0, **bad)
+        mon.observe_update(0, **bad)
+        assert registry_value(mon, 'grpo_exporter_errors_total{stage="update"}') == 2
+        assert sum("InputError" in r.getMessage() for r in caplog.records) == 1  # once per stage per minute
+        feed(mon, 1, seed=1)  # training goes on
+        assert registry_value(mon, "grpo_steps_total") == 2
+    with monitor(strict=True) as mon, pytest.raises(InputError, match="`old_logprobs`: expected"):
+        mon.observe_update(0, **bad)
+
+
+def test_nan_inputs_are_counted_and_never_published_as_nan():
+    x = make_batch(1).inputs()
+    kw = update_kwargs(x)
+    kw["logprobs"] = kw["logprobs"].clone()
+    kw["logprobs"][0, 0] = math.nan
+    with monitor() as mon:
+        mon.observe_update(0, **kw)
+        mon.flush()
+        assert registry_value(mon, 'grpo_nonfinite_values_total{tensor="logprobs"}') >= 1
+        assert not [k for k, v in mon.metrics().items() if math.isnan(v)]
+
+
+def clean_rollout(gap: float = 1e-4) -> dict:
+    n, t = 16, 6
+    old = torch.full((n, t), -1.0)
+    return {
+        "rewards": (torch.arange(n) % 3 == 0).float(),
+        "loss_mask": torch.ones(n, t, dtype=torch.bool),
+        "completion_lengths": torch.full((n,), t),
+        "old_logprobs": old,
+        "rollout_logprobs": old + gap,
+    }
+
+
+def test_guard_warns_with_layer_and_runbook(caplog):
+    with monitor(guard="warn") as mon, caplog.at_level(logging.WARNING, logger="grpo_exporter"):
+        mon.observe_rollout(0, **clean_rollout())
+        assert not caplog.records
+        mon.observe_rollout(1, **clean_rollout(gap=0.05))
+        (record,) = caplog.records
+        line = record.getMessage()
+        assert "[layer 1-gradient]" in line
+        assert "runbook: docs/runbooks.md#grpoenginelogprobgapcritical" in line
+        assert "\n" not in line
+
+
+def test_guard_raises_at_the_end_of_observe_after_publishing():
+    with monitor(guard="raise") as mon:
+        mon.observe_rollout(0, **clean_rollout())
+        with pytest.raises(TrainingSignalError, match=r"engine log-prob gap mean 0\.05") as err:
+            mon.observe_rollout(1, **clean_rollout(gap=0.05))
+        assert [v.alert for v in err.value.violations] == ["GRPOEngineLogprobGapCritical"]
+        assert mon.metrics()["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(0.05, rel=1e-4)
+
+
+def test_guard_catches_a_ratio_clipped_before_any_update():
+    n, t = 8, 4
+    old = torch.full((n, t), -1.0)
+    with monitor(guard="raise") as mon:
+        mask = torch.ones(n, t, dtype=torch.bool)
+        mon.observe_update(0, logprobs=old + 0.5, old_logprobs=old, loss_mask=mask, on_policy=True)
+        with pytest.raises(TrainingSignalError, match="outside the clip range before any update"):
+            mon.flush()
+
+
+def test_reward_components_are_capped_and_overflow_counted():
+    x = make_batch(0).inputs()
+    components = {f"c{i}": x.rewards for i in range(5)}
+    with monitor(max_reward_components=3) as mon:
+        mon.observe_rollout(0, rewards=x.rewards, reward_components=components)
+        mon.observe_rollout(1, rewards=x.rewards, reward_components=components)
+        names = {parse_key(k)[1]["component"] for k in mon.metrics() if k.startswith("grpo_reward_mean")}
+        assert names == {"total", "c0", "c1", "c2"}
+        assert registry_value(mon, "grpo_dropped_reward_components_total") == 4
+
+
+def test_solve_rate_history_predicts_zero_variance():
+    """A prompt solved every time drives its estimate to 1 and its predicted zero-variance share to 1."""
+    g = 4
+    ids = torch.arange(2).repeat_interleave(g)
+    correct = torch.tensor([True] * g + [True, False] * (g // 2))
+    with monitor(group_size=g, solve_rate_halflife=1.0) as mon:
+        predictions = []
+        for step in range(8):
+            mon.observe_rollout(step, rewards=correct.float(), correct=correct, prompt_ids=ids)
+            predictions.append(mon.metrics()["grpo_zero_variance_groups_expected_ratio"])
+        assert predictions[0] == pytest.approx(0.5**g + 0.5**g)  # both prompts start at the prior 0.5
+        assert predictions[-1] == pytest.approx((1.0 + 2 * 0.5**g) / 2, abs=0.02)
+
+
+def test_config_sources_and_precedence(tmp_path):
+    file = tmp_path / "grpo.yaml"
+    file.write_text("run: from-file\ngroup_size: 4\nclip_eps_high: 0.3\nport: null\n")
+    env = {"GRPO_EXPORTER_GROUP_SIZE": "8", "GRPO_EXPORTER_PASS_K": "[2, 4]", "OTHER": "x"}
+    cfg = MonitorConfig.load(file, environ=env, clip_eps=(0.1, 0.2))
+    assert (cfg.run, cfg.group_size, cfg.pass_k) == ("from-file", 8, (2, 4))
+    assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.1, 0.3)  # the file's explicit eps_high wins over clip_eps
+    with pytest.raises(ValueError, match="group_size"):
+        MonitorConfig.load(environ={"GRPO_EXPORTER_GROUP_SIZE": "zero"}, run="r")
+    with pytest.raises(ValueError, match="tls_cert and tls_key"):
+        MonitorConfig(run="r", group_size=4, tls_cert=file)
+    with pytest.raises(ValueError, match="not a plain password"):
+        MonitorConfig(run="r", group_size=4, basic_auth_user="u", basic_auth_password_hash="secret")
+
+
+def test_reference_baseline_file_is_checked_and_published(tmp_path):
+    file = tmp_path / "baseline.yaml"
+    file.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.61\n')
+    with monitor(reference_baseline=str(file)) as mon:
+        assert registry_value(
+            mon, 'grpo_reference_baseline{metric="grpo_engine_logprob_gap_mean_nats",labels=""}'
+        ) == pytest.approx(0.0004)
+        assert registry_value(
+            mon, "grpo_reference_baseline{metric=\"grpo_pass_at_k_ratio\",labels=\"k='8'\"}"
+        ) == pytest.approx(0.61)
+    file.write_text("grpo_engine_logprob_gap_mean: 0.0004\n")
+    with pytest.raises(ValueError, match="did you mean 'grpo_engine_logprob_gap_mean_nats'"):
+        monitor(reference_baseline=str(file))
