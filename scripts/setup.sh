@@ -23,6 +23,16 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv 2>/dev/null || { apt_install python3-venv && rm -rf .venv && "$PY" -m venv .venv; }
 fi
+# The real Prometheus, promtool, Alertmanager and amtool for the tests and the demo (Debian packages).
+# Their services are not started by the install: the project starts its own on free ports.
+if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null || ! command -v openssl >/dev/null; then
+  blocker=/usr/sbin/policy-rc.d
+  if [ ! -e "$blocker" ] && [ -w /usr/sbin ] ; then printf '#!/bin/sh\nexit 101\n' > "$blocker"; chmod +x "$blocker"; made=1; fi
+  apt_install --no-install-recommends prometheus prometheus-alertmanager openssl || status=$?
+  [ "${made:-0}" = 1 ] && rm -f "$blocker"
+  [ "${status:-0}" = 0 ] || exit "$status"
+fi
+
 VPY=.venv/bin/python
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
   "$VPY" -m pip install -q "$TORCH_REQ"

@@ -17,7 +17,7 @@ from grpo_exporter.inputs import StepInputs
 ROLLOUT_FIELDS = (
     "rewards", "group_ids", "correct", "truncated", "rollout_logprobs", "old_logprobs", "loss_mask",
     "completion_lengths", "completion_ids",
-)  # fmt: skip
+)
 UPDATE_FIELDS = ("logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs")
 
 

@@ -1,0 +1,162 @@
+"""The HTTP endpoint for real: free ports, TLS, basic auth, a busy port, a scrape storm, and promtool."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import urllib.error
+
+import pytest
+import torch
+
+from batches import make_batch
+from grpo_exporter import GRPOMonitor, PortInUseError, hash_password
+from grpo_exporter.catalog import CATALOG, MetricType
+from monitor_helpers import feed, parse_exposition, registry_value, rollout_kwargs, scrape, update_kwargs
+
+BASE = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "guard": "off"}
+
+
+def test_port_zero_serves_on_localhost_with_the_run_label():
+    with GRPOMonitor(run="exp-42", port=0, **BASE) as mon:
+        feed(mon, 0, seed=0)
+        assert mon.port > 0
+        url = mon.url
+        assert url == f"http://127.0.0.1:{mon.port}/metrics"
+        samples = parse_exposition(scrape(url))
+        assert samples["grpo_steps_total"] == {(("run", "exp-42"),): 1.0}
+    assert mon.url is None
+    with pytest.raises(urllib.error.URLError):
+        scrape(url)  # closed cleanly
+
+
+def test_a_busy_port_is_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is already in use"):
+            GRPOMonitor(run="r", port=port, **BASE)
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is required (installed by scripts/setup.sh)")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
+def test_tls(certificate):
+    cert, key = certificate
+    with GRPOMonitor(run="tls", port=0, tls_cert=cert, tls_key=key, **BASE) as mon:
+        assert mon.url.startswith("https://")
+        context = ssl.create_default_context(cafile=str(cert))
+        assert "grpo_build_info" in scrape(mon.url, context=context)
+        with pytest.raises(urllib.error.URLError):
+            scrape(mon.url, context=ssl.create_default_context())  # an untrusted certificate is refused
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            scrape(mon.url.replace("https://", "http://"))
+
+
+def test_basic_auth():
+    def header(user: str, password: str) -> dict[str, str]:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+    with GRPOMonitor(
+        run="auth", port=0, basic_auth_user="prom", basic_auth_password_hash=hash_password("s3cret"), **BASE
+    ) as mon:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            scrape(mon.url)
+        assert err.value.code == 401
+        with pytest.raises(urllib.error.HTTPError):
+            scrape(mon.url, headers=header("prom", "wrong"))
+        for _ in range(3):
+            assert "grpo_build_info" in scrape(mon.url, headers=header("prom", "s3cret"))
+
+
+def test_scrape_storm_during_observe():
+    """Four threads scrape in a loop while training observes 12 steps: every scrape succeeds and is
+    well-formed, no error is counted, and every step is published."""
+    with GRPOMonitor(run="storm", port=0, **BASE) as mon:
+        stop = threading.Event()
+        bodies: list[str] = []
+        failures: list[BaseException] = []
+
+        def scraper() -> None:
+            while not stop.is_set():
+                try:
+                    bodies.append(scrape(mon.url))
+                except BaseException as exc:
+                    failures.append(exc)
+                stop.wait(0.005)
+
+        threads = [threading.Thread(target=scraper) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for step in range(12):
+            feed(mon, step, seed=step % 4)
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        assert not failures
+        assert len(bodies) > 12
+        for body in bodies[:: max(1, len(bodies) // 10)]:
+            assert "grpo_build_info" in parse_exposition(body)
+        assert registry_value(mon, "grpo_steps_total") == 12
+        assert not [k for k in mon.metrics() if k.startswith("grpo_exporter_errors_total")]
+
+
+def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
+    """A monitor where every catalogue metric has at least one sample."""
+    baseline = tmp_path / "baseline.yaml"
+    baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.61\n')
+    mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=1, **BASE)
+    model = torch.nn.Linear(4, 3)
+    for step in range(3):
+        x = make_batch(step).inputs()
+        mon.observe_rollout(step, **rollout_kwargs(x), prompt_ids=torch.arange(48) // 8)
+        mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step)
+        model(torch.randn(5, 4)).square().sum().backward()
+        mon.clip_grad_norm_(model.parameters(), 0.5)
+        mon.observe_retrieval(step, torch.randn(48, 6), torch.arange(48) // 8)
+    mon.observe_update(3, logprobs=x.logprobs[:, :3], old_logprobs=x.old_logprobs)  # counted error
+    mon.flush()
+    mon.wait_for_workers()
+    return mon, scrape(mon.url)
+
+
+def test_every_catalogue_metric_is_exposed_and_promtool_finds_nothing(tmp_path):
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is required (Debian package prometheus, installed by scripts/setup.sh)"
+    mon, text = full_exposition(tmp_path)
+    try:
+        names = set(parse_exposition(text))
+        for m in CATALOG:
+            wanted = {MetricType.SUMMARY: m.name + "_count", MetricType.HISTOGRAM: m.name + "_bucket"}
+            assert wanted.get(m.type, m.name) in names, m.name
+        done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.strip() == "", done.stdout
+        assert done.stderr.strip() == "", done.stderr
+    finally:
+        mon.close()
+
+
+def test_non_rank_zero_and_portless_monitors_serve_nothing():
+    with GRPOMonitor(run="quiet", port=None, **BASE) as mon:
+        assert mon.port is None
+        assert mon.url is None
+        x = make_batch(0).inputs()
+        mon.observe_rollout(0, rewards=x.rewards)
+        assert registry_value(mon, "grpo_completions_total") == 48
