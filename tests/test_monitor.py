@@ -240,3 +240,24 @@ def test_reference_baseline_file_is_checked_and_published(tmp_path):
     file.write_text("grpo_engine_logprob_gap_mean: 0.0004\n")
     with pytest.raises(ValueError, match="did you mean 'grpo_engine_logprob_gap_mean_nats'"):
         monitor(reference_baseline=str(file))
+
+
+def test_gauges_are_replaced_per_family():
+    """A family computed this step takes its new values (absent ones dropped); a family whose inputs were not
+    given keeps describing its last computation (the last on-policy update)."""
+    n, t = 8, 4
+    old = torch.full((n, t), -1.0)
+    mask = torch.ones(n, t, dtype=torch.bool)
+    with monitor() as mon:
+        mon.observe_update(0, logprobs=old + 0.01, old_logprobs=old, advantages=torch.linspace(-1, 1, n),
+                           loss_mask=mask, on_policy=True)
+        mon.observe_update(1, logprobs=old + 0.3, old_logprobs=old, advantages=torch.linspace(-1, 1, n),
+                           loss_mask=mask, on_policy=False)
+        mon.flush()
+        m = mon.metrics()
+        assert m["grpo_onpolicy_log_ratio_abs_max_nats"] == pytest.approx(0.01, rel=1e-4)  # from step 0
+        assert m['grpo_importance_weight{quantile="0.5"}'] == pytest.approx(math.exp(0.3), rel=1e-5)  # step 1
+        assert 'grpo_clipped_tokens_ratio{bound="upper"}' in m
+        mon.observe_update(2, logprobs=old, old_logprobs=old, advantages=torch.zeros(n), loss_mask=mask)
+        mon.flush()
+        assert 'grpo_clipped_tokens_ratio{bound="upper"}' not in mon.metrics()  # computed, absent: dropped

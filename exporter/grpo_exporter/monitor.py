@@ -82,7 +82,7 @@ class GRPOMonitor:
         self._deferred: list[guard.Violation] = []
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-exporter-edit-distance")
         self._edit_job: Future[None] | None = None
-        self._publication.replace("static", self._static_values())
+        self._publication.merge(self._static_values())
         self._publication.publish()
         self._server: MetricsServer | None = None
         if self._rank == 0 and config.port is not None:
@@ -131,11 +131,11 @@ class GRPOMonitor:
                 completion_ids=completion_ids, completion_mask=completion_mask,
             )
             carry = self._history_carry(inputs, prompt_ids) | self._edit_distance_carry(inputs)
-            metrics, carried, errors = compute_step_carrying(inputs, self.config, carry, strict=self.config.strict)
-            self._count_block_errors("rollout", errors)
-            metrics.update(self._solve_rate_history(carried))
-            self._start_edit_distance(carried, inputs)
-            self._publication.merge("rollout", metrics)
+            result = compute_step_carrying(inputs, self.config, carry, strict=self.config.strict)
+            self._count_block_errors("rollout", result.errors)
+            metrics = result.metrics | self._solve_rate_history(result.carried)
+            self._start_edit_distance(result.carried, inputs)
+            self._publication.merge(metrics, result.families)
             violations = self._check(metrics)
         self._enforce(violations)
 
@@ -205,10 +205,11 @@ class GRPOMonitor:
                 )
             r = retrieval_accuracy(scores, own_prompt)
             value, present = torch.stack([r.value.double(), r.present.double()]).tolist()
+            accuracy = catalog.metric("grpo_retrieval_accuracy_ratio")
             values = {catalog.metric("grpo_retrieval_chance_ratio").key(): 1.0 / scores.shape[1]}
             if present:
-                values[catalog.metric("grpo_retrieval_accuracy_ratio").key()] = value
-            self._publication.replace("retrieval", values)
+                values[accuracy.key()] = value
+            self._publication.merge(values, [accuracy.name])
 
     def flush(self) -> None:
         """Compute and publish the pending update step now."""
@@ -246,19 +247,17 @@ class GRPOMonitor:
         if step != self._step:
             self._publication.add({"grpo_steps_total": 1.0})
         self._step = step
-        self._publication.replace(
-            "liveness", {"grpo_last_step": float(step), "grpo_last_step_timestamp_seconds": time.time()}
-        )
+        self._publication.merge({"grpo_last_step": float(step), "grpo_last_step_timestamp_seconds": time.time()})
 
     def _finish_update(self) -> list[guard.Violation]:
         if not self._pending and not self._grad:
             return []
         inputs = _concatenate(self._pending, self._grad)
         self._pending, self._grad = [], {}
-        metrics, _, errors = compute_step_carrying(inputs, self.config, {}, strict=self.config.strict)
-        self._count_block_errors("update", errors)
-        self._publication.merge("update", metrics)
-        return self._check(metrics)
+        result = compute_step_carrying(inputs, self.config, {}, strict=self.config.strict)
+        self._count_block_errors("update", result.errors)
+        self._publication.merge(result.metrics, result.families)
+        return self._check(result.metrics)
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -345,9 +344,9 @@ class GRPOMonitor:
     def _edit_distance_job(self, groups: list[list[list[int]]]) -> None:
         try:
             median = median_normalized_edit_distance(groups)
-            key = catalog.metric("grpo_edit_distance_median_ratio").key()
+            family = catalog.metric("grpo_edit_distance_median_ratio")
             with self._publication.writing:
-                self._publication.replace("edit_distance", {} if median is None else {key: median})
+                self._publication.merge({} if median is None else {family.key(): median}, [family.name])
                 self._publication.publish()
         except Exception as exc:
             with self._publication.writing:

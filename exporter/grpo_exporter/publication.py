@@ -5,15 +5,16 @@ read lock guards nothing but the swap of the snapshot reference, so a slow or co
 an observe call beyond that swap.
 
 Counter samples and the ``_sum``/``_count``/``_bucket`` samples of summaries and histograms are *additive*:
-each step's increment is added. Gauges and summary quantiles are *replaced*: each stage (rollout, update,
-liveness...) owns the values it last produced, and a value its latest call did not produce is dropped
-(absent, never a stale number passed off as current).
+each step's increment is added. Gauges and summary quantiles are *replaced* family by family: a family that
+a computation produced (present or absent) takes exactly its new values, so an absent value is dropped rather
+than left stale; a family whose inputs were not given this time keeps its last values ("the last on-policy
+update", "the last retrieval evaluation").
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 from grpo_exporter.catalog import MetricType, family_of, parse_key
@@ -31,7 +32,7 @@ class Publication:
         self._lock = threading.Lock()
         self.writing = threading.RLock()  # the training thread and the edit-distance worker both write
         self._additive: dict[str, float] = {}
-        self._replaced: dict[str, dict[str, float]] = {}
+        self._replaced: dict[str, dict[str, float]] = {}  # family -> its current samples
         self._snapshot: Mapping[str, float] = MappingProxyType({})
 
     def add(self, increments: Mapping[str, float]) -> None:
@@ -39,14 +40,15 @@ class Publication:
         for key, value in increments.items():
             self._additive[key] = self._additive.get(key, 0.0) + value
 
-    def merge(self, stage: str, metrics: Mapping[str, float]) -> None:
-        """Add a step's additive samples and make its other samples the stage's current values."""
+    def merge(self, metrics: Mapping[str, float], families: Iterable[str] = ()) -> None:
+        """Add the additive samples; replace every family in ``families`` (and every family with a value
+        in ``metrics``) by the values given for it."""
         self.add({k: v for k, v in metrics.items() if is_additive(k)})
-        self._replaced[stage] = {k: v for k, v in metrics.items() if not is_additive(k)}
-
-    def replace(self, stage: str, values: Mapping[str, float]) -> None:
-        """Replace a stage's values without touching the additive samples."""
-        self._replaced[stage] = dict(values)
+        fresh: dict[str, dict[str, float]] = {name: {} for name in families}
+        for key, value in metrics.items():
+            if not is_additive(key):
+                fresh.setdefault(family_of(parse_key(key)[0]).name, {})[key] = value
+        self._replaced.update(fresh)
 
     def publish(self) -> None:
         """Make the current state visible to scrapers (one reference swap under the lock)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -94,13 +95,22 @@ def compute_step(inputs: StepInputs, config: MetricsConfig) -> StepMetrics:
     Raises :class:`~grpo_exporter.inputs.InputError` for grouping that contradicts the config (N not a
     multiple of ``group_size`` without ``group_ids``), and any error of a metric block (strict).
     """
-    metrics, _, _ = compute_step_carrying(inputs, config, {}, strict=True)
-    return metrics
+    return compute_step_carrying(inputs, config, {}, strict=True).metrics
+
+
+class StepResult(NamedTuple):
+    """What one computation produced: values of present metrics, carried vectors, the errors of metric
+    blocks (non-strict), and every family computed, present or absent (what the publication replaces)."""
+
+    metrics: StepMetrics
+    carried: dict[str, list[float]]
+    errors: list[tuple[str, Exception]]
+    families: frozenset[str]
 
 
 def compute_step_carrying(
     inputs: StepInputs, config: MetricsConfig, carry: dict[str, Tensor], strict: bool = True
-) -> tuple[StepMetrics, dict[str, list[float]], list[tuple[str, Exception]]]:
+) -> StepResult:
     """:func:`compute_step`, plus device vectors ``carry`` brought to the host in the same single transfer
     (the monitor carries prompt ids and outcomes for its solve-rate history this way).
 
@@ -114,7 +124,8 @@ def compute_step_carrying(
         for block in BLOCKS:
             g.run(block, ctx, strict)
     metrics, carried = g.transfer()
-    return metrics, carried, g.errors
+    families = frozenset(catalog.family_of(catalog.parse_key(key)[0]).name for key in (*g.keys, *g.host))
+    return StepResult(metrics, carried, g.errors, families)
 
 
 class _Context:
