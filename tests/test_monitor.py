@@ -11,9 +11,8 @@ import torch
 
 from batches import make_batch
 from grpo_exporter import GRPOMonitor, InputError, MonitorConfig, TrainingSignalError
-from grpo_exporter.catalog import CATALOG, MetricType, parse_key
+from grpo_exporter.catalog import CATALOG, MetricType, is_additive, parse_key
 from grpo_exporter.inputs import StepInputs
-from grpo_exporter.publication import is_additive
 from grpo_exporter.step import compute_step
 from monitor_helpers import feed, registry_value, rollout_kwargs, update_kwargs
 

@@ -518,6 +518,13 @@ for _m in CATALOG:
         _FAMILY_OF_SAMPLE[_m.name + _suffix] = _m
 
 
+def is_additive(key: str) -> bool:
+    """Whether a sample accumulates across steps: counters, and the _sum/_count/_bucket samples."""
+    sample, _ = parse_key(key)
+    family = family_of(sample)
+    return family.type is MetricType.COUNTER or sample != family.name
+
+
 def metric(name: str) -> Metric:
     """The catalogue entry called ``name``; ``KeyError`` with close names when there is none."""
     try:

@@ -15,10 +15,10 @@ failed stop criterion raises :class:`~grpo_exporter.guard.TrainingSignalError` a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,11 +29,12 @@ from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 from torch import Tensor
 
-from grpo_exporter import __version__, catalog, guard
+from grpo_exporter import __version__, catalog, distributed, guard
 from grpo_exporter.collector import CatalogCollector
 from grpo_exporter.edit_distance import median_normalized_edit_distance, rows_to_groups
 from grpo_exporter.functional.diversity import retrieval_accuracy
-from grpo_exporter.inputs import StepInputs
+from grpo_exporter.functional.groups import Groups
+from grpo_exporter.inputs import InputError, StepInputs
 from grpo_exporter.monitor_config import MonitorConfig
 from grpo_exporter.publication import Publication
 from grpo_exporter.server import MetricsServer
@@ -71,13 +72,14 @@ class GRPOMonitor:
         self._collector = CatalogCollector(
             self._publication, config.run, self.registry, on_error=lambda exc: self._error("scrape", exc)
         )
-        self._rank = torch.distributed.get_rank() if _distributed() else 0
+        self._rank, self._world = distributed.world()
+        self._reduce = distributed.all_reduce_entries if self._world > 1 else None
+        self._solve_rates: Tensor | None = None
         self._step: int | None = None
         self._pending: list[StepInputs] = []
         self._grad: dict[str, Any] = {}
         self._param_snapshot: list[Tensor] | None = None
         self._components: list[str] = []
-        self._history: OrderedDict[float, float] = OrderedDict()
         self._last_log: dict[str, float] = {}
         self._deferred: list[guard.Violation] = []
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-exporter-edit-distance")
@@ -130,10 +132,18 @@ class GRPOMonitor:
                 old_logprobs=old_logprobs, loss_mask=loss_mask, completion_lengths=completion_lengths,
                 completion_ids=completion_ids, completion_mask=completion_mask,
             )
-            carry = self._history_carry(inputs, prompt_ids) | self._edit_distance_carry(inputs)
-            result = compute_step_carrying(inputs, self.config, carry, strict=self.config.strict)
+            slots = self._solve_rate_slots(inputs, prompt_ids)
+            if slots is not None and self._solve_rates is not None:
+                prior = solve_rate_prior(self._solve_rates, slots, self.config.solve_rate_prior)
+                inputs = dataclasses.replace(inputs, prompt_solve_rate=prior)
+            carry = self._edit_distance_carry(inputs)
+            result = compute_step_carrying(inputs, self.config, carry, self.config.strict, self._reduce)
             self._count_block_errors("rollout", result.errors)
-            metrics = result.metrics | self._solve_rate_history(result.carried)
+            metrics = result.metrics
+            if slots is not None and self._solve_rates is not None and inputs.correct is not None:
+                groups = inputs.groups(self.config.group_size)
+                keep = 0.5 ** (1.0 / self.config.solve_rate_halflife)
+                update_solve_rates(self._solve_rates, slots, prior, inputs.correct, groups, keep)
             self._start_edit_distance(result.carried, inputs)
             self._publication.merge(metrics, result.families)
             violations = self._check(metrics)
@@ -254,7 +264,7 @@ class GRPOMonitor:
             return []
         inputs = _concatenate(self._pending, self._grad)
         self._pending, self._grad = [], {}
-        result = compute_step_carrying(inputs, self.config, {}, strict=self.config.strict)
+        result = compute_step_carrying(inputs, self.config, {}, self.config.strict, self._reduce)
         self._count_block_errors("update", result.errors)
         self._publication.merge(result.metrics, result.families)
         return self._check(result.metrics)
@@ -284,41 +294,16 @@ class GRPOMonitor:
             self._publication.add({"grpo_dropped_reward_components_total": float(dropped)})
         return kept
 
-    def _history_carry(self, inputs: StepInputs, prompt_ids: Tensor | None) -> dict[str, Tensor]:
+    def _solve_rate_slots(self, inputs: StepInputs, prompt_ids: Tensor | None) -> Tensor | None:
+        """Slots of the device-side solve-rate table for this batch's prompts (None without history inputs)."""
         if prompt_ids is None or inputs.correct is None:
-            return {}
-        groups = inputs.groups(self.config.group_size)
-        if groups is None or prompt_ids.shape != inputs.correct.shape:
-            raise ValueError(
-                f"`prompt_ids`: expected shape {tuple(inputs.correct.shape)} like `correct`, "
-                f"got {tuple(prompt_ids.shape)}"
-            )
-        return {"prompt_ids": prompt_ids, "correct": inputs.correct, "group": groups.index}
-
-    def _solve_rate_history(self, carried: dict[str, list[float]]) -> dict[str, float]:
-        """E[p^G + (1-p)^G] from each prompt's solve-rate estimate *before* this batch, then the update.
-
-        The estimate is an exponentially weighted mean of the prompt's past batch solve rates (half-life
-        ``solve_rate_halflife`` observations; unseen prompts start at ``solve_rate_prior``), kept for the
-        ``max_tracked_prompts`` most recently seen prompts.
-        """
-        if "prompt_ids" not in carried:
-            return {}
-        groups: dict[int, tuple[float, list[float]]] = {}
-        for prompt, ok, group in zip(carried["prompt_ids"], carried["correct"], carried["group"], strict=True):
-            groups.setdefault(int(group), (prompt, []))[1].append(ok)
-        expected = []
-        keep = 0.5 ** (1.0 / self.config.solve_rate_halflife)
-        for prompt, outcomes in groups.values():
-            prior = self._history.get(prompt, self.config.solve_rate_prior)
-            g = len(outcomes)
-            expected.append(prior**g + (1.0 - prior) ** g)
-            self._history[prompt] = keep * prior + (1.0 - keep) * (sum(outcomes) / g)
-            self._history.move_to_end(prompt)
-            while len(self._history) > self.config.max_tracked_prompts:
-                self._history.popitem(last=False)
-        key = catalog.metric("grpo_zero_variance_groups_expected_ratio").key()
-        return {key: sum(expected) / len(expected)}
+            return None
+        if prompt_ids.shape != inputs.correct.shape or prompt_ids.is_floating_point():
+            raise InputError("prompt_ids", f"an integer tensor of shape {tuple(inputs.correct.shape)} like `correct`",
+                             f"dtype {prompt_ids.dtype}, shape {tuple(prompt_ids.shape)}")
+        if self._solve_rates is None:
+            self._solve_rates = torch.full((self.config.solve_rate_slots,), math.nan, device=inputs.device)
+        return prompt_ids.long().remainder(self.config.solve_rate_slots)
 
     def _edit_distance_carry(self, inputs: StepInputs) -> dict[str, Tensor]:
         k = self.config.edit_distance_groups
@@ -419,8 +404,23 @@ class GRPOMonitor:
         self._publication.add(increments)
 
 
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+def solve_rate_prior(table: Tensor, slots: Tensor, default: float) -> Tensor:
+    """Each prompt's solve-rate estimate *before* this batch (``default`` when unseen): the
+    ``prompt_solve_rate`` from which E[p^G + (1-p)^G] is predicted, on the device, no host sync."""
+    estimate = table[slots]
+    return torch.where(torch.isnan(estimate), default, estimate)
+
+
+def update_solve_rates(
+    table: Tensor, slots: Tensor, prior: Tensor, correct: Tensor, groups: Groups | None, keep: float
+) -> None:
+    """Exponentially weighted update of each prompt's estimate by its group's solve rate in this batch
+    (``keep`` = 0.5 ** (1 / half-life)). Prompts sharing a slot (prompt_id modulo the table size) share an
+    estimate; the table has a fixed size whatever the number of prompts."""
+    if groups is None:
+        return
+    rate = (groups.count(correct).double() / groups.sizes().clamp(min=1))[groups.index]
+    table.index_put_((slots,), (keep * prior.double() + (1.0 - keep) * rate).to(table.dtype))
 
 
 def _sample_parameters(params: list[Tensor]) -> list[Tensor]:

@@ -67,7 +67,9 @@ class MonitorConfig(MetricsConfig):
     reference_baseline: dict[str, float] = Field(
         default_factory=dict, description="sample key -> value of a known-good run, published as baselines"
     )
-    max_tracked_prompts: int = Field(100_000, ge=1, description="solve-rate history entries kept (LRU)")
+    solve_rate_slots: int = Field(
+        1 << 20, ge=1, description="slots of the device-side solve-rate table, indexed by prompt_id modulo its size"
+    )
     solve_rate_prior: float = Field(0.5, ge=0, le=1, description="solve-rate estimate of an unseen prompt")
     solve_rate_halflife: float = Field(4.0, gt=0, description="observations after which history weighs half")
     edit_distance_groups: int = Field(

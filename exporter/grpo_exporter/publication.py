@@ -17,14 +17,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from grpo_exporter.catalog import MetricType, family_of, parse_key
-
-
-def is_additive(key: str) -> bool:
-    """Whether a sample accumulates across steps (counters, sums, counts, buckets)."""
-    sample, _ = parse_key(key)
-    family = family_of(sample)
-    return family.type is MetricType.COUNTER or sample != family.name or family.type is MetricType.HISTOGRAM
+from grpo_exporter.catalog import family_of, is_additive, parse_key
 
 
 class Publication:

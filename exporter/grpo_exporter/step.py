@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,10 +21,41 @@ from grpo_exporter.catalog import format_quantile
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
-from grpo_exporter.functional.reading import Reading, always, reading
+from grpo_exporter.functional.reading import Extreme, Ratio, always, reading
+from grpo_exporter.functional.selection import Quantiles, TopMean
 from grpo_exporter.inputs import StepInputs
 
 StepMetrics = dict[str, float]
+
+
+class Entry(NamedTuple):
+    """One sample of the step: its key, the reading it came from, and how it merges across ranks
+    (``sum``, ``ratio``, ``max``, ``min``, ``ess``, ``quantile`` with its ``index``, or ``top``)."""
+
+    key: str
+    reading: Any
+    merge: str
+    index: int = 0
+
+    def local(self) -> tuple[Tensor, Tensor]:
+        """(value, present) on this rank, as 0-d fp64 tensors."""
+        value = self.reading.value[self.index] if self.merge == "quantile" else self.reading.value
+        return value.reshape(()).double(), self.reading.present.reshape(()).double()
+
+
+Reducer = Callable[[list[Entry]], list[tuple[Tensor, Tensor]]]
+
+
+def _merge_of(key: str, value: Any) -> str:
+    if isinstance(value, Ratio):
+        return "ratio"
+    if isinstance(value, Extreme):
+        return "max" if value.largest else "min"
+    if isinstance(value, samples.Effective):
+        return "ess"
+    if isinstance(value, TopMean):
+        return "top"
+    return "sum" if catalog.is_additive(key) else "max"
 
 
 class _Gather:
@@ -32,56 +63,49 @@ class _Gather:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.keys: list[str] = []
-        self.values: list[Tensor] = []
-        self.present: list[Tensor] = []
-        self.host: StepMetrics = {}
+        self.entries: list[Entry] = []
         self.carried: dict[str, Tensor] = {}
         self.errors: list[tuple[str, Exception]] = []
 
-    def add(self, name: str, value: Reading | Tensor | float, suffix: str = "", **labels: str) -> None:
+    def add(self, name: str, value: Any, suffix: str = "", **labels: str) -> None:
         key = catalog.metric(name).key(suffix, **labels)
         if isinstance(value, int | float):
-            self.host[key] = float(value)
-            return
-        r = value if isinstance(value, Reading) else always(value)
-        self.keys.append(key)
-        self.values.append(r.value.reshape(()).to(self.device, torch.float64))
-        self.present.append(r.present.reshape(()).to(self.device, torch.float64))
+            value = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        if isinstance(value, Tensor):
+            value = always(value)
+        self.entries.append(Entry(key, value, _merge_of(key, value)))
 
-    def quantiles(self, name: str, r: Reading, quantiles: Sequence[float], **labels: str) -> None:
-        for i, q in enumerate(quantiles):
-            self.add(name, Reading(r.value[i], r.present), quantile=format_quantile(q), **labels)
-
-    def summary(self, name: str, total: Tensor, count: Tensor, r: Reading, qs: Sequence[float], **labels: str) -> None:
-        self.quantiles(name, r, qs, **labels)
+    def summary(
+        self, name: str, total: Tensor, count: Tensor, r: Quantiles, qs: Sequence[float], **labels: str
+    ) -> None:
+        family = catalog.metric(name)
+        for i, q in enumerate(qs):
+            self.entries.append(Entry(family.key(quantile=format_quantile(q), **labels), r, "quantile", i))
         self.add(name, total, "_sum", **labels)
         self.add(name, count, "_count", **labels)
 
     def run(self, block: Callable[[_Gather, _Context], None], ctx: _Context, strict: bool) -> None:
         """Run one metric block; on error drop what it added (strict: re-raise)."""
-        marks = (len(self.keys), dict(self.host))
+        mark = len(self.entries)
         try:
             block(self, ctx)
         except Exception as exc:
             if strict:
                 raise
-            del self.keys[marks[0] :], self.values[marks[0] :], self.present[marks[0] :]
-            self.host = marks[1]
+            del self.entries[mark:]
             self.errors.append((block.__name__.lstrip("_"), exc))
 
-    def transfer(self) -> tuple[StepMetrics, dict[str, list[float]]]:
-        """The single device-to-host transfer of the step: every reading, and the carried vectors."""
-        out = dict(self.host)
-        parts = [torch.stack(self.values), torch.stack(self.present)] if self.keys else []
+    def transfer(self, reduce: Reducer | None) -> tuple[StepMetrics, dict[str, list[float]]]:
+        """The single device-to-host transfer of the step: every reading (reduced across ranks first when
+        ``reduce`` is given), and the carried vectors."""
+        pairs = reduce(self.entries) if reduce is not None else [e.local() for e in self.entries]
+        parts = [torch.stack([v for v, _ in pairs]), torch.stack([p for _, p in pairs])] if pairs else []
         parts += [t.reshape(-1).to(self.device, torch.float64) for t in self.carried.values()]
         if not parts:
-            return out, {}
-        packed = torch.cat(parts).tolist()
-        m = len(self.keys)
-        for i, key in enumerate(self.keys):
-            if packed[m + i]:
-                out[key] = packed[i]
+            return {}, {}
+        packed = torch.cat([p.to(self.device) for p in parts]).tolist()
+        m = len(pairs)
+        out = {e.key: packed[i] for i, e in enumerate(self.entries) if packed[m + i]}
         carried, offset = {}, 2 * m
         for name, t in self.carried.items():
             carried[name] = packed[offset : offset + t.numel()]
@@ -109,13 +133,18 @@ class StepResult(NamedTuple):
 
 
 def compute_step_carrying(
-    inputs: StepInputs, config: MetricsConfig, carry: dict[str, Tensor], strict: bool = True
+    inputs: StepInputs,
+    config: MetricsConfig,
+    carry: dict[str, Tensor],
+    strict: bool = True,
+    reduce: Reducer | None = None,
 ) -> StepResult:
     """:func:`compute_step`, plus device vectors ``carry`` brought to the host in the same single transfer
     (the monitor carries prompt ids and outcomes for its solve-rate history this way).
 
     Each metric block runs on its own: with ``strict=False`` a block that raises is dropped whole and
-    returned in the error list, and every other block is still computed and transferred.
+    returned in the error list, and every other block is still computed and transferred. ``reduce`` merges
+    the readings across ranks before the transfer (see :mod:`grpo_exporter.distributed`).
     """
     g = _Gather(inputs.device)
     g.carried = dict(carry)
@@ -123,8 +152,8 @@ def compute_step_carrying(
         ctx = _Context(inputs, config, inputs.groups(config.group_size))
         for block in BLOCKS:
             g.run(block, ctx, strict)
-    metrics, carried = g.transfer()
-    families = frozenset(catalog.family_of(catalog.parse_key(key)[0]).name for key in (*g.keys, *g.host))
+    metrics, carried = g.transfer(reduce)
+    families = frozenset(catalog.family_of(catalog.parse_key(e.key)[0]).name for e in g.entries)
     return StepResult(metrics, carried, g.errors, families)
 
 

@@ -20,6 +20,23 @@ class Reading(NamedTuple):
     present: Tensor
 
 
+class Ratio(NamedTuple):
+    """A reading that is numerator / denominator: across ranks both are summed, then divided."""
+
+    value: Tensor
+    present: Tensor
+    numerator: Tensor
+    denominator: Tensor
+
+
+class Extreme(NamedTuple):
+    """A reading that is a max (``largest``) or min over elements: across ranks the extreme of extremes."""
+
+    value: Tensor
+    present: Tensor
+    largest: bool
+
+
 def reading(value: Tensor, present: Tensor) -> Reading:
     """A reading whose value is zeroed (never NaN) where absent."""
     value = value.float() if not value.is_floating_point() else value
@@ -31,11 +48,12 @@ def always(value: Tensor) -> Reading:
     return Reading(value, torch.ones((), dtype=torch.bool, device=value.device))
 
 
-def fraction(numerator: Tensor, denominator: Tensor) -> Reading:
+def fraction(numerator: Tensor, denominator: Tensor) -> Ratio:
     """numerator / denominator in fp64 (counts above 2^24 stay exact), absent when the denominator is 0."""
-    present = denominator > 0
-    den = torch.where(present, denominator, torch.ones_like(denominator)).double()
-    return reading(numerator.double() / den, present)
+    num, den = numerator.double(), denominator.double()
+    present = den > 0
+    value = torch.where(present, num / torch.where(present, den, 1.0), 0.0)
+    return Ratio(value, present, num, den)
 
 
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
@@ -43,15 +61,17 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x.float(), 0.0).sum()
 
 
-def masked_mean(x: Tensor, mask: Tensor) -> Reading:
+def masked_mean(x: Tensor, mask: Tensor) -> Ratio:
     """Mean of ``x`` over ``mask`` in fp32 (fp64 accumulation of the count), absent for an empty mask."""
     return fraction(torch.where(mask, x.float(), 0.0).double().sum(), mask.sum())
 
 
-def masked_max(x: Tensor, mask: Tensor) -> Reading:
+def masked_max(x: Tensor, mask: Tensor) -> Extreme:
     """Max of ``x`` over ``mask``, absent for an empty mask."""
     lowest = torch.finfo(torch.float32).min
-    return reading(torch.where(mask, x.float(), lowest).amax(), mask.any())
+    present = mask.any()
+    value = torch.where(mask, x.float(), lowest).amax()
+    return Extreme(torch.where(present, value, 0.0), present, largest=True)
 
 
 def finite(x: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from grpo_exporter.functional.gradient import LogRatio
 from grpo_exporter.functional.groups import Groups, group_stats
-from grpo_exporter.functional.reading import Reading, fraction, masked_max
+from grpo_exporter.functional.reading import Ratio, Reading, fraction, masked_max
 from grpo_exporter.functional.selection import masked_quantiles
 
 
@@ -40,19 +40,39 @@ def token_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
     return advantages.float().unsqueeze(1).expand(shape) if advantages.dim() == 1 else advantages.float()
 
 
-def _ess(log_weights: Tensor, valid: Tensor) -> Reading:
+class Effective(NamedTuple):
+    """An ESS ratio reading, with its log weights kept for merging across ranks."""
+
+    value: Tensor
+    present: Tensor
+    log_weights: Tensor
+    valid: Tensor
+
+
+def shifted_weight_sums(log_weights: Tensor, valid: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum w, sum w^2) with w = exp(log_weights - shift) over ``valid``, fp64; ``shift`` >= every log weight
+    keeps every w <= 1 (no overflow); ESS is scale invariant, so any common shift gives the same ratio."""
+    w = torch.where(valid, torch.exp((log_weights.double() - shift).clamp(max=0.0)), 0.0)
+    return w.sum(), w.square().sum()
+
+
+def ess_from_sums(s1: Tensor, s2: Tensor, n: Tensor) -> Ratio:
+    """ESS ratio (sum w)^2 / (sum w^2) / n."""
+    return fraction(s1.square() / s2.clamp(min=torch.finfo(torch.float64).tiny), n)
+
+
+def _ess(log_weights: Tensor, valid: Tensor) -> Effective:
     """(sum w)^2 / (sum w^2) / n with w = exp(log_weights), shifted by the max log weight first so that
-    huge ratios neither overflow nor vanish (ESS is scale invariant)."""
-    shift = masked_max(log_weights, valid).value
-    w = torch.where(valid, torch.exp((log_weights - shift).clamp(max=0.0)), 0.0).double()
-    n = valid.sum()
-    ess = w.sum().square() / w.square().sum().clamp(min=torch.finfo(torch.float64).tiny)
-    return fraction(ess, n)
+    huge ratios neither overflow nor vanish."""
+    shift = masked_max(log_weights, valid).value.double()
+    s1, s2 = shifted_weight_sums(log_weights, valid, shift)
+    r = ess_from_sums(s1, s2, valid.sum())
+    return Effective(r.value, r.present, log_weights, valid)
 
 
 class ESS(NamedTuple):
-    token: Reading
-    sequence: Reading
+    token: Effective
+    sequence: Effective
 
 
 def ess_ratio(lr: LogRatio) -> ESS:

@@ -12,11 +12,12 @@ Quantiles use linear interpolation between order statistics (numpy's default ``m
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.reading import Reading, reading
+from grpo_exporter.functional.reading import reading
 
 _HALF = 1 << 16
 _SIGN = 0x80000000
@@ -58,7 +59,27 @@ def select_ranks(x: Tensor, valid: Tensor, ranks: Tensor) -> Tensor:
     return keys_to_values(torch.stack(chosen))
 
 
-def masked_quantiles(x: Tensor, valid: Tensor, quantiles: Sequence[float]) -> Reading:
+class Quantiles(NamedTuple):
+    """Quantiles of a masked sample, with the sample kept for merging across ranks (a sketch)."""
+
+    value: Tensor
+    present: Tensor
+    sample: Tensor
+    valid: Tensor
+    quantiles: tuple[float, ...]
+
+
+class TopMean(NamedTuple):
+    """Mean of the top ``fraction`` of a masked sample, with the sample kept for merging across ranks."""
+
+    value: Tensor
+    present: Tensor
+    sample: Tensor
+    valid: Tensor
+    fraction: float
+
+
+def masked_quantiles(x: Tensor, valid: Tensor, quantiles: Sequence[float]) -> Quantiles:
     """Quantiles of ``x`` over ``valid`` positions (any shape), linear interpolation, fp32.
 
     Returns a reading whose value has one entry per quantile; absent when no position is valid. The caller
@@ -76,10 +97,11 @@ def masked_quantiles(x: Tensor, valid: Tensor, quantiles: Sequence[float]) -> Re
     # an infinite endpoint with non-zero weight wins (inf - inf would be NaN; t < 1 always)
     endpoint = torch.where(torch.isinf(v0) | (t == 0), v0, v1)
     interpolated = torch.where(torch.isfinite(v0) & torch.isfinite(v1), interpolated, endpoint)
-    return reading(interpolated.float(), n > 0)
+    r = reading(interpolated.float(), n > 0)
+    return Quantiles(r.value, r.present, x, valid, tuple(quantiles))
 
 
-def top_fraction_mean(x: Tensor, valid: Tensor, fraction: float) -> Reading:
+def top_fraction_mean(x: Tensor, valid: Tensor, fraction: float) -> TopMean:
     """Mean of the ceil(fraction * n) largest valid values (ties at the threshold counted exactly once each).
 
     The set has a fixed share of the step's positions, so the value is comparable across steps even as the
@@ -92,4 +114,5 @@ def top_fraction_mean(x: Tensor, valid: Tensor, fraction: float) -> Reading:
     xf = x.float()
     above = valid & (xf > threshold)
     total = torch.where(above, xf, 0.0).double().sum() + (k - above.sum()).double() * threshold.double()
-    return reading((total / k.double()).float(), n > 0)
+    r = reading((total / k.double()).float(), n > 0)
+    return TopMean(r.value, r.present, x, valid, fraction)

@@ -1,0 +1,144 @@
+"""Two real processes on gloo: each rank observes half of the groups; the published values equal those of
+the concatenated batch (quantiles within the sketch's documented relative error), with two collectives."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from batches import make_batch
+from grpo_exporter.catalog import is_additive, parse_key
+from grpo_exporter.functional import sketch
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.monitor_config import MonitorConfig
+from grpo_exporter.step import compute_step
+from monitor_helpers import rollout_kwargs, scrape, update_kwargs
+
+WORLD = 2
+SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "guard": "off", "pass_k": (2, 4)}
+
+
+def halves(x: StepInputs, rank: int) -> slice:
+    n = x.loss_mask.shape[0] // WORLD  # whole groups of 8 on each rank
+    return slice(rank * n, (rank + 1) * n)
+
+
+def _worker(rank: int, port: int, out: str, test_path: str) -> None:
+    sys.path.insert(0, test_path)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    calls: list[str] = []
+    original = dist.all_reduce
+
+    def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append(str(op))
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = counting
+    from grpo_exporter import GRPOMonitor
+
+    x = make_batch(5).inputs()
+    rows = halves(x, rank)
+    result: dict = {"rank": rank}
+    with GRPOMonitor(run="ddp", port=0, **SETTINGS) as mon:
+        rollout = {k: (v[rows] if isinstance(v, torch.Tensor) else {c: t[rows] for c, t in v.items()})
+                   for k, v in rollout_kwargs(x).items()}
+        mon.observe_rollout(0, **rollout, prompt_ids=torch.arange(48)[rows] // 8)
+        result["rollout_collectives"] = list(calls)
+        calls.clear()
+        mon.observe_update(0, **update_kwargs(x, rows))
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        model(torch.randn(5, 4)).square().sum().backward()
+        mon.clip_grad_norm_(model.parameters(), 0.5)
+        result["update_collectives"] = list(calls)
+        result["metrics"] = dict(mon.metrics())
+        result["served"] = mon.port is not None
+        if rank == 0:
+            result["scraped"] = 'grpo_completions_total{run="ddp"} 48.0' in scrape(mon.url)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    mp.start_processes(_worker, args=(free_port(), str(out), str(Path(__file__).parent)), nprocs=WORLD,
+                       start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def expected() -> dict[str, float]:
+    x = make_batch(5).inputs()
+    cfg = MonitorConfig(run="single", port=None, **SETTINGS)
+    rollout = StepInputs(**rollout_kwargs(x), prompt_solve_rate=torch.full((48,), 0.5))
+    update = StepInputs(**update_kwargs(x))
+    want = compute_step(rollout, cfg)
+    for key, value in compute_step(update, cfg).items():
+        want[key] = want.get(key, 0.0) + value if is_additive(key) else value
+    return want
+
+
+def sketched(key: str) -> bool:
+    """Quantiles other than min/max, and top-fraction means, come from the merged sketch."""
+    labels = parse_key(key)[1]
+    return labels.get("quantile") not in (None, "0", "1") or key.startswith("grpo_entropy_top_mean")
+
+
+def test_two_ranks_publish_the_concatenated_batch(ranks):
+    got = ranks[0]["metrics"]
+    want = expected()
+    missing = [k for k in want if k not in got]
+    assert not missing
+    for key, value in want.items():
+        if sketched(key):
+            assert abs(got[key] - value) <= sketch.ALPHA * abs(value) + 1e-9, (key, got[key], value)
+        elif is_additive(key):
+            assert got[key] == value, key
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_every_rank_holds_the_reduced_values_and_only_rank_zero_serves(ranks):
+    # per-process self metrics, and the edit distance of rank-local sampled groups (computed off-thread)
+    local = ("grpo_observe_duration_seconds", "grpo_last_step_timestamp_seconds", "grpo_edit_distance")
+    step_metrics = [{k: v for k, v in r["metrics"].items() if not k.startswith(local)} for r in ranks]
+    assert step_metrics[0] == step_metrics[1]
+    assert ranks[0]["served"]
+    assert ranks[0]["scraped"]
+    assert not ranks[1]["served"]
+
+
+def test_two_collectives_per_reduction(ranks):
+    for r in ranks:
+        assert r["rollout_collectives"] == [str(dist.ReduceOp.MAX), str(dist.ReduceOp.SUM)]
+        assert r["update_collectives"] == [str(dist.ReduceOp.MAX), str(dist.ReduceOp.SUM)]
+
+
+def test_sketch_error_bound_on_skewed_data():
+    """The documented bound, directly: relative error <= ALPHA for every quantile of a heavy-tailed sample."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.exp(torch.randn(20_000, generator=gen) * 4)  # spans ~e^-16 .. e^16
+    valid = torch.rand(20_000, generator=gen) < 0.8
+    qs = (0.0, 0.01, 0.25, 0.5, 0.9, 0.99, 0.999, 1.0)
+    chosen = x[valid].double()
+    want = torch.quantile(chosen, torch.tensor(qs, dtype=torch.float64))
+    got = sketch.sketch_quantiles(sketch.sketch(x, valid), qs, chosen.min(), chosen.max()).double()
+    assert torch.all((got - want).abs() <= sketch.ALPHA * want.abs() + sketch.V_MIN), (got, want)
+    top = chosen.sort(descending=True).values[: math.ceil(0.2 * chosen.numel())].mean()
+    assert abs(sketch.sketch_top_mean(sketch.sketch(x, valid), 0.2, chosen.max()) - top) <= sketch.ALPHA * top
