@@ -49,3 +49,25 @@ def test_the_spy_sees_hidden_syncs(host_calls):
     if t.sum() > 0:
         float(t[0])
     assert host_calls == ["__bool__", "__float__"]
+
+
+def test_monitor_calls_transfer_once_per_step(host_calls):
+    """observe_rollout: one transfer (history lookup and update stay on the device); observe_update: none
+    (kept for the step); clip_grad_norm_: one, for the whole optimizer step."""
+    from grpo_exporter import GRPOMonitor
+    from monitor_helpers import rollout_kwargs, update_kwargs
+
+    x = make_batch(0).inputs()
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    with GRPOMonitor(run="t", group_size=8, port=None, guard="off", edit_distance_groups=0) as mon:
+        for step in range(2):
+            host_calls.clear()
+            mon.observe_rollout(step, **rollout_kwargs(x), prompt_ids=torch.arange(48) // 8)
+            assert host_calls == ["tolist"]
+            host_calls.clear()
+            mon.observe_update(step, **update_kwargs(x, slice(0, 24)))
+            mon.observe_update(step, **update_kwargs(x, slice(24, 48)))
+            assert host_calls == []
+            mon.clip_grad_norm_(model.parameters(), 1.0)
+            assert host_calls == ["tolist"]

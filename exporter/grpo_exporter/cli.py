@@ -22,6 +22,16 @@ def _catalog(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hash_password(args: argparse.Namespace) -> int:
+    import getpass
+
+    from grpo_exporter.monitor_config import hash_password
+
+    password = args.password if args.password is not None else getpass.getpass("password: ")
+    print(hash_password(password))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-exporter", description=__doc__)
     parser.add_argument("--version", action="version", version=f"grpo-exporter {__version__}")
@@ -29,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     catalog = commands.add_parser("catalog", help="print or write the metric reference generated from the catalogue")
     catalog.add_argument("--out", help="write to this file instead of stdout (e.g. docs/metrics.md)")
     catalog.set_defaults(run=_catalog)
+    hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")
+    hashing.add_argument("--password", help="the password (prompted for when omitted)")
+    hashing.set_defaults(run=_hash_password)
     return parser
 
 
