@@ -444,6 +444,18 @@ CATALOG: tuple[Metric, ...] = (
         inputs=("reference_baseline",), source=Source.MONITOR,
     ),
     Metric(
+        "grpo_run_info", GA,
+        "Constant 1 labelled with the run's group size, clip range and advantage normalisation, so rules and "
+        "dashboards can read the model predictions' parameters (e.g. the (G-1)/sqrt(G) bound).",
+        L, labels=(
+            Label("group_size", bound="config (one value per run)"),
+            Label("clip_eps_low", bound="config (one value per run)"),
+            Label("clip_eps_high", bound="config (one value per run)"),
+            Label("advantage_norm", ("unbiased", "population", "none")),
+        ),
+        inputs=("group_size", "clip_eps_low", "clip_eps_high", "advantage_norm"), source=Source.MONITOR,
+    ),
+    Metric(
         "grpo_build_info", GA,
         "Constant 1 labelled with the exporter and torch versions.",
         L, labels=(Label("version", bound="package version"), Label("torch_version", bound="torch version")),

@@ -272,7 +272,14 @@ class GRPOMonitor:
     # ---- helpers ---------------------------------------------------------------------------------------
 
     def _static_values(self) -> dict[str, float]:
-        values = {catalog.metric("grpo_build_info").key(version=__version__, torch_version=torch.__version__): 1.0}
+        cfg = self.config
+        values = {
+            catalog.metric("grpo_build_info").key(version=__version__, torch_version=torch.__version__): 1.0,
+            catalog.metric("grpo_run_info").key(
+                group_size=str(cfg.group_size), clip_eps_low=repr(cfg.clip_eps_low),
+                clip_eps_high=repr(cfg.clip_eps_high), advantage_norm=cfg.advantage_norm,
+            ): 1.0,
+        }
         baseline = catalog.metric("grpo_reference_baseline")
         for key, value in self.config.reference_baseline.items():
             name, labels = catalog.parse_key(key)
