@@ -22,6 +22,18 @@ def _catalog(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rules(args: argparse.Namespace) -> int:
+    from grpo_exporter.mixin.config import MixinConfig
+    from grpo_exporter.mixin.render import alertmanager_output, rules_outputs, write
+
+    config = MixinConfig.load(args.config)
+    for path in write(rules_outputs(config), Path(args.out)):
+        print(f"wrote {path}")
+    for path in write({"alertmanager.yml": alertmanager_output(config)}, Path(args.alertmanager_out)):
+        print(f"wrote {path}")
+    return 0
+
+
 def _hash_password(args: argparse.Namespace) -> int:
     import getpass
 
@@ -39,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     catalog = commands.add_parser("catalog", help="print or write the metric reference generated from the catalogue")
     catalog.add_argument("--out", help="write to this file instead of stdout (e.g. docs/metrics.md)")
     catalog.set_defaults(run=_catalog)
+    rules = commands.add_parser("rules", help="generate the Prometheus rule files and the Alertmanager config")
+    rules.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
+    rules.add_argument("--out", default="rules", help="folder of the rule files (default: rules)")
+    rules.add_argument(
+        "--alertmanager-out", default="deploy/alertmanager", help="folder of alertmanager.yml"
+    )
+    rules.set_defaults(run=_rules)
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")
     hashing.add_argument("--password", help="the password (prompted for when omitted)")
     hashing.set_defaults(run=_hash_password)

@@ -1,0 +1,45 @@
+"""Alertmanager routing and inhibition, from the same config as the rules.
+
+Routes: critical to the pager receiver, everything else to the default one, grouped by alert and run.
+Inhibitions encode the signal chain: while any layer-1 alert ("the gradient is not what you think") fires
+for a run, the pages of layers 2-4 for that run are muted (their curves mean nothing until it is fixed); and
+a critical alert mutes the warning of the same family for the same run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_exporter.catalog import Layer
+from grpo_exporter.mixin.config import MixinConfig
+
+DOWNSTREAM = (Layer.REWARD, Layer.SAMPLES, Layer.DIVERSITY)
+
+
+def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
+    return {
+        "route": {
+            "receiver": "default",
+            "group_by": ["alertname", "run"],
+            "group_wait": c.duration(c.group_wait_s) if c.group_wait_s else "0s",
+            "group_interval": c.duration(c.group_interval_s),
+            "repeat_interval": c.duration(c.repeat_interval_s),
+            "routes": [{"receiver": "pager", "matchers": ['severity="critical"']}],
+        },
+        "receivers": [
+            {"name": "pager", "webhook_configs": [{"url": c.pager_webhook_url, "send_resolved": True}]},
+            {"name": "default", "webhook_configs": [{"url": c.default_webhook_url, "send_resolved": True}]},
+        ],
+        "inhibit_rules": [
+            {
+                "source_matchers": [f'layer="{Layer.GRADIENT.value}"'],
+                "target_matchers": [f'layer=~"{"|".join(layer.value for layer in DOWNSTREAM)}"'],
+                "equal": ["run"],
+            },
+            {
+                "source_matchers": ['severity="critical"'],
+                "target_matchers": ['severity="warning"'],
+                "equal": ["family", "run"],
+            },
+        ],
+    }

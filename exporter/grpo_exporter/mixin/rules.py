@@ -1,0 +1,364 @@
+"""Prometheus recording and alerting rules, as pure functions of :class:`MixinConfig`.
+
+Recording rules are named ``level:metric:operation`` (``run:grpo_clipped_tokens:window_ratio``). Alerts are
+``GRPO...`` with ``for``, labels ``severity``, ``layer`` (the signal-chain layer) and ``family`` (critical and
+warning of one family; Alertmanager lets the critical inhibit the warning), and annotations ``summary``,
+``description`` (the current value and the baseline it was compared with) and ``runbook_url``.
+
+Thresholds are baseline-relative wherever the seed says fixed lines lie: the run's own history (medians
+over a window that ends ``baseline_offset`` ago), a reference run (``grpo_reference_baseline``), or a model
+prediction published by the exporter (E[p^G+(1-p)^G], 1/P).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_exporter.catalog import Layer
+from grpo_exporter.mixin.config import MixinConfig, Severity
+
+BY = "job, run"
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    layer: Layer
+    family: str
+    severity: Severity
+    expr: str
+    for_s: int
+    summary: str
+    description: str
+
+    def rule(self, c: MixinConfig) -> dict[str, Any]:
+        return {
+            "alert": self.name,
+            "expr": self.expr,
+            "for": c.duration(self.for_s),
+            "labels": {
+                "severity": c.severities.get(self.name, self.severity),
+                "layer": self.layer.value,
+                "family": self.family,
+            },
+            "annotations": {
+                "summary": self.summary,
+                "description": self.description,
+                "runbook_url": f"{c.runbook_url}#{self.name.lower()}",
+            },
+        }
+
+
+def _value(fmt: str = "%.3g") -> str:
+    return f'{{{{ $value | printf "{fmt}" }}}}'
+
+
+def _query(expr: str, fmt: str = "%.3g") -> str:
+    """Template text: the first value of ``expr`` (``%q`` = this alert's run, quotes escaped), or none."""
+    return (
+        f'{{{{ with printf "{expr}" $labels.run | query }}}}{{{{ . | first | value | printf "{fmt}" }}}}'
+        "{{ else }}none{{ end }}"
+    )
+
+
+def _rate(c: MixinConfig, metric: str, by: str = BY, **labels: str) -> str:
+    return f"sum by ({by}) (rate({metric}{c.matchers(**labels)}[{c.duration(c.rate_window_s)}]))"
+
+
+def _increase(c: MixinConfig, metric: str, by: str = BY, **labels: str) -> str:
+    return f"sum by ({by}) (increase({metric}{c.matchers(**labels)}[{c.duration(c.rate_window_s)}]))"
+
+
+def _baseline(c: MixinConfig, expr: str, by: str = BY, op: str = "quantile_over_time(0.5, ") -> str:
+    window, offset = c.duration(c.baseline_window_s), c.duration(c.baseline_offset_s)
+    return f"max by ({by}) ({op}{expr}[{window}] offset {offset}))"
+
+
+def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
+    """The ``grpo-recording`` group: windowed fractions from counters, then rolling baselines."""
+    run_info = f"max by (job, run, group_size) (grpo_run_info{c.matchers()})"
+    rules: list[dict[str, Any]] = [
+        {"record": "run:grpo_engine_logprob_gap_nats:window_mean",
+         "expr": f"{_rate(c, 'grpo_engine_logprob_gap_nats_sum')} / {_rate(c, 'grpo_engine_logprob_gap_nats_count')}"},
+        {"record": "run:grpo_clipped_tokens:window_ratio", "labels": {"bound": "upper"},
+         "expr": f"{_rate(c, 'grpo_clipped_tokens_total', bound='upper')}"
+                 f" / {_rate(c, 'grpo_update_tokens_total', advantage_sign='positive')}"},
+        {"record": "run:grpo_clipped_tokens:window_ratio", "labels": {"bound": "lower"},
+         "expr": f"{_rate(c, 'grpo_clipped_tokens_total', bound='lower')}"
+                 f" / {_rate(c, 'grpo_update_tokens_total', advantage_sign='negative')}"},
+        {"record": "run:grpo_tokens_outside_clip:window_ratio",
+         "expr": f"({_rate(c, 'grpo_clipped_tokens_total')} + {_rate(c, 'grpo_out_of_range_unclipped_tokens_total')})"
+                 f" / {_rate(c, 'grpo_update_tokens_total')}"},
+        {"record": "run:grpo_onpolicy_outside_clip_tokens:window_ratio",
+         "expr": f"{_rate(c, 'grpo_onpolicy_outside_clip_tokens_total')}"
+                 f" / {_rate(c, 'grpo_onpolicy_checked_tokens_total')}"},
+        {"record": "run:grpo_log_ratio_clamp_hit_tokens:window_ratio",
+         "expr": f"{_rate(c, 'grpo_log_ratio_clamp_hit_tokens_total')} / {_rate(c, 'grpo_importance_weight_count')}"},
+        {"record": "run:grpo_grad_clip_active_steps:window_ratio",
+         "expr": f"{_rate(c, 'grpo_grad_clip_active_steps_total')} / {_rate(c, 'grpo_optimizer_steps_total')}"},
+        {"record": "run:grpo_zero_variance_groups:window_ratio",
+         "expr": f"{_rate(c, 'grpo_zero_variance_groups_total')} / {_rate(c, 'grpo_groups_total')}"},
+        {"record": "run:grpo_zero_variance_groups_expected:window_mean",
+         "expr": f"max by ({BY}) (avg_over_time(grpo_zero_variance_groups_expected_ratio{c.matchers()}"
+                 f"[{c.duration(c.rate_window_s)}]))"},
+        {"record": "run:grpo_truncated_completions:window_ratio",
+         "expr": f"{_rate(c, 'grpo_truncated_completions_total')} / {_rate(c, 'grpo_completions_total')}"},
+        {"record": "run:grpo_completion_length_tokens:window_mean",
+         "expr": f"{_rate(c, 'grpo_completion_length_tokens_sum', by='job, run, outcome')}"
+                 f" / {_rate(c, 'grpo_completion_length_tokens_count', by='job, run, outcome')}"},
+        {"record": "run:grpo_pass_at_group_size:ratio",
+         "expr": f"max by ({BY}) (grpo_pass_at_k_ratio{c.matchers()} * on(job, run, k) group_left()"
+                 f' label_replace({run_info}, "k", "$1", "group_size", "(.*)"))'},
+        # rolling baselines: the run's own history, ending baseline_offset ago
+        {"record": "run:grpo_grad_norm_pre_clip:baseline_median",
+         "expr": _baseline(c, f"grpo_grad_norm_pre_clip{c.matchers()}")},
+        {"record": "run:grpo_ess_ratio:baseline_median",
+         "expr": _baseline(c, f"grpo_ess_ratio{c.matchers()}", by="job, run, level")},
+        {"record": "run:grpo_reward_mean:baseline_median",
+         "expr": _baseline(c, f"grpo_reward_mean{c.matchers()}", by="job, run, component")},
+        {"record": "run:grpo_truncated_completions:baseline_ratio",
+         "expr": _baseline(c, "run:grpo_truncated_completions:window_ratio")},
+        {"record": "run:grpo_completion_length_tokens:baseline_mean",
+         "expr": _baseline(c, "run:grpo_completion_length_tokens:window_mean", by="job, run, outcome",
+                           op="avg_over_time(")},
+        {"record": "run:grpo_completion_length_tokens:growth_ratio",
+         "expr": "run:grpo_completion_length_tokens:window_mean"
+                 " / on(job, run, outcome) run:grpo_completion_length_tokens:baseline_mean"},
+        {"record": "run:grpo_entropy_mean_nats:baseline_median",
+         "expr": _baseline(c, f"grpo_entropy_mean_nats{c.matchers()}")},
+        {"record": "run:grpo_pass_at_group_size:baseline_median",
+         "expr": _baseline(c, "run:grpo_pass_at_group_size:ratio")},
+        {"record": "run:grpo_edit_distance_median_ratio:baseline_median",
+         "expr": _baseline(c, f"grpo_edit_distance_median_ratio{c.matchers()}")},
+    ]
+    return rules
+
+
+def alerts(c: MixinConfig) -> list[Alert]:
+    """Every alert, in signal-chain order (liveness, then layers 1-4)."""
+    w = c.duration(c.rate_window_s)
+    gap = "run:grpo_engine_logprob_gap_nats:window_mean"
+    ref = "grpo_reference_baseline"
+    growth = "run:grpo_completion_length_tokens:growth_ratio"
+    g1, g2, g3, g4, g0 = Layer.GRADIENT, Layer.REWARD, Layer.SAMPLES, Layer.DIVERSITY, Layer.LIVENESS
+    return [
+        # ---- liveness ----
+        Alert(
+            "GRPOExporterDown", g0, "exporter", "critical",
+            f"up{c.matchers()} == 0 or absent(up{c.matchers()})", 120,
+            "The grpo-exporter target is down or absent: nothing below can be judged.",
+            "Prometheus cannot scrape {{ $labels.job }} {{ $labels.instance }} (up = " + _value("%g") + ").",
+        ),
+        Alert(
+            "GRPOTrainingStalled", g0, "stalled", "critical",
+            f"time() - max by ({BY}) (grpo_last_step_timestamp_seconds{c.matchers()}) > {c.stall_after_s * c.time_scale:g}",
+            60,
+            "Training has not reported a new step.",
+            "Run {{ $labels.run }} has reported no step for " + _value("%.0f") + f"s (threshold "
+            f"{c.stall_after_s * c.time_scale:g}s); last step " + _query("max(grpo_last_step{run=%q})", "%.0f") + ".",
+        ),
+        # ---- layer 1: does the gradient match what I think? ----
+        Alert(
+            "GRPOEngineLogprobGapCritical", g1, "engine_logprob_gap", "critical",
+            f"{gap} >= {c.engine_gap_critical_nats:g}", 120,
+            "Trainer and rollout engine disagree on log-probs: stop training.",
+            "Mean |rollout_logprobs - old_logprobs| on loss tokens of run {{ $labels.run }} is "
+            + _value("%.4g") + f" nats over {w}, at or above the stop line {c.engine_gap_critical_nats:g} "
+            f"(healthy < {c.engine_gap_warning_nats:g}); reference run: "
+            + _query(f'max({ref}{{run=%q,metric=\\"grpo_engine_logprob_gap_mean_nats\\"}})', "%.4g") + ".",
+        ),
+        Alert(
+            "GRPOEngineLogprobGapWarning", g1, "engine_logprob_gap", "warning",
+            f"{gap} >= {c.engine_gap_warning_nats:g} or {gap} > on(job, run) ({c.engine_gap_baseline_factor:g} * "
+            f'max by ({BY}) ({ref}{c.matchers(metric="grpo_engine_logprob_gap_mean_nats")}))', 600,
+            "Trainer and rollout engine log-probs drift apart.",
+            "Mean engine log-prob gap of run {{ $labels.run }} is " + _value("%.4g") + f" nats over {w}: above "
+            f"{c.engine_gap_warning_nats:g} or above {c.engine_gap_baseline_factor:g}x the reference run's "
+            + _query(f'max({ref}{{run=%q,metric=\\"grpo_engine_logprob_gap_mean_nats\\"}})', "%.4g") + " nats.",
+        ),
+        Alert(
+            "GRPORatioClippedBeforeUpdate", g1, "onpolicy_ratio", "critical",
+            f"run:grpo_onpolicy_outside_clip_tokens:window_ratio > {c.onpolicy_outside_ratio:g}", 60,
+            "The importance ratio is outside the clip range before any update: old and new log-probs differ.",
+            "On on-policy updates of run {{ $labels.run }}, " + _value("%.3g") + " of loss tokens already lie "
+            f"outside the clip range (threshold {c.onpolicy_outside_ratio:g}): the weights did not move, so "
+            "the probability path differs. Stop and fix it before reading any other curve.",
+        ),
+        Alert(
+            "GRPONonFiniteValues", g1, "nonfinite", "critical",
+            f"{_increase(c, 'grpo_nonfinite_values_total', by='job, run, tensor')} > 0", 60,
+            "Non-finite values on loss tokens.",
+            "Run {{ $labels.run }} saw " + _value("%.0f") + " NaN/Inf values in `{{ $labels.tensor }}` over "
+            f"{w} (baseline: 0). Find the first non-finite tensor along the numeric path.",
+        ),
+        Alert(
+            "GRPOLossMaskMismatch", g1, "loss_mask", "critical",
+            f"{_increase(c, 'grpo_loss_mask_length_mismatch_sequences_total')}"
+            f" + {_increase(c, 'grpo_loss_mask_outside_completion_tokens_total')} > 0", 60,
+            "The loss mask disagrees with the completions.",
+            "Run {{ $labels.run }}: " + _value("%.0f") + f" loss-mask faults over {w} (sequences whose loss-token "
+            "count differs from their length, plus loss tokens outside completions; baseline: 0).",
+        ),
+        Alert(
+            "GRPOLogRatioFuseBlowing", g1, "fuse", "warning",
+            f"run:grpo_log_ratio_clamp_hit_tokens:window_ratio > {c.fuse_hit_ratio:g}", 300,
+            "The numerical log-ratio clamp (the fuse before exp) is hit often.",
+            "Run {{ $labels.run }}: " + _value("%.3g") + f" of loss tokens hit the log-ratio clamp over {w} "
+            f"(threshold {c.fuse_hit_ratio:g}; should be ~0).",
+        ),
+        Alert(
+            "GRPOGradNormSpike", g1, "grad_norm", "warning",
+            f"max by ({BY}) (grpo_grad_norm_pre_clip{c.matchers()}) > on(job, run) "
+            f"({c.grad_spike_factor:g} * run:grpo_grad_norm_pre_clip:baseline_median)", 60,
+            "Pre-clip gradient norm spiked above its rolling median.",
+            "Pre-clip grad norm of run {{ $labels.run }} is " + _value("%.3g") + f", more than "
+            f"{c.grad_spike_factor:g}x its rolling median "
+            + _query("max(run:grpo_grad_norm_pre_clip:baseline_median{run=%q})") + ".",
+        ),
+        Alert(
+            "GRPOGradClippingEveryStep", g1, "grad_clip", "warning",
+            f"run:grpo_grad_clip_active_steps:window_ratio > {c.grad_clip_active_ratio:g}", 900,
+            "Gradient clipping is active on nearly every step.",
+            "Run {{ $labels.run }}: " + _value("%.2f") + f" of optimizer steps were clipped over {w} "
+            f"(threshold {c.grad_clip_active_ratio:g}): the update depends on the fuse.",
+        ),
+        # ---- layer 2: does the reward measure what I think? ----
+        Alert(
+            "GRPOAdvantageAboveBound", g2, "advantage_bound", "critical",
+            f"{_increase(c, 'grpo_advantage_over_bound_sequences_total')} > 0", 60,
+            "Advantages above the group-normalisation bound: a data or reward bug.",
+            "Run {{ $labels.run }}: " + _value("%.0f") + f" sequences over {w} have |A| above the bound "
+            + _query("max(grpo_advantage_bound{run=%q})") + " (max |A| "
+            + _query("max(grpo_advantage_abs_max{run=%q})") + ").",
+        ),
+        Alert(
+            "GRPORewardCliff", g2, "reward_cliff", "critical",
+            f'max by ({BY}) (grpo_reward_mean{c.matchers(component="total")}) < on(job, run) '
+            f'({c.reward_cliff_ratio:g} * run:grpo_reward_mean:baseline_median{{component="total"}}) '
+            f'and on(job, run) run:grpo_reward_mean:baseline_median{{component="total"}} > {c.reward_cliff_min_baseline:g}',
+            300,
+            "Total reward fell off a cliff against its own baseline.",
+            "Mean total reward of run {{ $labels.run }} is " + _value("%.3g") + ", below "
+            f"{c.reward_cliff_ratio:g}x its baseline "
+            + _query('max(run:grpo_reward_mean:baseline_median{run=%q,component=\\"total\\"})') + ".",
+        ),
+        Alert(
+            "GRPOTruncationSurge", g2, "truncation", "warning",
+            f"run:grpo_truncated_completions:window_ratio > on(job, run) ({c.truncation_surge_factor:g} * "
+            f"run:grpo_truncated_completions:baseline_ratio) and run:grpo_truncated_completions:window_ratio "
+            f"> {c.truncation_surge_floor:g}", 600,
+            "Many more completions hit the maximum length than usual.",
+            "Run {{ $labels.run }}: " + _value("%.3g") + " of completions truncated over " + w + ", against a "
+            "baseline of " + _query("max(run:grpo_truncated_completions:baseline_ratio{run=%q})") + ".",
+        ),
+        Alert(
+            "GRPOLengthGrowthIncorrectOnly", g2, "length_incorrect", "warning",
+            f'max by ({BY}) ({growth}{{outcome="incorrect"}}) > {c.length_growth_ratio:g} and on(job, run) '
+            f'max by ({BY}) ({growth}{{outcome="correct"}}) <= {c.length_flat_ratio:g}', 900,
+            "Only incorrect completions grow longer: loss aggregation, not a length hack.",
+            "Mean length of incorrect completions of run {{ $labels.run }} is " + _value("%.2f") + "x its "
+            "baseline while correct ones grow "
+            + _query('max(run:grpo_completion_length_tokens:growth_ratio{run=%q,outcome=\\"correct\\"})', "%.2f")
+            + "x.",
+        ),
+        Alert(
+            "GRPOLengthHack", g2, "length_hack", "warning",
+            f'max by ({BY}) ({growth}{{outcome="correct"}}) > {c.length_growth_ratio:g} and on(job, run) '
+            f'max by ({BY}) ({growth}{{outcome="correct"}}) > on(job, run) max by ({BY}) ({growth}{{outcome="incorrect"}})',
+            900,
+            "Correct completions grow longer, faster than incorrect ones: a length hack.",
+            "Mean length of correct completions of run {{ $labels.run }} is " + _value("%.2f") + "x its "
+            "baseline, faster than incorrect ones ("
+            + _query('max(run:grpo_completion_length_tokens:growth_ratio{run=%q,outcome=\\"incorrect\\"})', "%.2f")
+            + "x).",
+        ),
+        # ---- layer 3: how many samples decide this update? ----
+        Alert(
+            "GRPOESSDrop", g3, "ess", "warning",
+            f'max by ({BY}) (grpo_ess_ratio{c.matchers(level="token")}) < on(job, run) ({c.ess_drop_factor:g} * '
+            f'max by ({BY}) (run:grpo_ess_ratio:baseline_median{{level="token"}}))', 300,
+            "The effective sample size ratio fell: a few samples decide the update.",
+            "Token ESS ratio of run {{ $labels.run }} is " + _value("%.3g") + f", below {c.ess_drop_factor:g}x "
+            "its baseline " + _query('max(run:grpo_ess_ratio:baseline_median{run=%q,level=\\"token\\"})') + ".",
+        ),
+        Alert(
+            "GRPOZeroVarianceAbovePrediction", g3, "zero_variance", "warning",
+            "run:grpo_zero_variance_groups:window_ratio > on(job, run) "
+            f"(run:grpo_zero_variance_groups_expected:window_mean + {c.zero_variance_margin:g})", 900,
+            "More groups without reward variance than the difficulty predicts.",
+            "Run {{ $labels.run }}: " + _value("%.3g") + f" of groups have zero reward variance over {w}, "
+            "against a predicted E[p^G+(1-p)^G] of "
+            + _query("max(run:grpo_zero_variance_groups_expected:window_mean{run=%q})") + ".",
+        ),
+        Alert(
+            "GRPOLowerClipDominant", g3, "clip_sides", "warning",
+            f'max by ({BY}) (run:grpo_clipped_tokens:window_ratio{{bound="lower"}}) > {c.lower_clip_min:g} and on(job, run) '
+            f'max by ({BY}) (run:grpo_clipped_tokens:window_ratio{{bound="upper"}}) < {c.upper_clip_max:g}', 900,
+            "The lower clip bound cuts many tokens while the upper bound cuts almost none: collapse precursor.",
+            "Run {{ $labels.run }}: lower-bound clip fraction " + _value("%.3g") + " of negative-advantage tokens, "
+            "upper " + _query('max(run:grpo_clipped_tokens:window_ratio{run=%q,bound=\\"upper\\"})')
+            + f" of positive-advantage tokens (thresholds {c.lower_clip_min:g} / {c.upper_clip_max:g}).",
+        ),
+        Alert(
+            "GRPOClipFractionHigh", g3, "clip_total", "warning",
+            f"run:grpo_tokens_outside_clip:window_ratio > {c.clip_fraction_high:g}", 600,
+            "Many tokens lie outside the clip range: updates too large or data too stale.",
+            "Run {{ $labels.run }}: " + _value("%.3g") + f" of update tokens are outside the clip range over {w} "
+            f"(threshold {c.clip_fraction_high:g}).",
+        ),
+        Alert(
+            "GRPORolloutsStale", g3, "staleness", "warning",
+            f"max by ({BY}) (grpo_rollout_staleness_versions{c.matchers()}) > {c.staleness_max_versions}", 600,
+            "The trainer learns from rollouts of an old policy.",
+            "Run {{ $labels.run }} trains on rollouts " + _value("%.0f") + " policy versions old "
+            f"(threshold {c.staleness_max_versions}).",
+        ),
+        # ---- layer 4: does the policy still read the question? ----
+        Alert(
+            "GRPOEntropyCollapse", g4, "entropy", "warning",
+            f"max by ({BY}) (grpo_entropy_mean_nats{c.matchers()}) < on(job, run) ({c.entropy_drop_factor:g} * "
+            "run:grpo_entropy_mean_nats:baseline_median) and on(job, run) run:grpo_pass_at_group_size:ratio "
+            "< on(job, run) run:grpo_pass_at_group_size:baseline_median", 900,
+            "Entropy collapses while pass@G falls.",
+            "Mean token entropy of run {{ $labels.run }} is " + _value("%.3g") + f" nats, below "
+            f"{c.entropy_drop_factor:g}x its baseline "
+            + _query("max(run:grpo_entropy_mean_nats:baseline_median{run=%q})") + ", while pass@G is "
+            + _query("max(run:grpo_pass_at_group_size:ratio{run=%q})") + " against its baseline "
+            + _query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + ".",
+        ),
+        Alert(
+            "GRPODiversityCollapse", g4, "diversity", "warning",
+            f"max by ({BY}) (grpo_unique_completions_ratio{c.matchers()}) < {c.unique_ratio_min:g} or "
+            f"max by ({BY}) (grpo_edit_distance_median_ratio{c.matchers()}) < on(job, run) "
+            f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:baseline_median)", 900,
+            "Completions of the same prompt became (nearly) identical.",
+            "Run {{ $labels.run }}: in-group diversity " + _value("%.3g") + f" (distinct share below "
+            f"{c.unique_ratio_min:g}, or median edit distance below {c.edit_distance_drop_factor:g}x its baseline "
+            + _query("max(run:grpo_edit_distance_median_ratio:baseline_median{run=%q})") + ").",
+        ),
+        Alert(
+            "GRPOPassAtGBelowBase", g4, "pass_at_g", "warning",
+            f"run:grpo_pass_at_group_size:ratio < on(job, run) "
+            f'max by ({BY}) ({ref}{c.matchers(metric="grpo_pass_at_k_ratio")})', 1800,
+            "pass@G fell below the base model: the run narrows the policy instead of teaching it.",
+            "pass@G of run {{ $labels.run }} is " + _value("%.3g") + ", below the base model's "
+            + _query(f'max({ref}{{run=%q,metric=\\"grpo_pass_at_k_ratio\\"}})') + ".",
+        ),
+        Alert(
+            "GRPORetrievalNearChance", g4, "retrieval", "warning",
+            f"max by ({BY}) (grpo_retrieval_accuracy_ratio{c.matchers()}) < on(job, run) "
+            f"({c.retrieval_chance_factor:g} * max by ({BY}) (grpo_retrieval_chance_ratio{c.matchers()}))", 900,
+            "Completions no longer identify their own prompt: template collapse.",
+            "Retrieval accuracy of run {{ $labels.run }} is " + _value("%.3g") + f", below "
+            f"{c.retrieval_chance_factor:g}x chance " + _query("max(grpo_retrieval_chance_ratio{run=%q})") + ".",
+        ),
+    ]
+
+
+def rule_files(c: MixinConfig) -> dict[str, dict[str, Any]]:
+    """File name -> rule file content (a ``groups`` document)."""
+    return {
+        "grpo-recording.rules.yml": {"groups": [{"name": "grpo-recording", "rules": recording_rules(c)}]},
+        "grpo-alerts.rules.yml": {"groups": [{"name": "grpo-alerts", "rules": [a.rule(c) for a in alerts(c)]}]},
+    }
