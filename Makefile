@@ -13,3 +13,4 @@ lint: setup
 # Regenerate every committed generated file from the catalogue.
 generate: setup
 	.venv/bin/grpo-exporter catalog --out docs/metrics.md
+	.venv/bin/grpo-exporter rules
