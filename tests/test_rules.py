@@ -127,6 +127,15 @@ def test_time_scale_shrinks_every_window():
     assert "[5m]" not in text
 
 
+def test_overrides_and_unknown_alert_names():
+    c = MixinConfig(for_seconds={"GRPORolloutsStale": 3600}, severities={"GRPORolloutsStale": "info"})
+    rule = next(a.rule(c) for a in alerts(c) if a.name == "GRPORolloutsStale")
+    assert rule["for"] == "1h"
+    assert rule["labels"]["severity"] == "info"
+    with pytest.raises(ValueError, match="GRPONoSuchAlert"):
+        alerts(MixinConfig(severities={"GRPONoSuchAlert": "info"}))
+
+
 def test_amtool_check_config():
     done = run(binary("amtool"), "check-config", str(ALERTMANAGER))
     assert done.returncode == 0, done.stdout + done.stderr

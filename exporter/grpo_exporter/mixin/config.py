@@ -115,6 +115,10 @@ class MixinConfig(BaseModel):
 
     # ---- paging ----
     runbook_url: str = Field("docs/runbooks.md", description="base of every alert's runbook_url")
+    for_seconds: dict[str, int] = Field(
+        default_factory=dict, description="per-alert `for` overrides in seconds (scaled by time_scale), e.g. "
+        "{GRPOEngineLogprobGapWarning: 1800} to page only on a persistent drift"
+    )
     severities: dict[str, Severity] = Field(
         default_factory=dict, description="per-alert severity overrides, e.g. {GRPORolloutsStale: info}"
     )

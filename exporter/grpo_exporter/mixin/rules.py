@@ -36,7 +36,7 @@ class Alert:
         return {
             "alert": self.name,
             "expr": self.expr,
-            "for": c.duration(self.for_s),
+            "for": c.duration(c.for_seconds.get(self.name, self.for_s)),
             "labels": {
                 "severity": c.severities.get(self.name, self.severity),
                 "layer": self.layer.value,
@@ -136,7 +136,16 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
 
 
 def alerts(c: MixinConfig) -> list[Alert]:
-    """Every alert, in signal-chain order (liveness, then layers 1-4)."""
+    """Every alert, in signal-chain order (liveness, then layers 1-4); an override naming no alert fails."""
+    found = _alerts(c)
+    unknown = (set(c.severities) | set(c.for_seconds)) - {a.name for a in found}
+    if unknown:
+        raise ValueError(f"severities/for_seconds: unknown alert(s) {sorted(unknown)}; expected GRPO... names "
+                         f"of {[a.name for a in found]}")
+    return found
+
+
+def _alerts(c: MixinConfig) -> list[Alert]:
     w = c.duration(c.rate_window_s)
     gap = "run:grpo_engine_logprob_gap_nats:window_mean"
     ref = "grpo_reference_baseline"
