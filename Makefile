@@ -14,3 +14,4 @@ lint: setup
 generate: setup
 	.venv/bin/grpo-exporter catalog --out docs/metrics.md
 	.venv/bin/grpo-exporter rules
+	.venv/bin/grpo-exporter dashboards

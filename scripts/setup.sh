@@ -37,4 +37,4 @@ VPY=.venv/bin/python
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
   "$VPY" -m pip install -q "$TORCH_REQ"
 fi
-"$VPY" -m pip install -q -e '.[dev]'
+"$VPY" -m pip install -q -e '.[dev,dashboards]'

@@ -34,6 +34,20 @@ def _rules(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboards(args: argparse.Namespace) -> int:
+    try:
+        from grpo_exporter.mixin.dashboards import dashboard_files
+    except ImportError as exc:  # the SDK is an optional extra
+        print(f"grpo-exporter dashboards needs the dashboards extra: pip install 'grpo-exporter[dashboards]' ({exc})")
+        return 2
+    from grpo_exporter.mixin.config import MixinConfig
+    from grpo_exporter.mixin.render import write
+
+    for path in write(dashboard_files(MixinConfig.load(args.config)), Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
 def _hash_password(args: argparse.Namespace) -> int:
     import getpass
 
@@ -58,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--alertmanager-out", default="deploy/alertmanager", help="folder of alertmanager.yml"
     )
     rules.set_defaults(run=_rules)
+    boards = commands.add_parser("dashboards", help="generate the Grafana dashboards (JSON)")
+    boards.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
+    boards.add_argument("--out", default="dashboards", help="folder of the dashboards (default: dashboards)")
+    boards.set_defaults(run=_dashboards)
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")
     hashing.add_argument("--password", help="the password (prompted for when omitted)")
     hashing.set_defaults(run=_hash_password)

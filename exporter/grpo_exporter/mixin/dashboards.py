@@ -1,0 +1,344 @@
+"""Grafana dashboards as code with grafana-foundation-sdk (the Grafana 11.x build), from the same config as
+the rules: thresholds are read from :class:`MixinConfig`, never retyped.
+
+Two dashboards:
+
+* "GRPO training health": an overview row, then one row per signal-chain question in order (1 does the
+  gradient match? 2 does the reward measure the task? 3 how many samples decide the update? 4 does the policy
+  still read the question?). Every panel is titled by the question it answers and says how to read it.
+* "GRPO crash triage": one run, the first anomalous step, ratio and gap quantiles, non-finite and mask
+  counters, grad norms before and after clipping.
+
+Panels are declared as data (:class:`PanelSpec`) so tests can inspect every query; :func:`build` turns a
+spec list into the SDK's builders, setting panel ids and query refIds explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import GraphThresholdsStyleMode
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos, Threshold, ThresholdsMode
+
+from grpo_exporter.mixin.config import MixinConfig
+
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SEL = 'job=~"$job",run=~"$run"'
+W = "$__rate_interval"
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str = ""
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    description: str
+    queries: tuple[Query, ...]
+    unit: str
+    kind: str = "timeseries"  # or "stat"
+    thresholds: tuple[tuple[float, str], ...] = ()  # (value, color) above the green base
+    width: int = 8
+    min: float | None = None
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    title: str
+    panels: tuple[PanelSpec, ...]
+
+
+@dataclass(frozen=True)
+class DashboardSpec:
+    uid: str
+    title: str
+    description: str
+    rows: tuple[RowSpec, ...]
+    multi_run: bool = True
+    tags: tuple[str, ...] = field(default=("grpo", "grpo-exporter"))
+
+
+def q(expr: str, legend: str = "{{run}}") -> Query:
+    return Query(expr, legend)
+
+
+def training_health(c: MixinConfig) -> DashboardSpec:
+    gap = "run:grpo_engine_logprob_gap_nats:window_mean"
+    overview = RowSpec("Overview: is the run alive, and which layer pages?", (
+        PanelSpec("Which signal-chain layers have firing alerts?",
+                  "Firing GRPO alerts by layer. Read layer 1 first: while it fires, layers 2-4 mean nothing.",
+                  (q(f'count by (layer) (ALERTS{{alertstate="firing",alertname=~"GRPO.*",{SEL}}})', "{{layer}}"),),
+                  "short", "stat", ((1, "red"),), width=6),
+        PanelSpec("Which step is each run at?", "Last step reported by each run.",
+                  (q(f"max by (run) (grpo_last_step{{{SEL}}})"),), "none", "stat", width=6),
+        PanelSpec("How many steps per minute?", "Training throughput; a drop to 0 precedes GRPOTrainingStalled.",
+                  (q(f"sum by (run) (rate(grpo_steps_total{{{SEL}}}[{W}])) * 60"),), "short", width=6, min=0),
+        PanelSpec("Is the exporter healthy?",
+                  "Scrape target up, and exporter errors per second by stage (should be 0).",
+                  (q('up{job=~"$job"}', "up {{instance}}"),
+                   q(f"sum by (run, stage) (rate(grpo_exporter_errors_total{{{SEL}}}[{W}]))", "errors {{run}} {{stage}}")),
+                  "short", width=6, min=0),
+    ))
+    layer1 = RowSpec("1 · Does the gradient match what I think?", (
+        PanelSpec("Do trainer and rollout engine agree on log-probs? (mean gap)",
+                  f"Mean |rollout - trainer| log-prob gap on loss tokens. Seed: < {c.engine_gap_warning_nats:g} healthy, "
+                  f">= {c.engine_gap_critical_nats:g} stop. Judge the mean, never the max.",
+                  (q(gap), q(f'max by (run) (grpo_reference_baseline{{metric="grpo_engine_logprob_gap_mean_nats",{SEL}}})', "reference {{run}}")),
+                  "none", thresholds=((c.engine_gap_warning_nats, "yellow"), (c.engine_gap_critical_nats, "red")), min=0),
+        PanelSpec("Which tokens disagree most? (gap quantiles)",
+                  "p99, p99.9 and max of the engine gap in the last step: a few bad tokens can hit the clip while the mean looks fine.",
+                  (q(f'max by (run, quantile) (grpo_engine_logprob_gap_nats{{quantile=~"0.99|0.999|1",{SEL}}})', "{{run}} q{{quantile}}"),),
+                  "none", min=0),
+        PanelSpec("Is the ratio clipped before any update?",
+                  "Share of loss tokens outside the clip range on on-policy updates (weights unchanged). Should be ~0.",
+                  (q("run:grpo_onpolicy_outside_clip_tokens:window_ratio"),
+                   q(f"max by (run) (grpo_onpolicy_log_ratio_abs_max_nats{{{SEL}}})", "max |log r| {{run}}")),
+                  "percentunit", thresholds=((c.onpolicy_outside_ratio, "red"),), min=0),
+        PanelSpec("Are there non-finite values or mask faults?",
+                  "NaN/Inf per second by tensor (loss tokens only), sequences with a wrong loss-token count, loss tokens outside completions. Any is a bug.",
+                  (q(f"sum by (run, tensor) (rate(grpo_nonfinite_values_total{{{SEL}}}[{W}])) > 0", "{{run}} {{tensor}}"),
+                   q(f"sum by (run) (rate(grpo_loss_mask_length_mismatch_sequences_total{{{SEL}}}[{W}]))", "mask length {{run}}"),
+                   q(f"sum by (run) (rate(grpo_loss_mask_outside_completion_tokens_total{{{SEL}}}[{W}]))", "outside completion {{run}}")),
+                  "short", thresholds=((1e-9, "red"),), min=0),
+        PanelSpec("Is the log-ratio fuse blowing?",
+                  "Share of tokens hitting the numerical clamp before exp. Should be ~0: frequent hits mean inconsistency or staleness.",
+                  (q("run:grpo_log_ratio_clamp_hit_tokens:window_ratio"),),
+                  "percentunit", thresholds=((c.fuse_hit_ratio, "orange"),), min=0),
+        PanelSpec("How large is the gradient before and after clipping?",
+                  f"Pre-clip norm (log before clip!), post-clip norm and {c.grad_spike_factor:g}x the rolling median: a spike crossing it pages.",
+                  (q(f"max by (run) (grpo_grad_norm_pre_clip{{{SEL}}})", "pre-clip {{run}}"),
+                   q(f"max by (run) (grpo_grad_norm_post_clip{{{SEL}}})", "post-clip {{run}}"),
+                   q(f"{c.grad_spike_factor:g} * run:grpo_grad_norm_pre_clip:baseline_median", "spike line {{run}}")),
+                  "none", min=0),
+        PanelSpec("Does clipping act on every step?",
+                  "Share of optimizer steps rescaled by gradient clipping. Nearly every step = the root cause is unsolved.",
+                  (q("run:grpo_grad_clip_active_steps:window_ratio"),),
+                  "percentunit", thresholds=((c.grad_clip_active_ratio, "orange"),), min=0),
+        PanelSpec("How far does each optimizer step move the weights?",
+                  "|dtheta| / |theta| over sampled parameters, and the KL to the reference policy (k3 estimator).",
+                  (q(f"max by (run) (grpo_param_relative_update{{{SEL}}})", "|dθ|/|θ| {{run}}"),
+                   q(f"max by (run) (grpo_kl_ref_nats{{{SEL}}})", "KL {{run}}")),
+                  "none", min=0),
+        PanelSpec("How stale are the rollouts?", "Policy versions between the trainer and the rollouts it learns from.",
+                  (q(f"max by (run) (grpo_rollout_staleness_versions{{{SEL}}})"),),
+                  "none", thresholds=((c.staleness_max_versions, "orange"),), min=0),
+    ))
+    layer2 = RowSpec("2 · Does the reward measure what I think?", (
+        PanelSpec("Which reward component moves? (mean per component)",
+                  "Mean reward per component and total. Format up while correctness is flat: learning layout, not solving.",
+                  (q(f"max by (run, component) (grpo_reward_mean{{{SEL}}})", "{{run}} {{component}}"),), "none"),
+        PanelSpec("How much do rewards differ inside a group, before normalisation?",
+                  "Mean within-group std and range per component: sigma normalisation turns a tiny spread into a full-strength signal.",
+                  (q(f"max by (run, component) (grpo_reward_group_std_mean{{{SEL}}})", "std {{run}} {{component}}"),
+                   q(f"max by (run, component) (grpo_reward_group_range_mean{{{SEL}}})", "range {{run}} {{component}}")),
+                  "none", min=0),
+        PanelSpec("Are advantages inside their bound?",
+                  "Max |A| against the group-normalisation bound ((G-1)/sqrt(G) with unbiased std): above it is a data or reward bug.",
+                  (q(f"max by (run) (grpo_advantage_abs_max{{{SEL}}})", "max |A| {{run}}"),
+                   q(f"max by (run) (grpo_advantage_bound{{{SEL}}})", "bound {{run}}"),
+                   q(f"sum by (run) (rate(grpo_advantage_over_bound_sequences_total{{{SEL}}}[{W}]))", "over bound/s {{run}}")),
+                  "none", min=0),
+        PanelSpec("Which answers grow longer, correct or incorrect?",
+                  "Mean length by outcome, never merged: only incorrect growing = 1/|o| loss aggregation; correct growing faster = length hack.",
+                  (q("run:grpo_completion_length_tokens:window_mean", "{{run}} {{outcome}}"),
+                   q(f'max by (run, outcome) (grpo_completion_length_tokens{{quantile="0.99",{SEL}}})', "p99 {{run}} {{outcome}}")),
+                  "none", min=0),
+        PanelSpec("How many completions hit the maximum length?",
+                  "Share of truncated completions (sample level; kept apart from token-level clip fractions) and its baseline.",
+                  (q("run:grpo_truncated_completions:window_ratio"),
+                   q("run:grpo_truncated_completions:baseline_ratio", "baseline {{run}}")),
+                  "percentunit", thresholds=((c.truncation_surge_floor, "orange"),), min=0),
+    ))
+    layer3 = RowSpec("3 · How many samples decide this update?", (
+        PanelSpec("How many samples really carry the gradient? (ESS ratio)",
+                  f"Effective sample size ratio per token and per sequence, and the token baseline: falling below {c.ess_drop_factor:g}x warns before grad norm spikes.",
+                  (q(f"max by (run, level) (grpo_ess_ratio{{{SEL}}})", "{{run}} {{level}}"),
+                   q('run:grpo_ess_ratio:baseline_median{level="token"}', "baseline {{run}}")),
+                  "percentunit", min=0),
+        PanelSpec("Are there more zero-variance groups than predicted?",
+                  "Observed share of groups with identical rewards against the prediction E[p^G+(1-p)^G] from solve-rate history: a fixed 50% line is wrong.",
+                  (q("run:grpo_zero_variance_groups:window_ratio", "observed {{run}}"),
+                   q("run:grpo_zero_variance_groups_expected:window_mean", "predicted {{run}}")),
+                  "percentunit", min=0),
+        PanelSpec("Are zero-variance groups all correct or all wrong?",
+                  "All-correct: data too easy. All-incorrect: check the verifier first. The same share calls for opposite fixes.",
+                  (q(f"sum by (run, outcome) (rate(grpo_zero_variance_groups_total{{{SEL}}}[{W}]))", "{{run}} {{outcome}}"),),
+                  "short", min=0),
+        PanelSpec("Which clip bound cuts the gradient? (upper vs lower, never merged)",
+                  "Truly clipped share: upper of positive-advantage tokens, lower of negative-advantage tokens. Lower high with upper ~0 = collapse precursor.",
+                  (q('run:grpo_clipped_tokens:window_ratio{bound="upper"}', "upper {{run}}"),
+                   q('run:grpo_clipped_tokens:window_ratio{bound="lower"}', "lower {{run}}")),
+                  "percentunit", thresholds=((c.lower_clip_min, "orange"),), min=0),
+        PanelSpec("How many tokens lie outside the clip range at all?",
+                  f"Clipped plus opposite-sign out-of-range tokens over all update tokens; the seed's danger line is {c.clip_fraction_high:g}.",
+                  (q("run:grpo_tokens_outside_clip:window_ratio"),),
+                  "percentunit", thresholds=((c.clip_fraction_high, "red"),), min=0),
+        PanelSpec("How are update tokens split by advantage sign?",
+                  "Loss tokens per second by advantage sign; zero-advantage tokens dilute a token-level loss.",
+                  (q(f"sum by (run, advantage_sign) (rate(grpo_update_tokens_total{{{SEL}}}[{W}]))", "{{run}} {{advantage_sign}}"),
+                   q(f"max by (run) (grpo_zero_advantage_tokens_ratio{{{SEL}}})", "zero-A share {{run}}")),
+                  "short", min=0),
+        PanelSpec("How extreme are the importance ratios?",
+                  "Quantiles of pi/pi_old in the last update: the mean hides e^5 outliers.",
+                  (q(f"max by (run, quantile) (grpo_importance_weight{{{SEL}}})", "{{run}} q{{quantile}}"),),
+                  "none", min=0),
+        PanelSpec("Where do mixed groups' solve rates sit?",
+                  "Share of mixed-outcome groups at the ends (solve rate <= 0.1 or > 0.9), where the lone minority gets the largest weight.",
+                  (q(f'(sum by (run) (rate(grpo_mixed_group_solve_rate_ratio_bucket{{le="0.1",{SEL}}}[{W}])) + sum by (run) (rate(grpo_mixed_group_solve_rate_ratio_count{{{SEL}}}[{W}])) - sum by (run) (rate(grpo_mixed_group_solve_rate_ratio_bucket{{le="0.9",{SEL}}}[{W}]))) / sum by (run) (rate(grpo_mixed_group_solve_rate_ratio_count{{{SEL}}}[{W}]))'),),
+                  "percentunit", min=0),
+    ))
+    layer4 = RowSpec("4 · Does the policy still read the question?", (
+        PanelSpec("Is entropy collapsing? (all and top-20% positions)",
+                  "Mean token entropy and the mean of the 20% most uncertain positions (the forking tokens). Falling alone is sharpening; read it with pass@G.",
+                  (q(f"max by (run) (grpo_entropy_mean_nats{{{SEL}}})", "mean {{run}}"),
+                   q(f"max by (run) (grpo_entropy_top_mean_nats{{{SEL}}})", "top 20% {{run}}"),
+                   q("run:grpo_entropy_mean_nats:baseline_median", "baseline {{run}}")),
+                  "none", min=0),
+        PanelSpec("Does pass@1 rise while pass@G falls?",
+                  "pass@k from the rollouts (before any filtering) and the base model's pass@G: pass@G below base = narrowing, not learning.",
+                  (q(f"max by (run, k) (grpo_pass_at_k_ratio{{{SEL}}})", "pass@{{k}} {{run}}"),
+                   q(f'max by (run) (grpo_reference_baseline{{metric="grpo_pass_at_k_ratio",{SEL}}})', "base pass@G {{run}}")),
+                  "percentunit", min=0),
+        PanelSpec("Do completions of one prompt still differ?",
+                  "Distinct completions per group (seed: 2-3 of 16 is collapse) and the median normalised edit distance.",
+                  (q(f"max by (run) (grpo_unique_completions_ratio{{{SEL}}})", "distinct {{run}}"),
+                   q(f"max by (run) (grpo_edit_distance_median_ratio{{{SEL}}})", "edit distance {{run}}")),
+                  "percentunit", thresholds=((c.unique_ratio_min, "orange"),), min=0),
+        PanelSpec("Does each answer still find its own question?",
+                  "Retrieval accuracy against chance 1/P: near chance = one template for every prompt, even at high entropy.",
+                  (q(f"max by (run) (grpo_retrieval_accuracy_ratio{{{SEL}}})", "accuracy {{run}}"),
+                   q(f"max by (run) (grpo_retrieval_chance_ratio{{{SEL}}})", "chance {{run}}")),
+                  "percentunit", min=0),
+    ))
+    return DashboardSpec(
+        "grpo-training-health", "GRPO training health",
+        "The signal chain of a GRPO run, top to bottom: a failure in an upper row makes every row below it meaningless.",
+        (overview, layer1, layer2, layer3, layer4),
+    )
+
+
+def crash_triage(c: MixinConfig) -> DashboardSpec:
+    faults = (f"(sum by (run) (increase(grpo_nonfinite_values_total{{{SEL}}}[{W}])) + "
+              f"sum by (run) (increase(grpo_loss_mask_length_mismatch_sequences_total{{{SEL}}}[{W}])) + "
+              f"sum by (run) (increase(grpo_loss_mask_outside_completion_tokens_total{{{SEL}}}[{W}]))) > 0")
+    rows = (
+        RowSpec("Where did it start?", (
+            PanelSpec("Which step was the first anomalous one?",
+                      "Smallest step in the time range with a non-finite value or a mask fault; save the last normal step, this one and the next.",
+                      (q(f"min_over_time((max by (run) (grpo_last_step{{{SEL}}}) and on(run) ({faults}))[$__range:])"),),
+                      "none", "stat", width=8),
+            PanelSpec("Which layer-1 alerts fired?", "GRPO layer-1 alerts of this run in the time range.",
+                      (q(f'count by (alertname) (ALERTS{{alertstate="firing",layer="1-gradient",{SEL}}})', "{{alertname}}"),),
+                      "short", "stat", ((1, "red"),), width=8),
+            PanelSpec("Where is the evidence?",
+                      "No flight-record metric is published yet: capture the last normal step, the first bad step and the next (prompts, completions, rewards per component, ratio quantiles, masks, grad norms, seeds) by hand; see the runbooks.",
+                      (q(f"max by (run) (grpo_last_step{{{SEL}}})"),), "none", "stat", width=8),
+        )),
+        RowSpec("Probability path: do the two sides agree, is the ratio sane?", (
+            PanelSpec("Engine gap quantiles", "p50/p99/p99.9/max of |rollout - trainer| log-prob on loss tokens, and the windowed mean.",
+                      (q(f"max by (run, quantile) (grpo_engine_logprob_gap_nats{{{SEL}}})", "q{{quantile}}"), q("run:grpo_engine_logprob_gap_nats:window_mean", "mean")),
+                      "none", thresholds=((c.engine_gap_warning_nats, "yellow"), (c.engine_gap_critical_nats, "red")), width=12),
+            PanelSpec("Importance ratio quantiles", "min/p50/p95/p99/max of pi/pi_old on loss tokens.",
+                      (q(f"max by (run, quantile) (grpo_importance_weight{{{SEL}}})", "q{{quantile}}"),), "none", width=12),
+        )),
+        RowSpec("Numerics and masks", (
+            PanelSpec("Non-finite values by tensor", "Cumulative NaN/Inf count per tensor: the first tensor to move is where to look.",
+                      (q(f"max by (run, tensor) (grpo_nonfinite_values_total{{{SEL}}})", "{{tensor}}"),), "short", width=12),
+            PanelSpec("Loss-mask faults", "Cumulative sequences with a wrong loss-token count, and loss tokens outside completions.",
+                      (q(f"max by (run) (grpo_loss_mask_length_mismatch_sequences_total{{{SEL}}})", "length mismatch"),
+                       q(f"max by (run) (grpo_loss_mask_outside_completion_tokens_total{{{SEL}}})", "outside completion"),
+                       q(f"max by (run) (grpo_loss_mask_empty_sequences_total{{{SEL}}})", "masked whole")), "short", width=12),
+        )),
+        RowSpec("Update size", (
+            PanelSpec("Grad norm before and after clipping", "The pre-clip norm shows the real spike; post-clip what the optimizer got.",
+                      (q(f"max by (run) (grpo_grad_norm_pre_clip{{{SEL}}})", "pre-clip"), q(f"max by (run) (grpo_grad_norm_post_clip{{{SEL}}})", "post-clip")),
+                      "none", width=12),
+            PanelSpec("Clip fractions and ESS", "Upper/lower truly clipped shares and the token ESS ratio around the crash.",
+                      (q('run:grpo_clipped_tokens:window_ratio{bound="upper"}', "upper"), q('run:grpo_clipped_tokens:window_ratio{bound="lower"}', "lower"),
+                       q(f'max by (run) (grpo_ess_ratio{{level="token",{SEL}}})', "ESS token")), "percentunit", width=12),
+        )),
+    )
+    return DashboardSpec("grpo-crash-triage", "GRPO crash triage", "One run around its first anomalous step.", rows,
+                         multi_run=False)
+
+
+def specs(c: MixinConfig) -> tuple[DashboardSpec, ...]:
+    return training_health(c), crash_triage(c)
+
+
+NOT_SHOWN: dict[str, str] = {
+    "grpo_observe_duration_seconds": "exporter self-timing; read it in Prometheus when tuning the exporter",
+    "grpo_dropped_reward_components_total": "configuration feedback (raise max_reward_components), not a training signal",
+    "grpo_build_info": "used by the job and run variables, not plotted",
+    "grpo_steps_total": "shown as steps per minute",
+    "grpo_last_step_timestamp_seconds": "feeds GRPOTrainingStalled; the step panel shows progress",
+    "grpo_optimizer_steps_total": "denominator of the clip-activity ratio",
+    "grpo_onpolicy_checked_tokens_total": "denominator of the on-policy clip share",
+    "grpo_completions_total": "denominator of the truncation share",
+    "grpo_groups_total": "denominator of the zero-variance share",
+    "grpo_run_info": "joins pass@k with the group size (pass@G recording rule)",
+    "grpo_engine_logprob_gap_mean_nats": "the panels show the windowed mean recorded from _sum/_count",
+    "grpo_onpolicy_outside_clip_ratio": "the panels show the windowed share recorded from the counters",
+    "grpo_log_ratio_clamp_hit_ratio": "the panels show the windowed share recorded from the counters",
+    "grpo_clipped_tokens_ratio": "the panels show the windowed shares recorded from the counters",
+    "grpo_zero_variance_groups_ratio": "the panels show the windowed share recorded from the counters",
+}
+
+
+def dashboard_files(c: MixinConfig) -> dict[str, str]:
+    """File name -> JSON text of every dashboard."""
+    return {f"{s.uid}.json": json.dumps(build(s), indent=2, sort_keys=True) + "\n" for s in specs(c)}
+
+
+def build(spec: DashboardSpec) -> dict[str, Any]:
+    """The dashboard JSON model (a dict) for a spec, built with grafana-foundation-sdk."""
+    builder = (
+        db.Dashboard(spec.title).uid(spec.uid).description(spec.description).tags(list(spec.tags))
+        .refresh("30s").time("now-3h", "now").timezone("browser").editable()
+        .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(db.QueryVariable("job").label("Job").datasource(DATASOURCE)
+                       .query("label_values(grpo_build_info, job)").multi(True).include_all(True).refresh(2))
+        .with_variable(db.QueryVariable("run").label("Run").datasource(DATASOURCE)
+                       .query('label_values(grpo_build_info{job=~"$job"}, run)').multi(spec.multi_run)
+                       .include_all(spec.multi_run).refresh(2))
+    )
+    panel_id, y = 1, 0
+    for row in spec.rows:
+        builder = builder.with_row(db.Row(row.title).id(panel_id).grid_pos(GridPos(h=1, w=24, x=0, y=y)))
+        panel_id, y, x = panel_id + 1, y + 1, 0
+        for p in row.panels:
+            if x + p.width > 24:
+                x, y = 0, y + 8
+            builder = builder.with_panel(_panel(p, panel_id, GridPos(h=8, w=p.width, x=x, y=y)))
+            panel_id, x = panel_id + 1, x + p.width
+        y += 8
+    return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+
+
+def _panel(p: PanelSpec, panel_id: int, pos: GridPos) -> Any:
+    steps = [Threshold(value=None, color="green"), *(Threshold(value=v, color=color) for v, color in p.thresholds)]
+    panel = (stat.Panel() if p.kind == "stat" else timeseries.Panel()).id(panel_id).title(p.title)
+    panel = panel.description(p.description).unit(p.unit).datasource(DATASOURCE).grid_pos(pos)
+    panel = panel.thresholds(db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(steps))
+    if p.kind != "stat" and p.thresholds:
+        panel = panel.thresholds_style(_style())
+    if p.min is not None:
+        panel = panel.min(p.min)
+    for i, query in enumerate(p.queries):
+        target = prometheus.Dataquery().expr(query.expr).legend_format(query.legend).ref_id(chr(ord("A") + i))
+        panel = panel.with_target(target.datasource(DATASOURCE))
+    return panel
+
+
+def _style() -> Any:
+    from grafana_foundation_sdk.builders.common import GraphThresholdsStyleConfig
+
+    return GraphThresholdsStyleConfig().mode(GraphThresholdsStyleMode.DASHED)

@@ -1,0 +1,163 @@
+"""Dashboards as code: drift, structure, catalogue coverage, and every query against a real Prometheus that
+scrapes a live GRPOMonitor."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from batches import make_batch
+from grpo_exporter import GRPOMonitor
+from grpo_exporter.catalog import CATALOG, family_of
+from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.dashboards import NOT_SHOWN, build, dashboard_files, specs, training_health
+from grpo_exporter.mixin.render import rules_outputs
+from grpo_exporter.mixin.rules import recording_rules
+from monitor_helpers import rollout_kwargs, update_kwargs
+from services import binary, free_port, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = re.compile(r"\brun:[a-z0-9_]+:[a-z0-9_]+")
+
+
+def panels(dashboard: dict) -> list[dict]:
+    return [p for p in dashboard["panels"] if p["type"] != "row"]
+
+
+def exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in panels(dashboard) for t in p["targets"]]
+
+
+def test_committed_dashboards_equal_the_builder():
+    for name, text in dashboard_files(MixinConfig()).items():
+        committed = (ROOT / "dashboards" / name).read_text()
+        assert committed == text, f"dashboards/{name} drifted: run `grpo-exporter dashboards`"
+
+
+@pytest.mark.parametrize("spec", specs(MixinConfig()), ids=lambda s: s.uid)
+def test_structure(spec):
+    d = build(spec)
+    assert d["uid"] == spec.uid
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    assert [v["name"] for v in d["templating"]["list"]] == ["datasource", "job", "run"]
+    for p in panels(d):
+        assert p["title"], p["id"]
+        assert p["description"], p["id"]
+        assert p["fieldConfig"]["defaults"].get("unit"), p["title"]
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        ref_ids = [t["refId"] for t in p["targets"]]
+        assert ref_ids, p["title"]
+        assert len(ref_ids) == len(set(ref_ids)), p["title"]
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}", p["title"]
+
+
+def test_rows_follow_the_signal_chain():
+    titles = [p["title"] for p in build(training_health(MixinConfig()))["panels"] if p["type"] == "row"]
+    assert [t[:1] for t in titles[1:]] == ["1", "2", "3", "4"]
+    for title, word in zip(titles[1:], ("gradient", "reward", "samples", "question"), strict=True):
+        assert word in title
+
+
+def test_thresholds_come_from_the_mixin_config():
+    def gap_steps(c: MixinConfig) -> list:
+        d = build(training_health(c))
+        panel = next(p for p in panels(d) if p["title"].startswith("Do trainer and rollout engine agree"))
+        return [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+
+    assert gap_steps(MixinConfig()) == [None, 0.001, 0.01]
+    assert gap_steps(MixinConfig(engine_gap_warning_nats=0.002, engine_gap_critical_nats=0.02)) == [None, 0.002, 0.02]
+
+
+def test_every_metric_exists_and_every_catalogue_metric_is_shown_or_excused():
+    recorded = {r["record"]: r["expr"] for r in recording_rules(MixinConfig())}
+    shown: set[str] = set()
+    for spec in specs(MixinConfig()):
+        d = build(spec)
+        text = "\n".join(exprs(d) + [v.get("query", "") if isinstance(v.get("query"), str) else ""
+                                     for v in d["templating"]["list"]])
+        for name in RECORDED.findall(text):
+            assert name in recorded, f"{spec.uid}: {name} is never recorded"
+            text += "\n" + recorded[name]
+        for name in RECORDED.findall(text):  # recording rules built on recording rules
+            text += "\n" + recorded[name]
+        for name in set(re.findall(r"\b(grpo_[a-z0-9_]+)", RECORDED.sub("", text))):
+            shown.add(family_of(name).name)  # KeyError: not in the catalogue
+    catalogue = {m.name for m in CATALOG}
+    assert set(NOT_SHOWN) <= catalogue
+    assert catalogue - shown - set(NOT_SHOWN) == set(), "neither shown nor listed in NOT_SHOWN"
+
+
+def _query(base: str, expr: str) -> dict:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read())
+
+
+def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
+    fast = MixinConfig(time_scale=0.01)
+    for name, text in rules_outputs(fast).items():
+        (tmp_path / name).write_text(text)
+    baseline = tmp_path / "baseline.yaml"
+    baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.6\n')
+    with GRPOMonitor(run="dash", group_size=8, port=0, guard="off", log_ratio_clamp=20.0,
+                     reference_baseline=str(baseline)) as mon:
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            "rule_files: [grpo-recording.rules.yml, grpo-alerts.rules.yml]\n"
+            f"scrape_configs:\n- job_name: grpo\n  static_configs: [{{targets: ['127.0.0.1:{mon.port}']}}]\n"
+        )
+        port = free_port()
+        log = (tmp_path / "prometheus.log").open("w")
+        prom = subprocess.Popen(
+            [binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(f"{base}/-/ready", process=prom)
+            model = torch.nn.Linear(4, 3)
+            start = time.monotonic()
+            step = 0
+            while time.monotonic() - start < 16:  # a few dozen steps across ~16 scrapes
+                x = make_batch(step % 4).inputs()
+                mon.observe_rollout(step, **rollout_kwargs(x), prompt_ids=torch.arange(48) // 8)
+                mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step)
+                model(torch.randn(5, 4)).square().sum().backward()
+                mon.clip_grad_norm_(model.parameters(), 0.5)
+                mon.observe_retrieval(step, torch.randn(48, 6), torch.arange(48) // 8)
+                step += 1
+                time.sleep(0.3)
+            mon.wait_for_workers()
+            time.sleep(2.5)
+            assert step >= 24
+            empty: list[str] = []
+            for spec in specs(MixinConfig()):
+                for panel in panels(build(spec)):
+                    series = 0
+                    for target in panel["targets"]:
+                        expr = (target["expr"].replace("$__rate_interval", "10s").replace("$__range", "1m")
+                                .replace("$job", "grpo").replace("$run", "dash"))
+                        answer = _query(base, expr)
+                        assert answer["status"] == "success", (panel["title"], expr, answer)
+                        series += len(answer["data"]["result"])
+                    if series == 0:
+                        empty.append(f"{spec.uid}: {panel['title']}")
+            assert empty == []
+        finally:
+            prom.terminate()
+            prom.wait(timeout=10)
+            log.close()
