@@ -18,7 +18,7 @@ ROLLOUT_FIELDS = (
     "rewards", "group_ids", "correct", "truncated", "rollout_logprobs", "old_logprobs", "loss_mask",
     "completion_lengths", "completion_ids",
 )
-UPDATE_FIELDS = ("logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs")
+UPDATE_FIELDS = ("logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs", "completion_lengths")
 
 
 def rollout_kwargs(x: StepInputs) -> dict[str, Any]:
@@ -66,3 +66,15 @@ def parse_exposition(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], f
         for sample in family.samples:
             out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
     return out
+
+
+def expected_step(rollout: StepInputs, update: StepInputs, cfg: Any) -> dict[str, float]:
+    """What a monitor publishes for one step: rollout-stage blocks on the rollout inputs, update-stage blocks
+    on the update inputs, additive samples summed."""
+    from grpo_exporter.catalog import is_additive
+    from grpo_exporter.step import ROLLOUT_BLOCKS, UPDATE_BLOCKS, compute_step_carrying
+
+    want = dict(compute_step_carrying(rollout, cfg, {}, blocks=ROLLOUT_BLOCKS).metrics)
+    for key, value in compute_step_carrying(update, cfg, {}, blocks=UPDATE_BLOCKS).metrics.items():
+        want[key] = want.get(key, 0.0) + value if is_additive(key) else value
+    return want

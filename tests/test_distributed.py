@@ -20,8 +20,7 @@ from grpo_exporter.catalog import is_additive, parse_key
 from grpo_exporter.functional import sketch
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.monitor_config import MonitorConfig
-from grpo_exporter.step import compute_step
-from monitor_helpers import rollout_kwargs, scrape, update_kwargs
+from monitor_helpers import expected_step, rollout_kwargs, scrape, update_kwargs
 
 WORLD = 2
 SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "guard": "off", "pass_k": (2, 4)}
@@ -88,10 +87,7 @@ def expected() -> dict[str, float]:
     cfg = MonitorConfig(run="single", port=None, **SETTINGS)
     rollout = StepInputs(**rollout_kwargs(x), prompt_solve_rate=torch.full((48,), 0.5))
     update = StepInputs(**update_kwargs(x))
-    want = compute_step(rollout, cfg)
-    for key, value in compute_step(update, cfg).items():
-        want[key] = want.get(key, 0.0) + value if is_additive(key) else value
-    return want
+    return expected_step(rollout, update, cfg)
 
 
 def sketched(key: str) -> bool:

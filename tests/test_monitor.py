@@ -14,7 +14,7 @@ from grpo_exporter import GRPOMonitor, InputError, MonitorConfig, TrainingSignal
 from grpo_exporter.catalog import CATALOG, MetricType, is_additive, parse_key
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.step import compute_step
-from monitor_helpers import feed, registry_value, rollout_kwargs, update_kwargs
+from monitor_helpers import expected_step, feed, registry_value, rollout_kwargs, update_kwargs
 
 SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "port": None, "guard": "off"}
 
@@ -35,9 +35,7 @@ def test_registry_values_equal_the_functional_metrics():
     with monitor() as mon:
         x = feed(mon, 0, seed=0)
         cfg = mon.config
-        expected = compute_step(rollout_inputs(x), cfg)
-        for key, value in compute_step(update_inputs(x), cfg).items():
-            expected[key] = expected.get(key, 0.0) + value if is_additive(key) else value
+        expected = expected_step(rollout_inputs(x), update_inputs(x), cfg)
         for key, value in expected.items():
             got = registry_value(mon, key)
             assert got == pytest.approx(value, rel=1e-12, abs=1e-15), key
@@ -52,8 +50,7 @@ def test_counters_agree_exactly_over_a_multistep_run_and_pool_like_tokens():
         inputs = [feed(mon, step, seed=10 + step) for step in steps]
         totals: dict[str, float] = {}
         for x in inputs:
-            for key, value in [*compute_step(rollout_inputs(x), mon.config).items(),
-                               *compute_step(update_inputs(x), mon.config).items()]:
+            for key, value in expected_step(rollout_inputs(x), update_inputs(x), mon.config).items():
                 if is_additive(key):
                     totals[key] = totals.get(key, 0.0) + value
         for key, value in totals.items():

@@ -38,7 +38,7 @@ from grpo_exporter.inputs import InputError, StepInputs
 from grpo_exporter.monitor_config import MonitorConfig
 from grpo_exporter.publication import Publication
 from grpo_exporter.server import MetricsServer
-from grpo_exporter.step import compute_step_carrying
+from grpo_exporter.step import ROLLOUT_BLOCKS, UPDATE_BLOCKS, compute_step_carrying
 
 log = logging.getLogger("grpo_exporter")
 
@@ -137,7 +137,7 @@ class GRPOMonitor:
                 prior = solve_rate_prior(self._solve_rates, slots, self.config.solve_rate_prior)
                 inputs = dataclasses.replace(inputs, prompt_solve_rate=prior)
             carry = self._edit_distance_carry(inputs)
-            result = compute_step_carrying(inputs, self.config, carry, self.config.strict, self._reduce)
+            result = compute_step_carrying(inputs, self.config, carry, self.config.strict, self._reduce, ROLLOUT_BLOCKS)
             self._count_block_errors("rollout", result.errors)
             metrics = result.metrics
             if slots is not None and self._solve_rates is not None and inputs.correct is not None:
@@ -264,7 +264,7 @@ class GRPOMonitor:
             return []
         inputs = _concatenate(self._pending, self._grad)
         self._pending, self._grad = [], {}
-        result = compute_step_carrying(inputs, self.config, {}, self.config.strict, self._reduce)
+        result = compute_step_carrying(inputs, self.config, {}, self.config.strict, self._reduce, UPDATE_BLOCKS)
         self._count_block_errors("update", result.errors)
         self._publication.merge(result.metrics, result.families)
         return self._check(result.metrics)

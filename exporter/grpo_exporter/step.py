@@ -138,19 +138,22 @@ def compute_step_carrying(
     carry: dict[str, Tensor],
     strict: bool = True,
     reduce: Reducer | None = None,
+    blocks: tuple[Block, ...] | None = None,
 ) -> StepResult:
     """:func:`compute_step`, plus device vectors ``carry`` brought to the host in the same single transfer
     (the monitor carries prompt ids and outcomes for its solve-rate history this way).
 
     Each metric block runs on its own: with ``strict=False`` a block that raises is dropped whole and
     returned in the error list, and every other block is still computed and transferred. ``reduce`` merges
-    the readings across ranks before the transfer (see :mod:`grpo_exporter.distributed`).
+    the readings across ranks before the transfer (see :mod:`grpo_exporter.distributed`). ``blocks`` limits
+    the computation to one stage (``ROLLOUT_BLOCKS``, ``UPDATE_BLOCKS``), so a tensor handed to both observe
+    calls never counts a rollout-level quantity twice.
     """
     g = _Gather(inputs.device)
     g.carried = dict(carry)
     with torch.no_grad():
         ctx = _Context(inputs, config, inputs.groups(config.group_size))
-        for block in BLOCKS:
+        for block in BLOCKS if blocks is None else blocks:
             g.run(block, ctx, strict)
     metrics, carried = g.transfer(reduce)
     families = frozenset(catalog.family_of(catalog.parse_key(e.key)[0]).name for e in g.entries)
@@ -400,23 +403,31 @@ def _distinct_completions(g: _Gather, c: _Context) -> None:
         g.add("grpo_unique_completions_ratio", ratio)
 
 
-BLOCKS: tuple[Callable[[_Gather, _Context], None], ...] = (
+Block = Callable[[_Gather, _Context], None]
+
+# Rollout-level metrics: once per rollout batch (groups, rewards, outcomes, lengths, engine vs trainer).
+ROLLOUT_BLOCKS: tuple[Block, ...] = (
     _nonfinite_inputs,
     _engine_gap,
+    _rewards,
+    _lengths,
+    _zero_variance,
+    _solve_rates,
+    _pass_at_k,
+    _distinct_completions,
+)
+# Update-level metrics: per optimizer step (the ratio, the loss mask actually trained on, advantages, grads).
+UPDATE_BLOCKS: tuple[Block, ...] = (
+    _nonfinite_inputs,
     _log_ratio_checks,
     _mask_audit,
     _kl,
     _grad_norms,
     _update_size,
-    _rewards,
     _advantages,
-    _lengths,
     _advantage_signs,
     _importance_weights,
     _clipping,
-    _zero_variance,
-    _solve_rates,
     _entropy,
-    _pass_at_k,
-    _distinct_completions,
 )
+BLOCKS: tuple[Block, ...] = (*ROLLOUT_BLOCKS, *(b for b in UPDATE_BLOCKS if b not in ROLLOUT_BLOCKS))

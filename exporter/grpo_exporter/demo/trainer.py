@@ -1,0 +1,220 @@
+"""A real GRPO loop on the CPU: brief supervised warm start, then rollouts from a separate engine, group
+sigma-normalised advantages, the PPO-clip loss (log ratio clamped before exp), gradient accumulation, and an
+optimizer step, with every fault of :mod:`grpo_exporter.demo.scenarios` injectable at a chosen step.
+
+It talks to grpo-exporter only through the public ``GRPOMonitor`` API, like any user's loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from grpo_exporter import GRPOMonitor
+from grpo_exporter.demo.engine import Rollout, RolloutEngine
+from grpo_exporter.demo.model import TinyLM
+from grpo_exporter.demo.task import Task
+
+
+@dataclass
+class Faults:
+    """Switches for the injected bugs; all off is a healthy run."""
+
+    engine_skip: tuple[str, ...] = ()
+    engine_precision: torch.dtype = torch.float32
+    mask_covers_padding: bool = False
+    exp_before_clamp: bool = False
+    loss_not_divided_by_accumulation: bool = False
+    advantage_wrong_groups: bool = False
+    reward_hack: bool = False
+    entropy_penalty: float = 0.0
+    reuse_rollouts: bool = False
+    max_new: int | None = None
+    verifier_broken: bool = False
+
+
+@dataclass
+class DemoConfig:
+    seed: int = 0
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new: int = 8
+    warmup_steps: int = 120
+    warmup_lr: float = 3e-3
+    lr: float = 1e-3
+    micro_batches: int = 2
+    max_grad_norm: float = 1.0
+    clip_eps: tuple[float, float] = (0.2, 0.28)
+    log_ratio_clamp: float = 20.0
+    format_weight: float = 0.2
+    task: Task = field(default_factory=Task)
+
+
+@dataclass
+class StepReport:
+    step: int
+    reward: float
+    correct: float
+    truncated: float
+    grad_norm: float
+    skipped: bool
+
+
+class Trainer:
+    def __init__(self, config: DemoConfig, monitor: GRPOMonitor) -> None:
+        self.config, self.monitor = config, monitor
+        torch.manual_seed(config.seed)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.task = config.task
+        self.policy = TinyLM(self.task.vocab)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=0.0)
+        self.engine = RolloutEngine(self.policy)
+        self.version = 0
+        self.faults = Faults()
+        self._reused: Rollout | None = None
+
+    # ---- the brief supervised warm start: mixed groups from the first RL step ----
+    def warm_start(self) -> float:
+        c = self.config
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=c.warmup_lr)
+        loss = torch.zeros(())
+        for _ in range(c.warmup_steps):
+            prompts, _ = self.task.prompts(64, self.generator)
+            sequence = torch.cat([prompts, self.task.answers(prompts)], dim=1)
+            logits = self.policy(sequence[:, :-1])[:, self.task.prompt_length - 1 :]
+            targets = sequence[:, self.task.prompt_length :]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        self.engine.sync(self.policy, self.version)
+        return float(loss.detach())
+
+    # ---- one GRPO step ----
+    def step(self, step: int) -> StepReport:
+        c, f = self.config, self.faults
+        rollout = self._rollout()
+        correct = self.task.score(rollout.prompts, rollout.completions, rollout.lengths)
+        if f.verifier_broken:
+            correct = torch.zeros_like(correct)
+        well_formed = (~rollout.truncated).float()
+        if f.reward_hack:  # a "format" component that pays for length dominates a down-weighted correctness
+            fmt = rollout.lengths.float() / rollout.completions.shape[1]
+            rewards = 0.1 * correct.float() + 1.0 * fmt
+        else:
+            fmt = well_formed
+            rewards = correct.float() + c.format_weight * fmt
+        components = {"correctness": correct.float(), "format": fmt}
+
+        t = rollout.completions.shape[1]
+        positions = torch.arange(t).unsqueeze(0) < rollout.lengths.unsqueeze(1)
+        loss_mask = torch.ones_like(positions) if f.mask_covers_padding else positions
+        with torch.no_grad():
+            old_logprobs, _ = self._logprobs(rollout)
+        advantages = self._advantages(rewards)
+
+        self.monitor.observe_rollout(
+            step, rewards=rewards, correct=correct, truncated=rollout.truncated, reward_components=components,
+            rollout_logprobs=rollout.rollout_logprobs, old_logprobs=old_logprobs, loss_mask=positions,
+            completion_lengths=rollout.lengths, completion_ids=rollout.completions, prompt_ids=rollout.prompt_ids,
+        )
+
+        n = rewards.shape[0]
+        size = n // c.micro_batches
+        self.optimizer.zero_grad()
+        for i in range(c.micro_batches):
+            rows = slice(i * size, (i + 1) * size)
+            logprobs, entropy = self._logprobs(rollout, rows)
+            old = old_logprobs[rows].clone()
+            if f.exp_before_clamp:  # a -inf sentinel from padding leaks into one loss token of each sequence
+                old[:, 0] = -math.inf
+            mask = loss_mask[rows]
+            adv = advantages[rows].unsqueeze(1)
+            log_ratio = logprobs - old
+            if f.exp_before_clamp:
+                ratio = torch.exp(log_ratio).clamp(max=math.exp(c.log_ratio_clamp))
+            else:
+                ratio = torch.exp(log_ratio.clamp(-c.log_ratio_clamp, c.log_ratio_clamp))
+            low, high = c.clip_eps
+            surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
+            loss = -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+            if f.entropy_penalty:
+                loss = loss + f.entropy_penalty * (entropy * mask).sum() / mask.sum().clamp(min=1)
+            scale = 1.0 if f.loss_not_divided_by_accumulation else 1.0 / c.micro_batches
+            (loss * scale).backward()
+            self.monitor.observe_update(
+                step, logprobs=logprobs.detach(), old_logprobs=old, advantages=advantages[rows], loss_mask=mask,
+                entropy=entropy.detach(), on_policy=rollout.policy_version == self.version,
+                policy_version=self.version, rollout_policy_version=rollout.policy_version,
+                rewards=rewards[rows], completion_lengths=rollout.lengths[rows],
+            )
+        pre_clip = self.monitor.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)
+        skipped = not bool(torch.isfinite(pre_clip))  # a real trainer skips a non-finite step
+        if skipped:
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.step()
+            self.version += 1
+        self.engine.sync(self.policy, self.version)
+        return StepReport(step, float(rewards.mean()), float(correct.float().mean()),
+                          float(rollout.truncated.float().mean()), float(pre_clip), skipped)
+
+    def _rollout(self) -> Rollout:
+        c, f = self.config, self.faults
+        if f.reuse_rollouts and self._reused is not None:
+            return self._reused
+        self.engine.skip, self.engine.precision = f.engine_skip, f.engine_precision
+        prompts, ids = self.task.prompts(c.prompts_per_step, self.generator)
+        rollout = self.engine.generate(prompts, ids, c.group_size, f.max_new or c.max_new, self.generator)
+        self._reused = rollout if f.reuse_rollouts else None
+        return rollout
+
+    def _logprobs(self, rollout: Rollout, rows: slice = slice(None)) -> tuple[Tensor, Tensor]:
+        """Trainer-side per-token log-probs and entropies of the completions (fp32, log_softmax)."""
+        prompts, completions = rollout.prompts[rows], rollout.completions[rows]
+        sequence = torch.cat([prompts, completions], dim=1)
+        lp = self.task.prompt_length
+        logits = self.policy(sequence[:, :-1])[:, lp - 1 :]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(2, completions.unsqueeze(2)).squeeze(2)
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+        return chosen, entropy
+
+    def _advantages(self, rewards: Tensor) -> Tensor:
+        """(r - group mean) / (group std + eps), unbiased std; the bug takes the std of half-groups."""
+        g = self.config.group_size
+        grouped = rewards.view(-1, g)
+        mean = grouped.mean(dim=1, keepdim=True)
+        if self.faults.advantage_wrong_groups:  # the std of each half-group, the mean of the whole group
+            half = g // 2
+            std = rewards.view(-1, half).std(dim=1).repeat_interleave(half).view(-1, g)
+        else:
+            std = grouped.std(dim=1, keepdim=True)
+        return ((grouped - mean) / (std + 1e-4)).flatten()
+
+
+def run(
+    trainer: Trainer,
+    steps: int,
+    inject: Callable[[Trainer], None] | None = None,
+    inject_at: int | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+) -> list[StepReport]:
+    """Warm start, then ``steps`` GRPO steps; ``inject`` switches a fault on at ``inject_at``."""
+    trainer.warm_start()
+    reports = []
+    for step in range(steps):
+        if inject is not None and inject_at is not None and step == inject_at:
+            inject(trainer)
+        report = trainer.step(step)
+        reports.append(report)
+        if on_step is not None:
+            on_step(report)
+    return reports
+
+
+__all__ = ["DemoConfig", "Faults", "StepReport", "Trainer", "run"]
