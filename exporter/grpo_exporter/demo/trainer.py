@@ -43,9 +43,10 @@ class DemoConfig:
     prompts_per_step: int = 8
     group_size: int = 8
     max_new: int = 8
-    warmup_steps: int = 120
+    warmup_steps: int = 400
     warmup_lr: float = 3e-3
-    lr: float = 1e-3
+    warmup_target: float = 0.35
+    lr: float = 2e-4
     micro_batches: int = 2
     max_grad_norm: float = 1.0
     clip_eps: tuple[float, float] = (0.2, 0.28)
@@ -79,10 +80,12 @@ class Trainer:
 
     # ---- the brief supervised warm start: mixed groups from the first RL step ----
     def warm_start(self) -> float:
+        """Supervised steps until sampled accuracy reaches ``warmup_target`` (checked every 10 steps), so the
+        first RL groups are mixed whatever the seed; returns the accuracy reached."""
         c = self.config
         opt = torch.optim.AdamW(self.policy.parameters(), lr=c.warmup_lr)
-        loss = torch.zeros(())
-        for _ in range(c.warmup_steps):
+        accuracy = 0.0
+        for i in range(c.warmup_steps):
             prompts, _ = self.task.prompts(64, self.generator)
             sequence = torch.cat([prompts, self.task.answers(prompts)], dim=1)
             logits = self.policy(sequence[:, :-1])[:, self.task.prompt_length - 1 :]
@@ -91,8 +94,20 @@ class Trainer:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if i % 10 == 9:
+                accuracy = self.sampled_accuracy()
+                if accuracy >= c.warmup_target:
+                    break
         self.engine.sync(self.policy, self.version)
-        return float(loss.detach())
+        return accuracy
+
+    @torch.no_grad()
+    def sampled_accuracy(self, prompts: int = 32) -> float:
+        """Share of correct samples (temperature 1) from the current policy."""
+        self.engine.sync(self.policy, self.version)
+        p, ids = self.task.prompts(prompts, self.generator)
+        r = self.engine.generate(p, ids, 2, self.config.max_new, self.generator)
+        return float(self.task.score(r.prompts, r.completions, r.lengths).float().mean())
 
     # ---- one GRPO step ----
     def step(self, step: int) -> StepReport:
