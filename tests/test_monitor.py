@@ -208,6 +208,19 @@ def test_solve_rate_history_predicts_zero_variance():
         assert predictions[-1] == pytest.approx((1.0 + 2 * 0.5**g) / 2, abs=0.02)
 
 
+def test_unseen_prompts_take_the_running_solve_rate():
+    """After batches that are always solved, a new prompt is expected to be solved too (not the 0.5 prior):
+    a healthy run that got good must not look like a zero-variance anomaly."""
+    g = 4
+    correct = torch.ones(2 * g, dtype=torch.bool)
+    with monitor(group_size=g, solve_rate_halflife=1.0) as mon:
+        for step in range(6):
+            mon.observe_rollout(step, rewards=correct.float(), correct=correct,
+                                prompt_ids=torch.arange(2).repeat_interleave(g) + 2 * step)
+        prediction = mon.metrics()["grpo_zero_variance_groups_expected_ratio"]
+        assert prediction > 0.9  # running rate ~0.98 -> p^4 ~ 0.93
+
+
 def test_config_sources_and_precedence(tmp_path):
     file = tmp_path / "grpo.yaml"
     file.write_text("run: from-file\ngroup_size: 4\nclip_eps_high: 0.3\nport: null\n")

@@ -75,6 +75,7 @@ class GRPOMonitor:
         self._rank, self._world = distributed.world()
         self._reduce = distributed.all_reduce_entries if self._world > 1 else None
         self._solve_rates: Tensor | None = None
+        self._overall_rate: Tensor = torch.tensor(config.solve_rate_prior, dtype=torch.float64)
         self._step: int | None = None
         self._pending: list[StepInputs] = []
         self._grad: dict[str, Any] = {}
@@ -134,7 +135,7 @@ class GRPOMonitor:
             )
             slots = self._solve_rate_slots(inputs, prompt_ids)
             if slots is not None and self._solve_rates is not None:
-                prior = solve_rate_prior(self._solve_rates, slots, self.config.solve_rate_prior)
+                prior = solve_rate_prior(self._solve_rates, slots, self._overall_rate)
                 inputs = dataclasses.replace(inputs, prompt_solve_rate=prior)
             carry = self._edit_distance_carry(inputs)
             result = compute_step_carrying(inputs, self.config, carry, self.config.strict, self._reduce, ROLLOUT_BLOCKS)
@@ -144,6 +145,8 @@ class GRPOMonitor:
                 groups = inputs.groups(self.config.group_size)
                 keep = 0.5 ** (1.0 / self.config.solve_rate_halflife)
                 update_solve_rates(self._solve_rates, slots, prior, inputs.correct, groups, keep)
+                batch_rate = inputs.correct.double().mean()
+                self._overall_rate = keep * self._overall_rate + (1.0 - keep) * batch_rate
             self._start_edit_distance(result.carried, inputs)
             self._publication.merge(metrics, result.families)
             violations = self._check(metrics)
@@ -310,6 +313,7 @@ class GRPOMonitor:
                              f"dtype {prompt_ids.dtype}, shape {tuple(prompt_ids.shape)}")
         if self._solve_rates is None:
             self._solve_rates = torch.full((self.config.solve_rate_slots,), math.nan, device=inputs.device)
+            self._overall_rate = torch.tensor(self.config.solve_rate_prior, dtype=torch.float64, device=inputs.device)
         return prompt_ids.long().remainder(self.config.solve_rate_slots)
 
     def _edit_distance_carry(self, inputs: StepInputs) -> dict[str, Tensor]:
@@ -411,9 +415,10 @@ class GRPOMonitor:
         self._publication.add(increments)
 
 
-def solve_rate_prior(table: Tensor, slots: Tensor, default: float) -> Tensor:
-    """Each prompt's solve-rate estimate *before* this batch (``default`` when unseen): the
-    ``prompt_solve_rate`` from which E[p^G + (1-p)^G] is predicted, on the device, no host sync."""
+def solve_rate_prior(table: Tensor, slots: Tensor, default: Tensor | float) -> Tensor:
+    """Each prompt's solve-rate estimate *before* this batch: the prompt's own history, or ``default`` (the
+    running solve rate of recent batches) when unseen. The ``prompt_solve_rate`` from which E[p^G+(1-p)^G]
+    is predicted; on the device, no host sync."""
     estimate = table[slots]
     return torch.where(torch.isnan(estimate), default, estimate)
 

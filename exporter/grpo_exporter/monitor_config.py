@@ -70,7 +70,10 @@ class MonitorConfig(MetricsConfig):
     solve_rate_slots: int = Field(
         1 << 20, ge=1, description="slots of the device-side solve-rate table, indexed by prompt_id modulo its size"
     )
-    solve_rate_prior: float = Field(0.5, ge=0, le=1, description="solve-rate estimate of an unseen prompt")
+    solve_rate_prior: float = Field(
+        0.5, ge=0, le=1, description="solve-rate estimate before any batch; later, unseen prompts take the "
+        "running solve rate of recent batches"
+    )
     solve_rate_halflife: float = Field(4.0, gt=0, description="observations after which history weighs half")
     edit_distance_groups: int = Field(
         4, ge=0, description="groups per rollout whose in-group edit distance is computed off-thread; 0 = off"
