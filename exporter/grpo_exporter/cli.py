@@ -48,6 +48,16 @@ def _dashboards(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from grpo_exporter.demo.main import run_demo
+
+    try:
+        run_demo(args.scenario, args.inject_at, args.steps, not args.no_stack, args.seed, args.steps_per_second)
+    except KeyboardInterrupt:
+        print("stopped")
+    return 0
+
+
 def _hash_password(args: argparse.Namespace) -> int:
     import getpass
 
@@ -76,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     boards.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
     boards.add_argument("--out", default="dashboards", help="folder of the dashboards (default: dashboards)")
     boards.set_defaults(run=_dashboards)
+    demo = commands.add_parser("demo", help="a tiny GRPO run with an injected fault, Prometheus and Alertmanager")
+    demo.add_argument("--scenario", default="engine-desync", help="fault to inject (see docs/demo.md)")
+    demo.add_argument("--inject-at", type=int, default=40, help="step at which the fault starts")
+    demo.add_argument("--steps", type=int, default=300, help="GRPO steps to run")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--steps-per-second", type=float, default=4.0, help="pace, so Prometheus sees each phase")
+    demo.add_argument("--no-stack", action="store_true", help="no Prometheus/Alertmanager: exporter and guard only")
+    demo.set_defaults(run=_demo)
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")
     hashing.add_argument("--password", help="the password (prompted for when omitted)")
     hashing.set_defaults(run=_hash_password)

@@ -1,0 +1,178 @@
+"""The local stack of the demo: a real Prometheus and Alertmanager (Debian binaries) on 127.0.0.1 with free
+ports, the rules generated from the mixin config with time shrunk, and a built-in webhook receiver that
+prints every page as it arrives. Everything it starts is stopped by :meth:`Stack.close`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.render import alertmanager_output, rules_outputs
+
+BINARIES = ("prometheus", "prometheus-alertmanager")
+INSTALL_HINT = (
+    "the demo's stack needs the Debian packages `prometheus` and `prometheus-alertmanager`: "
+    "sudo apt-get install -y prometheus prometheus-alertmanager (or use --no-stack)"
+)
+
+
+def demo_mixin(**overrides: Any) -> MixinConfig:
+    """The rules config of the demo: production rules with time shrunk 50x and a short baseline."""
+    settings = {"time_scale": 0.02, "baseline_window_s": 1200, "baseline_offset_s": 300, "group_wait_s": 50,
+                "group_interval_s": 250, "repeat_interval_s": 3600} | overrides
+    return MixinConfig(**settings)
+
+
+def missing_binaries() -> list[str]:
+    return [name for name in BINARIES if shutil.which(name) is None]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Page:
+    receiver: str
+    status: str
+    alert: str
+    layer: str
+    severity: str
+    run: str
+    summary: str
+    runbook: str
+
+    def line(self) -> str:
+        return (f"PAGE [{self.receiver}] {self.status.upper()} {self.alert} layer={self.layer} "
+                f"severity={self.severity} run={self.run}: {self.summary} (runbook: {self.runbook})")
+
+
+class _Receiver:
+    def __init__(self, on_page: Callable[[Page], None]) -> None:
+        self.pages: list[Page] = []
+        lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                for alert in body.get("alerts", []):
+                    labels, notes = alert.get("labels", {}), alert.get("annotations", {})
+                    page = Page(self.path.strip("/"), alert.get("status", ""), labels.get("alertname", ""),
+                                labels.get("layer", ""), labels.get("severity", ""), labels.get("run", ""),
+                                notes.get("summary", ""), notes.get("runbook_url", ""))
+                    with lock:
+                        receiver.pages.append(page)
+                    on_page(page)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                """Quiet."""
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+class Stack:
+    """Prometheus scraping the given exporter ports (file service discovery, so targets can be added) and
+    Alertmanager routing to the built-in receiver."""
+
+    def __init__(self, mixin: MixinConfig | None = None, on_page: Callable[[Page], None] = lambda page: None,
+                 workdir: Path | None = None) -> None:
+        missing = missing_binaries()
+        if missing:
+            raise RuntimeError(f"missing {', '.join(missing)}: {INSTALL_HINT}")
+        self._tmp = tempfile.TemporaryDirectory(prefix="grpo-demo-") if workdir is None else None
+        self.workdir = Path(self._tmp.name) if self._tmp else workdir
+        assert self.workdir is not None
+        self.receiver = _Receiver(on_page)
+        self.mixin = (mixin or demo_mixin()).model_copy(
+            update={"pager_webhook_url": f"{self.receiver.url}/pager",
+                    "default_webhook_url": f"{self.receiver.url}/default"}
+        )
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.targets = self.workdir / "targets.json"
+        self.set_targets([])
+        for name, text in rules_outputs(self.mixin).items():
+            (self.workdir / name).write_text(text)
+        (self.workdir / "alertmanager.yml").write_text(alertmanager_output(self.mixin))
+        self.alertmanager_url = self._start(
+            "prometheus-alertmanager", "alertmanager",
+            [f"--config.file={self.workdir / 'alertmanager.yml'}", f"--storage.path={self.workdir / 'am'}",
+             "--cluster.listen-address="],
+        )
+        (self.workdir / "prometheus.yml").write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            "rule_files: [grpo-recording.rules.yml, grpo-alerts.rules.yml]\n"
+            f"alerting:\n  alertmanagers:\n  - static_configs: [{{targets: ['{self.alertmanager_url[7:]}']}}]\n"
+            "scrape_configs:\n- job_name: grpo\n"
+            f"  file_sd_configs: [{{files: ['{self.targets}'], refresh_interval: 1s}}]\n"
+        )
+        self.prometheus_url = self._start(
+            "prometheus", "prometheus",
+            [f"--config.file={self.workdir / 'prometheus.yml'}", f"--storage.tsdb.path={self.workdir / 'tsdb'}"],
+        )
+
+    @property
+    def pages(self) -> list[Page]:
+        return list(self.receiver.pages)
+
+    def set_targets(self, ports: list[int]) -> None:
+        """Exporter ports for Prometheus to scrape (picked up within a second)."""
+        payload = [{"targets": [f"127.0.0.1:{port}" for port in ports]}] if ports else []
+        tmp = self.targets.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload))
+        tmp.replace(self.targets)
+
+    def _start(self, binary: str, name: str, args: list[str]) -> str:
+        port = free_port()
+        log = (self.workdir / f"{name}.log").open("w")
+        process = subprocess.Popen([binary, *args, f"--web.listen-address=127.0.0.1:{port}"],
+                                   stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append(process)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{binary} exited with {process.returncode}; see {self.workdir / (name + '.log')}")
+            try:
+                with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as response:
+                    if response.status == 200:
+                        return url
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"{binary} not ready after 30s")
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.receiver.server.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
