@@ -15,3 +15,4 @@ generate: setup
 	.venv/bin/grpo-exporter catalog --out docs/metrics.md
 	.venv/bin/grpo-exporter rules
 	.venv/bin/grpo-exporter dashboards
+	.venv/bin/grpo-exporter kubernetes

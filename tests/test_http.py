@@ -16,6 +16,7 @@ import torch
 from batches import make_batch
 from grpo_exporter import GRPOMonitor, PortInUseError, hash_password
 from grpo_exporter.catalog import CATALOG, MetricType
+from grpo_exporter.metric_docs import series_per_run
 from monitor_helpers import feed, parse_exposition, registry_value, rollout_kwargs, scrape, update_kwargs
 
 BASE = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "guard": "off"}
@@ -141,7 +142,10 @@ def test_every_catalogue_metric_is_exposed_and_promtool_finds_nothing(tmp_path):
     assert promtool, "promtool is required (Debian package prometheus, installed by scripts/setup.sh)"
     mon, text = full_exposition(tmp_path)
     try:
-        names = set(parse_exposition(text))
+        samples = parse_exposition(text)
+        names = set(samples)
+        grpo_series = sum(len(v) for k, v in samples.items() if k.startswith("grpo_"))
+        assert grpo_series <= sum(series_per_run(mon.config).values())  # the bound stated in docs/scale.md
         for m in CATALOG:
             wanted = {MetricType.SUMMARY: m.name + "_count", MetricType.HISTOGRAM: m.name + "_bucket"}
             assert wanted.get(m.type, m.name) in names, m.name

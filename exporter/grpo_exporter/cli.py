@@ -48,6 +48,18 @@ def _dashboards(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kubernetes(args: argparse.Namespace) -> int:
+    from grpo_exporter.mixin.config import MixinConfig
+    from grpo_exporter.mixin.dashboards import dashboard_files
+    from grpo_exporter.mixin.kubernetes import manifest_files
+    from grpo_exporter.mixin.render import write
+
+    config = MixinConfig.load(args.config)
+    for path in write(manifest_files(config, dashboard_files(config)), Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from grpo_exporter.demo.main import run_demo
 
@@ -86,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     boards.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
     boards.add_argument("--out", default="dashboards", help="folder of the dashboards (default: dashboards)")
     boards.set_defaults(run=_dashboards)
+    k8s = commands.add_parser("kubernetes", help="generate Prometheus Operator manifests (rules, dashboards, scrape)")
+    k8s.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
+    k8s.add_argument("--out", default="deploy/kubernetes", help="folder of the manifests (default: deploy/kubernetes)")
+    k8s.set_defaults(run=_kubernetes)
     demo = commands.add_parser("demo", help="a tiny GRPO run with an injected fault, Prometheus and Alertmanager")
     demo.add_argument("--scenario", default="engine-desync", help="fault to inject (see docs/demo.md)")
     demo.add_argument("--inject-at", type=int, default=40, help="step at which the fault starts")

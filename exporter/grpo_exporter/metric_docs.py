@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from grpo_exporter.catalog import CATALOG, Layer, Metric, MetricType
+from grpo_exporter.monitor_config import MonitorConfig
 
 _LAYER_TITLES = {
     Layer.GRADIENT: "Layer 1 — does the gradient match what I think?",
@@ -32,6 +33,37 @@ def _labels(m: Metric) -> str:
 
 def _inputs(m: Metric) -> str:
     return ", ".join(" or ".join(f"`{name}`" for name in spec.split("|")) for spec in m.inputs) or "—"
+
+
+def series_per_run(cfg: MonitorConfig) -> dict[str, int]:
+    """Upper bound of the series one run publishes, per catalogue metric (the ``run`` label adds none), from
+    the label bounds of the config: what a fleet of runs costs a Prometheus."""
+    bounded = {
+        "component": cfg.max_reward_components + 1,
+        "k": len(cfg.pass_ks),
+        "metric": len(cfg.reference_baseline),
+        "labels": 1,
+        "version": 1, "torch_version": 1, "group_size": 1, "clip_eps_low": 1, "clip_eps_high": 1,
+    }
+    quantiles = {
+        "grpo_engine_logprob_gap_nats": cfg.gap_quantiles,
+        "grpo_importance_weight": cfg.ratio_quantiles,
+        "grpo_completion_length_tokens": cfg.length_quantiles,
+    }
+    counts: dict[str, int] = {}
+    for m in CATALOG:
+        combos = 1
+        for label in m.labels:
+            combos *= len(label.values) if label.values else bounded[label.name]
+        if m.type is MetricType.SUMMARY:
+            per = len(quantiles[m.name]) + 2
+        elif m.type is MetricType.HISTOGRAM:
+            buckets = cfg.solve_rate_buckets if m.name == "grpo_mixed_group_solve_rate_ratio" else m.buckets
+            per = len(buckets) + 3
+        else:
+            per = 1
+        counts[m.name] = combos * per
+    return counts
 
 
 def _calls() -> list[str]:
