@@ -1,24 +1,18 @@
-"""Real Prometheus-family binaries for tests: free ports on 127.0.0.1, started and always stopped."""
+"""Real Prometheus-family binaries for tests: free ports on 127.0.0.1, started and always stopped (with the
+package's own helpers), and a local webhook receiver."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from grpo_exporter.demo.stack import start_service, stop_services
 
 
 def binary(name: str) -> str:
@@ -28,41 +22,27 @@ def binary(name: str) -> str:
     return path
 
 
-def wait_ready(url: str, timeout: float = 30.0, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
+@contextmanager
+def prometheus(config: Path, workdir: Path) -> Iterator[str]:
+    """A real Prometheus on a free port; yields its base URL."""
+    process, url = start_service(binary("prometheus"), [f"--config.file={config}",
+                                 f"--storage.tsdb.path={workdir / 'tsdb'}"], workdir / "prometheus.log")
+    try:
+        yield url
+    finally:
+        stop_services([process])
 
 
 @contextmanager
 def alertmanager(config: Path, workdir: Path) -> Iterator[str]:
     """A real prometheus-alertmanager on a free port, clustering off; yields its base URL."""
-    port = free_port()
-    log = (workdir / "alertmanager.log").open("w")
-    process = subprocess.Popen(
-        [binary("prometheus-alertmanager"), f"--config.file={config}", f"--storage.path={workdir / 'am-data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    process, url = start_service(binary("prometheus-alertmanager"), [f"--config.file={config}",
+                                 f"--storage.path={workdir / 'am-data'}", "--cluster.listen-address="],
+                                 workdir / "alertmanager.log")
     try:
-        wait_ready(f"{url}/-/ready", process=process)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+        stop_services([process])
 
 
 class Webhook:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import threading
 import time
 import urllib.parse
@@ -23,7 +22,7 @@ from grpo_exporter.mixin.dashboards import NOT_SHOWN, build, dashboard_files, sp
 from grpo_exporter.mixin.render import rules_outputs
 from grpo_exporter.mixin.rules import recording_rules
 from monitor_helpers import rollout_kwargs, update_kwargs
-from services import binary, free_port, wait_ready
+from services import prometheus
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = re.compile(r"\brun:[a-z0-9_]+:[a-z0-9_]+")
@@ -121,13 +120,6 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
             "rule_files: [grpo-recording.rules.yml, grpo-alerts.rules.yml]\n"
             f"scrape_configs:\n- job_name: grpo\n  static_configs: [{{targets: ['127.0.0.1:{mon.port}']}}]\n"
         )
-        port = free_port()
-        log = (tmp_path / "prometheus.log").open("w")
-        prom = subprocess.Popen(
-            [binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT,
-        )
-        base = f"http://127.0.0.1:{port}"
         stop = threading.Event()
         fed: list[int] = []
 
@@ -145,29 +137,26 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
                 fed.append(step)
                 stop.wait(0.3)
 
-        trainer = threading.Thread(target=train)
+        trainer = threading.Thread(target=train, daemon=True)
         try:
-            wait_ready(f"{base}/-/ready", process=prom)
-            trainer.start()
-            time.sleep(16)  # a few dozen steps across ~16 scrapes and rule evaluations
-            assert len(fed) >= 24
-            empty: list[str] = []
-            for spec in specs(MixinConfig()):
-                for panel in panels(build(spec)):
-                    series = 0
-                    for target in panel["targets"]:
-                        expr = (target["expr"].replace("$__rate_interval", "10s").replace("$__range", "1m")
-                                .replace("$job", "grpo").replace("$run", "dash"))
-                        answer = _query(base, expr)
-                        assert answer["status"] == "success", (panel["title"], expr, answer)
-                        series += len(answer["data"]["result"])
-                    if series == 0:
-                        empty.append(f"{spec.uid}: {panel['title']}")
-            assert empty == []
+            with prometheus(config, tmp_path) as base:
+                trainer.start()
+                time.sleep(16)  # a few dozen steps across ~16 scrapes and rule evaluations
+                assert len(fed) >= 24
+                empty: list[str] = []
+                for spec in specs(MixinConfig()):
+                    for panel in panels(build(spec)):
+                        series = 0
+                        for target in panel["targets"]:
+                            expr = (target["expr"].replace("$__rate_interval", "10s").replace("$__range", "1m")
+                                    .replace("$job", "grpo").replace("$run", "dash"))
+                            answer = _query(base, expr)
+                            assert answer["status"] == "success", (panel["title"], expr, answer)
+                            series += len(answer["data"]["result"])
+                        if series == 0:
+                            empty.append(f"{spec.uid}: {panel['title']}")
+                assert empty == []
         finally:
             stop.set()
             if trainer.is_alive():
                 trainer.join(timeout=10)
-            prom.terminate()
-            prom.wait(timeout=10)
-            log.close()

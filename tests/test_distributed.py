@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch.multiprocessing as mp
 
 from batches import make_batch
 from grpo_exporter.catalog import is_additive, parse_key
+from grpo_exporter.demo.stack import free_port
 from grpo_exporter.functional import sketch
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.monitor_config import MonitorConfig
@@ -66,12 +66,6 @@ def _worker(rank: int, port: int, out: str, test_path: str) -> None:
             result["scraped"] = 'grpo_completions_total{run="ddp"} 48.0' in scrape(mon.url)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -147,7 +147,8 @@ class GRPOMonitor:
                 update_solve_rates(self._solve_rates, slots, prior, inputs.correct, groups, keep)
                 batch_rate = inputs.correct.double().mean()
                 self._overall_rate = keep * self._overall_rate + (1.0 - keep) * batch_rate
-            self._start_edit_distance(result.carried, inputs)
+            if inputs.completion_ids is not None:
+                self._start_edit_distance(result.carried, inputs.completion_ids.shape[1])
             self._publication.merge(metrics, result.families)
             violations = self._check(metrics)
         self._enforce(violations)
@@ -324,17 +325,17 @@ class GRPOMonitor:
         if k == 0 or inputs.completion_ids is None or lengths is None:
             return {}
         groups = inputs.groups(self.config.group_size)
-        assert groups is not None  # completion_ids given, so N is known
+        if groups is None:
+            return {}
         rows = torch.argsort(groups.index, stable=True)[: k * self.config.group_size]
         return {"ed_ids": inputs.completion_ids[rows], "ed_lengths": lengths[rows], "ed_group": groups.index[rows]}
 
-    def _start_edit_distance(self, carried: dict[str, list[float]], inputs: StepInputs) -> None:
-        """Hand the sampled groups to the worker thread; skipped while the previous job still runs."""
+    def _start_edit_distance(self, carried: dict[str, list[float]], width: int) -> None:
+        """Hand the sampled groups (rows of ``width`` tokens) to the worker thread; skipped while the previous
+        job still runs."""
         if "ed_ids" not in carried or (self._edit_job is not None and not self._edit_job.done()):
             return
-        assert inputs.completion_ids is not None
-        groups = rows_to_groups(carried["ed_ids"], carried["ed_lengths"], carried["ed_group"],
-                                inputs.completion_ids.shape[1])
+        groups = rows_to_groups(carried["ed_ids"], carried["ed_lengths"], carried["ed_group"], width)
         self._edit_job = self._workers.submit(self._edit_distance_job, groups)
 
     def _edit_distance_job(self, groups: list[list[list[int]]]) -> None:

@@ -89,6 +89,40 @@ class _Receiver:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
+def start_service(
+    binary: str, args: list[str], log: Path, timeout: float = 30.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a Prometheus-family binary on a free 127.0.0.1 port and wait for ``/-/ready``; (process, URL)."""
+    port = free_port()
+    with log.open("w") as out:
+        process = subprocess.Popen([binary, *args, f"--web.listen-address=127.0.0.1:{port}"],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{binary} exited with {process.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as response:
+                if response.status == 200:
+                    return process, url
+        except OSError:
+            time.sleep(0.1)
+    stop_services([process])
+    raise TimeoutError(f"{binary} not ready after {timeout}s; see {log}")
+
+
+def stop_services(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate, then kill what does not stop within 10 s."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 class Stack:
     """Prometheus scraping the given exporter ports (file service discovery, so targets can be added) and
     Alertmanager routing to the built-in receiver."""
@@ -98,9 +132,11 @@ class Stack:
         missing = missing_binaries()
         if missing:
             raise RuntimeError(f"missing {', '.join(missing)}: {INSTALL_HINT}")
-        self._tmp = tempfile.TemporaryDirectory(prefix="grpo-demo-") if workdir is None else None
-        self.workdir = Path(self._tmp.name) if self._tmp else workdir
-        assert self.workdir is not None
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="grpo-demo-")
+            workdir = Path(self._tmp.name)
+        self.workdir = workdir
         self.receiver = _Receiver(on_page)
         self.mixin = (mixin or demo_mixin()).model_copy(
             update={"pager_webhook_url": f"{self.receiver.url}/pager",
@@ -141,32 +177,12 @@ class Stack:
         tmp.replace(self.targets)
 
     def _start(self, binary: str, name: str, args: list[str]) -> str:
-        port = free_port()
-        log = (self.workdir / f"{name}.log").open("w")
-        process = subprocess.Popen([binary, *args, f"--web.listen-address=127.0.0.1:{port}"],
-                                   stdout=log, stderr=subprocess.STDOUT)
+        process, url = start_service(binary, args, self.workdir / f"{name}.log")
         self.processes.append(process)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"{binary} exited with {process.returncode}; see {self.workdir / (name + '.log')}")
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return url
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError(f"{binary} not ready after 30s")
+        return url
 
     def close(self) -> None:
-        for process in self.processes:
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_services(self.processes)
         self.receiver.server.shutdown()
         if self._tmp is not None:
             self._tmp.cleanup()
