@@ -1,5 +1,6 @@
-"""The verifiable task: reverse a string of symbols. Small enough to learn on a CPU in seconds, hard enough
-that a briefly warmed-up policy solves some samples of a group and not others (mixed groups)."""
+"""The verifiable task: answer with the prompt's symbols in *any* order (a permutation), then EOS. Many
+answers are right, so a healthy policy keeps several distinct completions per group (in-group diversity is
+meaningful), and a briefly warmed-up policy solves some samples of a group and not others (mixed groups)."""
 
 from __future__ import annotations
 
@@ -38,14 +39,16 @@ class Task:
         )
         return tokens, ids
 
-    def answers(self, prompts: Tensor) -> Tensor:
-        """(count, answer_length) reference completions: the symbols reversed, then EOS."""
-        body = prompts[:, 1 : 1 + self.length].flip(1)
-        return torch.cat([body, torch.full((prompts.shape[0], 1), EOS)], dim=1)
+    def answers(self, prompts: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """(count, answer_length) reference completions: the symbols in a random order, then EOS."""
+        body = prompts[:, 1 : 1 + self.length]
+        order = torch.rand(body.shape, generator=generator).argsort(dim=1)
+        return torch.cat([body.gather(1, order), torch.full((prompts.shape[0], 1), EOS)], dim=1)
 
     def score(self, prompts: Tensor, completions: Tensor, lengths: Tensor) -> Tensor:
-        """Correct: exactly the reversed symbols, then EOS, and nothing else."""
-        want = self.answers(prompts)
-        if completions.shape[1] < want.shape[1]:
+        """Correct: a permutation of the prompt's symbols, then EOS, and nothing else."""
+        n = self.length
+        if completions.shape[1] < n + 1:
             return torch.zeros(prompts.shape[0], dtype=torch.bool)
-        return (completions[:, : want.shape[1]] == want).all(dim=1) & (lengths == want.shape[1])
+        same = (completions[:, :n].sort(dim=1).values == prompts[:, 1 : 1 + n].sort(dim=1).values).all(dim=1)
+        return same & (completions[:, n] == EOS) & (lengths == n + 1)

@@ -87,7 +87,7 @@ class Trainer:
         accuracy = 0.0
         for i in range(c.warmup_steps):
             prompts, _ = self.task.prompts(64, self.generator)
-            sequence = torch.cat([prompts, self.task.answers(prompts)], dim=1)
+            sequence = torch.cat([prompts, self.task.answers(prompts, self.generator)], dim=1)
             logits = self.policy(sequence[:, :-1])[:, self.task.prompt_length - 1 :]
             targets = sequence[:, self.task.prompt_length :]
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -78,6 +78,13 @@ class MixinConfig(BaseModel):
         0.05, ge=0, description="GRPORewardCliff is not judged while the baseline reward is below this (a run "
         "that never had reward cannot fall off a cliff)."
     )
+    correctness_component: str = Field(
+        "correctness", min_length=1, description="GRPORewardHackSuspected: the reward component that measures the "
+        "task itself (the `component` label your training passes to reward_components)"
+    )
+    correctness_drop_ratio: float = Field(
+        0.7, gt=0, lt=1, description="GRPORewardHackSuspected: correctness below this share of its baseline ..."
+    )
     truncation_surge_factor: float = Field(2.0, gt=1, description="GRPOTruncationSurge: x the baseline share")
     truncation_surge_floor: float = Field(0.05, ge=0, lt=1, description="GRPOTruncationSurge: and above this share")
     length_growth_ratio: float = Field(

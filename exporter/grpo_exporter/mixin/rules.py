@@ -253,6 +253,19 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             + _query('max(run:grpo_reward_mean:baseline_median{run=%q,component=\\"total\\"})') + ".",
         ),
         Alert(
+            "GRPORewardHackSuspected", g2, "reward_hack", "warning",
+            f'max by ({BY}) (grpo_reward_mean{c.matchers(component=c.correctness_component)}) < on(job, run) '
+            f'({c.correctness_drop_ratio:g} * run:grpo_reward_mean:baseline_median{{component="{c.correctness_component}"}}) '
+            f'and on(job, run) max by ({BY}) (grpo_reward_mean{c.matchers(component="total")}) '
+            f'>= on(job, run) run:grpo_reward_mean:baseline_median{{component="total"}}', 300,
+            "Correctness falls while the total reward holds: another reward component is being gamed.",
+            f"Mean {c.correctness_component} reward of run {{{{ $labels.run }}}} is " + _value("%.3g") + f", below "
+            f"{c.correctness_drop_ratio:g}x its baseline "
+            + _query(f'max(run:grpo_reward_mean:baseline_median{{run=%q,component=\\"{c.correctness_component}\\"}})')
+            + " while the total reward holds at "
+            + _query('max(grpo_reward_mean{run=%q,component=\\"total\\"})') + ".",
+        ),
+        Alert(
             "GRPOTruncationSurge", g2, "truncation", "warning",
             f"run:grpo_truncated_completions:window_ratio > on(job, run) ({c.truncation_surge_factor:g} * "
             f"run:grpo_truncated_completions:baseline_ratio) and run:grpo_truncated_completions:window_ratio "
