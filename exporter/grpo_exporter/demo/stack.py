@@ -30,8 +30,10 @@ INSTALL_HINT = (
 
 def demo_mixin(**overrides: Any) -> MixinConfig:
     """The rules config of the demo: production rules with time shrunk 50x and a short baseline."""
+    # zero_variance_margin: every demo prompt is new, so no per-prompt history can capture the spread of
+    # difficulty and the prediction from the running solve rate runs low
     settings = {"time_scale": 0.02, "baseline_window_s": 1200, "baseline_offset_s": 300, "group_wait_s": 50,
-                "group_interval_s": 250, "repeat_interval_s": 3600} | overrides
+                "group_interval_s": 250, "repeat_interval_s": 3600, "zero_variance_margin": 0.25} | overrides
     return MixinConfig(**settings)
 
 

@@ -42,17 +42,17 @@ class DemoConfig:
     seed: int = 0
     prompts_per_step: int = 8
     group_size: int = 8
-    max_new: int = 8
+    max_new: int = 9
     warmup_steps: int = 400
     warmup_lr: float = 3e-3
-    warmup_target: float = 0.35
+    warmup_target: float = 0.3
     lr: float = 2e-4
-    micro_batches: int = 2
+    micro_batches: int = 4
     max_grad_norm: float = 1.0
     clip_eps: tuple[float, float] = (0.2, 0.28)
     log_ratio_clamp: float = 20.0
-    format_weight: float = 0.2
-    task: Task = field(default_factory=Task)
+    format_weight: float = 0.1
+    task: Task = field(default_factory=lambda: Task(symbols=8, length=5))
 
 
 @dataclass
