@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ class Page:
     run: str
     summary: str
     runbook: str
+    received_at: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
         return (f"PAGE [{self.receiver}] {self.status.upper()} {self.alert} layer={self.layer} "

@@ -77,6 +77,7 @@ class Trainer:
         self.version = 0
         self.faults = Faults()
         self._reused: Rollout | None = None
+        self._reused_old: Tensor | None = None
 
     # ---- the brief supervised warm start: mixed groups from the first RL step ----
     def warm_start(self) -> float:
@@ -117,8 +118,8 @@ class Trainer:
         if f.verifier_broken:
             correct = torch.zeros_like(correct)
         well_formed = (~rollout.truncated).float()
-        if f.reward_hack:  # a "format" component that pays for length dominates a down-weighted correctness
-            fmt = rollout.lengths.float() / rollout.completions.shape[1]
+        if f.reward_hack:  # a "format" component that pays for rambling past the answer dominates correctness
+            fmt = (rollout.lengths > self.task.answer_length).float()
             rewards = 0.1 * correct.float() + 1.0 * fmt
         else:
             fmt = well_formed
@@ -128,8 +129,12 @@ class Trainer:
         t = rollout.completions.shape[1]
         positions = torch.arange(t).unsqueeze(0) < rollout.lengths.unsqueeze(1)
         loss_mask = torch.ones_like(positions) if f.mask_covers_padding else positions
-        with torch.no_grad():
-            old_logprobs, _ = self._logprobs(rollout)
+        if f.reuse_rollouts and self._reused_old is not None:
+            old_logprobs = self._reused_old  # the behaviour policy's, kept from when the batch was generated
+        else:
+            with torch.no_grad():
+                old_logprobs, _ = self._logprobs(rollout)
+            self._reused_old = old_logprobs if f.reuse_rollouts else None
         advantages = self._advantages(rewards)
 
         self.monitor.observe_rollout(
