@@ -44,6 +44,11 @@ class MixinConfig(BaseModel):
         600, ge=0, description="how far back the baseline window ends, so a spike cannot raise its own baseline "
         "before it is judged against it."
     )
+    min_baseline_samples: int = Field(
+        20, ge=1, description="a rolling baseline exists only once its window holds this many samples: a median of "
+        "a handful of early points is no baseline (it made early steps look like grad-norm spikes). Feeds every "
+        "baseline-relative alert."
+    )
     stall_after_s: int = Field(
         900, ge=1, description="GRPOTrainingStalled: no new step for this long. Set above your slowest step "
         "(evaluation and checkpointing included)."

@@ -71,8 +71,10 @@ def _increase(c: MixinConfig, metric: str, by: str = BY, **labels: str) -> str:
 
 
 def _baseline(c: MixinConfig, expr: str, by: str = BY, op: str = "quantile_over_time(0.5, ") -> str:
+    """A rolling baseline over the window ending ``baseline_offset`` ago, once it holds enough samples."""
     window, offset = c.duration(c.baseline_window_s), c.duration(c.baseline_offset_s)
-    return f"max by ({by}) ({op}{expr}[{window}] offset {offset}))"
+    return (f"max by ({by}) ({op}{expr}[{window}] offset {offset})) and on({by}) "
+            f"max by ({by}) (count_over_time({expr}[{window}] offset {offset})) >= {c.min_baseline_samples}")
 
 
 def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
