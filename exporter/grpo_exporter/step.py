@@ -330,7 +330,7 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     g.add("grpo_ess_ratio", ess.token, level="token")
     g.add("grpo_ess_ratio", ess.sequence, level="sequence")
     weights = samples.importance_weight_quantiles(lr, qs)
-    total = torch.where(lr.valid, torch.exp(lr.value), 0.0).double().sum()
+    total = torch.where(lr.valid, lr.ratio, 0.0).double().sum()
     g.summary("grpo_importance_weight", total, lr.valid.sum(), weights, qs)
 
 

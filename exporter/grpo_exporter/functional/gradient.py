@@ -21,11 +21,13 @@ from grpo_exporter.functional.selection import masked_quantiles
 
 
 class LogRatio(NamedTuple):
-    """Per-token log ratio in fp32 (0 outside the loss mask) and where it is a finite loss token."""
+    """Per-token log ratio in fp32 (0 outside the loss mask), where it is a finite loss token, and the ratio
+    exp(log ratio) without clamp (computed once: every ratio metric of the step reads it)."""
 
     value: Tensor
     valid: Tensor
     loss_mask: Tensor
+    ratio: Tensor
 
 
 def masked_difference(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
@@ -36,7 +38,7 @@ def masked_difference(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
 def log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> LogRatio:
     """log pi_theta - log pi_old on loss tokens, in fp32 (seed 4.1: subtract in fp32, never in bf16)."""
     value = masked_difference(logprobs, old_logprobs, loss_mask)
-    return LogRatio(value, loss_mask & torch.isfinite(value), loss_mask)
+    return LogRatio(value, loss_mask & torch.isfinite(value), loss_mask, torch.exp(value))
 
 
 class EngineGap(NamedTuple):
@@ -74,8 +76,7 @@ def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float) -> OnPolicyChe
     Counts loss tokens whose ratio already lies outside [1-eps_low, 1+eps_high] whatever the advantage
     sign (seed 1.1: "未训先大面积撞 clip" = stop training and fix the probability path), and max |log ratio|.
     """
-    ratio = torch.exp(lr.value)
-    outside = lr.valid & ((ratio > 1.0 + eps_high) | (ratio < 1.0 - eps_low))
+    outside = lr.valid & ((lr.ratio > 1.0 + eps_high) | (lr.ratio < 1.0 - eps_low))
     checked = lr.valid.sum()
     return OnPolicyCheck(
         outside.sum(), checked, fraction(outside.sum(), checked), masked_max(lr.value.abs(), lr.valid)
@@ -92,7 +93,7 @@ def nonfinite_ratio_count(lr: LogRatio) -> tuple[Tensor, Tensor]:
     """Non-finite log ratios and ratios on loss tokens; the ratio is exp(log ratio) in fp32 without clamp,
     so it also counts the tokens that would overflow where exp comes before the clamp (seed 4.2)."""
     bad_lr = lr.loss_mask & ~torch.isfinite(lr.value)
-    bad_ratio = lr.loss_mask & ~torch.isfinite(torch.exp(lr.value))
+    bad_ratio = lr.loss_mask & ~torch.isfinite(lr.ratio)
     return bad_lr.sum(), bad_ratio.sum()
 
 

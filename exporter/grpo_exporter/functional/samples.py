@@ -115,8 +115,7 @@ def clip_counts(lr: LogRatio, token_adv: Tensor, eps_low: float, eps_high: float
     """
     signed = lr.loss_mask & torch.isfinite(token_adv)
     positive, negative = signed & (token_adv > 0), signed & (token_adv < 0)
-    ratio = torch.exp(lr.value)
-    above, below = lr.valid & (ratio > 1.0 + eps_high), lr.valid & (ratio < 1.0 - eps_low)
+    above, below = lr.valid & (lr.ratio > 1.0 + eps_high), lr.valid & (lr.ratio < 1.0 - eps_low)
     upper, lower = (positive & above).sum(), (negative & below).sum()
     return ClipCounts(
         upper,
@@ -130,7 +129,7 @@ def clip_counts(lr: LogRatio, token_adv: Tensor, eps_low: float, eps_high: float
 
 def importance_weight_quantiles(lr: LogRatio, quantiles: Sequence[float]) -> Reading:
     """Quantiles of the per-token ratio exp(log ratio) over finite loss tokens (may be +Inf, never NaN)."""
-    return masked_quantiles(torch.exp(lr.value), lr.valid, quantiles)
+    return masked_quantiles(lr.ratio, lr.valid, quantiles)
 
 
 def zero_advantage_share(token_adv: Tensor, loss_mask: Tensor) -> Reading:

@@ -21,6 +21,7 @@ from typing import Any
 
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.builders.common import GraphThresholdsStyleConfig
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import GraphThresholdsStyleMode
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos, Threshold, ThresholdsMode
@@ -339,6 +340,4 @@ def _panel(p: PanelSpec, panel_id: int, pos: GridPos) -> Any:
 
 
 def _style() -> Any:
-    from grafana_foundation_sdk.builders.common import GraphThresholdsStyleConfig
-
     return GraphThresholdsStyleConfig().mode(GraphThresholdsStyleMode.DASHED)
