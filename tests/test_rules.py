@@ -185,3 +185,12 @@ def test_alertmanager_routes_and_inhibits_along_the_signal_chain(tmp_path):
             assert got == want
     finally:
         hook.close()
+
+
+def test_mixin_config_file_must_be_a_mapping(tmp_path):
+    path = tmp_path / "mixin.yml"
+    path.write_text("- selector\n")
+    with pytest.raises(ValueError, match=r"mixin\.yml: expected a YAML mapping of MixinConfig settings, got list"):
+        MixinConfig.load(path)
+    path.write_text('selector: \'job="train"\'\n')
+    assert MixinConfig.load(path).selector == 'job="train"'

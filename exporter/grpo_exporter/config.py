@@ -6,8 +6,11 @@ this model in a later layer.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from grpo_exporter.catalog import GAP_QUANTILES, LENGTH_QUANTILES, RATIO_QUANTILES, SOLVE_RATE_BUCKETS
@@ -65,3 +68,12 @@ class MetricsConfig(BaseModel):
     def pass_ks(self) -> tuple[int, ...]:
         """k values for pass@k: 1, the group size, and the configured extras, sorted."""
         return tuple(sorted({1, self.group_size, *self.pass_k}))
+
+
+def load_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """A YAML file that must hold a mapping (an empty file is an empty one); ``what`` names its content in
+    the error."""
+    loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"{path}: expected a YAML mapping of {what}, got {type(loaded).__name__}")
+    return dict(loaded)

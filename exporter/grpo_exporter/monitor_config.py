@@ -17,12 +17,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, field_validator, model_validator
 from rapidfuzz import process
 
 from grpo_exporter import catalog
-from grpo_exporter.config import MetricsConfig
+from grpo_exporter.config import MetricsConfig, load_yaml_mapping
 
 ENV_PREFIX = "GRPO_EXPORTER_"
 DEFAULT_PORT = 9887  # in the exporters' range 9100-9999 of Prometheus' default port allocations
@@ -94,11 +93,7 @@ class MonitorConfig(MetricsConfig):
     @classmethod
     def _load_baseline(cls, value: Any) -> Any:
         if isinstance(value, str | Path):
-            path = Path(value)
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-            if not isinstance(loaded, Mapping):
-                raise ValueError(f"expected a mapping of sample key -> number in {path}, got {type(loaded).__name__}")
-            return dict(loaded)
+            return load_yaml_mapping(value, "sample key -> number")
         return value
 
     @field_validator("reference_baseline")
@@ -130,12 +125,7 @@ class MonitorConfig(MetricsConfig):
         cls, file: str | Path | None = None, environ: Mapping[str, str] | None = None, **kwargs: Any
     ) -> MonitorConfig:
         """Defaults < YAML ``file`` < ``GRPO_EXPORTER_*`` variables of ``environ`` < ``kwargs``."""
-        data: dict[str, Any] = {}
-        if file is not None:
-            loaded = yaml.safe_load(Path(file).read_text(encoding="utf-8")) or {}
-            if not isinstance(loaded, Mapping):
-                raise ValueError(f"{file}: expected a YAML mapping of settings, got {type(loaded).__name__}")
-            data.update(loaded)
+        data = load_yaml_mapping(file, "settings") if file is not None else {}
         env = os.environ if environ is None else environ
         for key, raw in env.items():
             if key.startswith(ENV_PREFIX):

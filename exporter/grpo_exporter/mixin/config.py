@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
+
+from grpo_exporter.config import load_yaml_mapping
 
 Severity = Literal["critical", "warning", "info"]
 
@@ -163,5 +164,4 @@ class MixinConfig(BaseModel):
     def load(cls, path: str | Path | None = None) -> MixinConfig:
         if path is None:
             return cls()
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        return cls.model_validate(data)
+        return cls.model_validate(load_yaml_mapping(path, "MixinConfig settings"))
