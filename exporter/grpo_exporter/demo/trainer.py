@@ -8,7 +8,6 @@ It talks to grpo-exporter only through the public ``GRPOMonitor`` API, like any 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -217,24 +216,4 @@ class Trainer:
         return ((grouped - mean) / (std + 1e-4)).flatten()
 
 
-def run(
-    trainer: Trainer,
-    steps: int,
-    inject: Callable[[Trainer], None] | None = None,
-    inject_at: int | None = None,
-    on_step: Callable[[StepReport], None] | None = None,
-) -> list[StepReport]:
-    """Warm start, then ``steps`` GRPO steps; ``inject`` switches a fault on at ``inject_at``."""
-    trainer.warm_start()
-    reports = []
-    for step in range(steps):
-        if inject is not None and inject_at is not None and step == inject_at:
-            inject(trainer)
-        report = trainer.step(step)
-        reports.append(report)
-        if on_step is not None:
-            on_step(report)
-    return reports
-
-
-__all__ = ["DemoConfig", "Faults", "StepReport", "Trainer", "run"]
+__all__ = ["DemoConfig", "Faults", "StepReport", "Trainer"]

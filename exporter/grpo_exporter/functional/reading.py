@@ -56,11 +56,6 @@ def fraction(numerator: Tensor, denominator: Tensor) -> Ratio:
     return Ratio(value, present, num, den)
 
 
-def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
-    """Sum of ``x`` over ``mask`` in fp32; masked positions never enter arithmetic (no inf*0 NaN)."""
-    return torch.where(mask, x.float(), 0.0).sum()
-
-
 def masked_mean(x: Tensor, mask: Tensor) -> Ratio:
     """Mean of ``x`` over ``mask`` in fp32 (fp64 accumulation of the count), absent for an empty mask."""
     return fraction(torch.where(mask, x.float(), 0.0).double().sum(), mask.sum())
