@@ -1,8 +1,9 @@
-"""The fault scenarios: what each injects, and which alert (and layer) it should page with.
+"""The fault scenarios: what each injects, when, and which alert (and layer) it should page with.
 
-Status: the injections are implemented and their signals are verified at the metric level
-(tests/test_demo.py); the end-to-end paging of every scenario through Prometheus and Alertmanager is the
-next step of issue 6.
+The demo trains at :data:`STEPS_PER_SECOND` against rules with time shrunk 50x (``demo_mixin``). A fault whose
+alert compares against the run's own history (a rolling baseline: 20 samples in a window that ends 12 s back)
+is injected only after :data:`HISTORY_STEPS` healthy steps; the others after :data:`EARLY_STEPS`.
+Every scenario is checked end to end through a real Prometheus and Alertmanager by ``tests/test_e2e.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import torch
 
 from grpo_exporter.demo.trainer import Trainer
 
+STEPS_PER_SECOND = 2.0
+EARLY_STEPS = 16  # 8 s: the exporter is scraped and the run's first samples are in
+HISTORY_STEPS = 80  # 40 s: rolling baselines exist (20 samples, window ending 12 s back) with room to spare
+ENTROPY_PENALTY = 1.0  # entropy-collapse: loss + 1.0 x mean token entropy
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -22,6 +28,17 @@ class Scenario:
     expected_alerts: tuple[str, ...]
     layer: str
     inject: Callable[[Trainer], None]
+    needs_history: bool = False
+    seed: int = 3
+
+    # seed: the default of the demo and the one the end-to-end suite runs. entropy-collapse takes a seed whose
+    # policy is still weak at injection: from a policy that already solves most prompts the collapse lands on
+    # correct answers, pass@G holds, and GRPOEntropyCollapse by design stays silent (convergence is no page).
+
+    @property
+    def inject_at(self) -> int:
+        """The default step of injection."""
+        return HISTORY_STEPS if self.needs_history else EARLY_STEPS
 
 
 def _set(**changes: object) -> Callable[[Trainer], None]:
@@ -35,7 +52,7 @@ def _set(**changes: object) -> Callable[[Trainer], None]:
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        Scenario("healthy", "no fault", (), "", _set()),
+        Scenario("healthy", "no fault", (), "", _set(), seed=0),
         Scenario("engine-desync", "the weight sync silently skips the tied embedding",
                  ("GRPOEngineLogprobGapWarning",), "1-gradient", _set(engine_skip=("embed.weight",))),
         Scenario("engine-precision", "the rollout engine computes in bf16",
@@ -48,15 +65,17 @@ SCENARIOS: dict[str, Scenario] = {
                  ("GRPOGradClippingEveryStep",), "1-gradient", _set(loss_not_divided_by_accumulation=True)),
         Scenario("advantage-bug", "advantages use the std of half-groups: |A| above (G-1)/sqrt(G)",
                  ("GRPOAdvantageAboveBound",), "2-reward", _set(advantage_wrong_groups=True)),
-        Scenario("reward-hack", "a length-paying format component dominates a down-weighted correctness",
-                 ("GRPORewardHackSuspected",), "2-reward", _set(reward_hack=True)),
-        Scenario("entropy-collapse", "an entropy penalty drives the policy to a few completions",
-                 ("GRPOEntropyCollapse",), "4-diversity", _set(entropy_penalty=1.0)),
+        Scenario("reward-hack", "a format component paying for a quirk (answers opening with the first symbol) "
+                 "outweighs correctness", ("GRPORewardHackSuspected",), "2-reward", _set(reward_hack=True),
+                 needs_history=True),
+        Scenario("entropy-collapse", "an entropy penalty (a bonus with the wrong sign) sharpens the policy onto a "
+                 "few completions", ("GRPOEntropyCollapse",), "4-diversity", _set(entropy_penalty=ENTROPY_PENALTY),
+                 needs_history=True, seed=1),
         Scenario("stale-rollouts", "one rollout batch is reused for every later update",
                  ("GRPORolloutsStale",), "3-samples", _set(reuse_rollouts=True)),
         Scenario("truncation", "the maximum completion length shrinks below the answer length",
-                 ("GRPOTruncationSurge",), "2-reward", _set(max_new=3)),
+                 ("GRPOTruncationSurge",), "2-reward", _set(max_new=3), needs_history=True),
         Scenario("verifier-broken", "the verifier scores every answer 0",
-                 ("GRPORewardCliff",), "2-reward", _set(verifier_broken=True)),
+                 ("GRPORewardCliff",), "2-reward", _set(verifier_broken=True), needs_history=True),
     )
 }

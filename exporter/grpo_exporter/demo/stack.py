@@ -29,11 +29,12 @@ INSTALL_HINT = (
 
 
 def demo_mixin(**overrides: Any) -> MixinConfig:
-    """The rules config of the demo: production rules with time shrunk 50x and a short baseline."""
+    """The rules config of the demo: the production rules and baselines with time shrunk 50x (a 1 h baseline
+    window ending 10 min back becomes 72 s ending 12 s back), Alertmanager's waits shortened to match."""
     # zero_variance_margin: every demo prompt is new, so no per-prompt history can capture the spread of
     # difficulty and the prediction from the running solve rate runs low
-    settings = {"time_scale": 0.02, "baseline_window_s": 1200, "baseline_offset_s": 300, "group_wait_s": 50,
-                "group_interval_s": 250, "repeat_interval_s": 3600, "zero_variance_margin": 0.25} | overrides
+    settings = {"time_scale": 0.02, "group_wait_s": 50, "group_interval_s": 250, "repeat_interval_s": 3600,
+                "zero_variance_margin": 0.25} | overrides
     return MixinConfig(**settings)
 
 
@@ -127,11 +128,11 @@ def stop_services(processes: list[subprocess.Popen[bytes]]) -> None:
 
 
 class Stack:
-    """Prometheus scraping the given exporter ports (file service discovery, so targets can be added) and
-    Alertmanager routing to the built-in receiver."""
+    """Prometheus scraping exporter ports on 127.0.0.1 (``targets`` from the start, more with
+    :meth:`add_target`; file service discovery) and Alertmanager routing to the built-in receiver."""
 
     def __init__(self, mixin: MixinConfig | None = None, on_page: Callable[[Page], None] = lambda page: None,
-                 workdir: Path | None = None) -> None:
+                 workdir: Path | None = None, targets: tuple[int, ...] = ()) -> None:
         missing = missing_binaries()
         if missing:
             raise RuntimeError(f"missing {', '.join(missing)}: {INSTALL_HINT}")
@@ -147,7 +148,9 @@ class Stack:
         )
         self.processes: list[subprocess.Popen[bytes]] = []
         self.targets = self.workdir / "targets.json"
-        self.set_targets([])
+        self._lock = threading.Lock()
+        self._ports = list(targets)  # scraped from the first evaluation on: no "absent" page at start
+        self._write_targets()
         for name, text in rules_outputs(self.mixin).items():
             (self.workdir / name).write_text(text)
         (self.workdir / "alertmanager.yml").write_text(alertmanager_output(self.mixin))
@@ -172,9 +175,30 @@ class Stack:
     def pages(self) -> list[Page]:
         return list(self.receiver.pages)
 
-    def set_targets(self, ports: list[int]) -> None:
-        """Exporter ports for Prometheus to scrape (picked up within a second)."""
-        payload = [{"targets": [f"127.0.0.1:{port}" for port in ports]}] if ports else []
+    def add_target(self, port: int) -> None:
+        """Have Prometheus scrape an exporter on 127.0.0.1:``port`` (file discovery: picked up within ~1 s)."""
+        with self._lock:
+            self._ports.append(port)
+            self._write_targets()
+
+    def retire_target(self, port: int, timeout: float = 15.0) -> None:
+        """Stop scraping ``port`` and wait until Prometheus has dropped it, so that the exporter can close
+        without a failed scrape (``up == 0`` would page GRPOExporterDown)."""
+        with self._lock:
+            self._ports.remove(port)
+            self._write_targets()
+        instance = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"{self.prometheus_url}/api/v1/targets?state=active", timeout=5) as r:
+                active = json.load(r)["data"]["activeTargets"]
+            if all(t["labels"].get("instance") != instance for t in active):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"Prometheus still scrapes {instance} after {timeout}s")
+
+    def _write_targets(self) -> None:
+        payload = [{"targets": [f"127.0.0.1:{port}" for port in self._ports]}] if self._ports else []
         tmp = self.targets.with_suffix(".tmp")
         tmp.write_text(json.dumps(payload))
         tmp.replace(self.targets)

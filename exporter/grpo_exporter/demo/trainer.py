@@ -7,6 +7,7 @@ It talks to grpo-exporter only through the public ``GRPOMonitor`` API, like any 
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -16,7 +17,9 @@ from torch import Tensor
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.engine import Rollout, RolloutEngine
 from grpo_exporter.demo.model import TinyLM
-from grpo_exporter.demo.task import Task
+from grpo_exporter.demo.task import FIRST_SYMBOL, Task
+
+HACK_WEIGHT = 2.0  # reward-hack: the quirk pays twice a correct answer
 
 
 @dataclass
@@ -47,7 +50,7 @@ class DemoConfig:
     warmup_target: float = 0.3
     lr: float = 2e-4
     micro_batches: int = 4
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.5  # healthy pre-clip norms stay near 0.5-1.2; an unscaled 4-step accumulation is ~4x
     clip_eps: tuple[float, float] = (0.2, 0.28)
     log_ratio_clamp: float = 20.0
     format_weight: float = 0.1
@@ -101,6 +104,19 @@ class Trainer:
         self.engine.sync(self.policy, self.version)
         return accuracy
 
+    def snapshot(self) -> dict[str, object]:
+        """The warm-started state (weights, sampling generator, policy version): a warm start is deterministic
+        per seed, so runs of one seed can share it instead of repeating it."""
+        return {"policy": copy.deepcopy(self.policy.state_dict()), "generator": self.generator.get_state(),
+                "version": self.version}
+
+    def restore(self, snapshot: dict[str, object]) -> None:
+        """Continue from :meth:`snapshot` (the engine is synchronised, the RL optimizer starts fresh)."""
+        self.policy.load_state_dict(snapshot["policy"])  # type: ignore[arg-type]
+        self.generator.set_state(snapshot["generator"])  # type: ignore[arg-type]
+        self.version = int(snapshot["version"])  # type: ignore[call-overload]
+        self.engine.sync(self.policy, self.version)
+
     @torch.no_grad()
     def sampled_accuracy(self, prompts: int = 32) -> float:
         """Share of correct samples (temperature 1) from the current policy."""
@@ -116,12 +132,13 @@ class Trainer:
         correct = self.task.score(rollout.prompts, rollout.completions, rollout.lengths)
         if f.verifier_broken:
             correct = torch.zeros_like(correct)
-        well_formed = (~rollout.truncated).float()
-        if f.reward_hack:  # a "format" component that pays for rambling past the answer dominates correctness
-            fmt = (rollout.lengths > self.task.answer_length).float()
-            rewards = 0.1 * correct.float() + 1.0 * fmt
+        if f.reward_hack:
+            # the "format" component now pays for a quirk (answers opening with the first symbol) that the policy
+            # already produces sometimes, and outweighs correctness: right only when that symbol is in the prompt
+            fmt = (rollout.completions[:, 0] == FIRST_SYMBOL).float()
+            rewards = correct.float() + HACK_WEIGHT * fmt
         else:
-            fmt = well_formed
+            fmt = (~rollout.truncated).float()
             rewards = correct.float() + c.format_weight * fmt
         components = {"correctness": correct.float(), "format": fmt}
 
@@ -161,7 +178,7 @@ class Trainer:
             low, high = c.clip_eps
             surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
             loss = -(surrogate * mask).sum() / mask.sum().clamp(min=1)
-            if f.entropy_penalty:
+            if f.entropy_penalty:  # an entropy *penalty* (a bonus with the wrong sign) sharpens the policy
                 loss = loss + f.entropy_penalty * (entropy * mask).sum() / mask.sum().clamp(min=1)
             scale = 1.0 if f.loss_not_divided_by_accumulation else 1.0 / c.micro_batches
             (loss * scale).backward()

@@ -104,6 +104,9 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_zero_variance_groups_expected:window_mean",
          "expr": f"max by ({BY}) (avg_over_time(grpo_zero_variance_groups_expected_ratio{c.matchers()}"
                  f"[{c.duration(c.rate_window_s)}]))"},
+        {"record": "run:grpo_reward_mean:window_mean",
+         "expr": f"max by (job, run, component) (avg_over_time(grpo_reward_mean{c.matchers()}"
+                 f"[{c.duration(c.rate_window_s)}]))"},
         {"record": "run:grpo_truncated_completions:window_ratio",
          "expr": f"{_rate(c, 'grpo_truncated_completions_total')} / {_rate(c, 'grpo_completions_total')}"},
         {"record": "run:grpo_completion_length_tokens:window_mean",
@@ -256,16 +259,17 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPORewardHackSuspected", g2, "reward_hack", "warning",
-            f'max by ({BY}) (grpo_reward_mean{c.matchers(component=c.correctness_component)}) < on(job, run) '
+            # window means, not the last batch: a hack is a trend, and one batch's correctness is a noisy share
+            f'max by ({BY}) (run:grpo_reward_mean:window_mean{{component="{c.correctness_component}"}}) < on(job, run) '
             f'({c.correctness_drop_ratio:g} * run:grpo_reward_mean:baseline_median{{component="{c.correctness_component}"}}) '
-            f'and on(job, run) max by ({BY}) (grpo_reward_mean{c.matchers(component="total")}) '
+            f'and on(job, run) max by ({BY}) (run:grpo_reward_mean:window_mean{{component="total"}}) '
             f'>= on(job, run) run:grpo_reward_mean:baseline_median{{component="total"}}', 300,
             "Correctness falls while the total reward holds: another reward component is being gamed.",
-            f"Mean {c.correctness_component} reward of run {{{{ $labels.run }}}} is " + _value("%.3g") + f", below "
+            f"Mean {c.correctness_component} reward of run {{{{ $labels.run }}}} over {w} is " + _value("%.3g") + f", below "
             f"{c.correctness_drop_ratio:g}x its baseline "
             + _query(f'max(run:grpo_reward_mean:baseline_median{{run=%q,component=\\"{c.correctness_component}\\"}})')
             + " while the total reward holds at "
-            + _query('max(grpo_reward_mean{run=%q,component=\\"total\\"})') + ".",
+            + _query('max(run:grpo_reward_mean:window_mean{run=%q,component=\\"total\\"})') + ".",
         ),
         Alert(
             "GRPOTruncationSurge", g2, "truncation", "warning",
