@@ -1,4 +1,4 @@
-"""The demo trainer (work in progress for issue 6): it learns, and each deterministic fault shows up in the
+"""The demo trainer at the metric level: it learns, and each deterministic fault shows up in the
 exporter's own metrics within a few steps of injection."""
 
 from __future__ import annotations

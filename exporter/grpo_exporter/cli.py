@@ -65,8 +65,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     try:
         run_demo(args.scenario, args.inject_at, args.steps, not args.no_stack, args.seed, args.steps_per_second)
+    except ValueError as exc:
+        print(f"grpo-exporter demo: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print("stopped")
+        print("stopped: the exporter, Prometheus and Alertmanager of this demo are shut down")
+        return 130
     return 0
 
 
@@ -103,11 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--out", default="deploy/kubernetes", help="folder of the manifests (default: deploy/kubernetes)")
     k8s.set_defaults(run=_kubernetes)
     demo = commands.add_parser("demo", help="a tiny GRPO run with an injected fault, Prometheus and Alertmanager")
-    demo.add_argument("--scenario", default="engine-desync", help="fault to inject (see docs/demo.md)")
-    demo.add_argument("--inject-at", type=int, default=40, help="step at which the fault starts")
-    demo.add_argument("--steps", type=int, default=300, help="GRPO steps to run")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--steps-per-second", type=float, default=4.0, help="pace, so Prometheus sees each phase")
+    demo.add_argument("--scenario", default="engine-desync", help="fault to inject, or healthy (docs/demo.md)")
+    demo.add_argument("--inject-at", type=int, default=None,
+                      help="step at which the fault starts (default: the scenario's)")
+    demo.add_argument("--steps", type=int, default=400, help="GRPO steps to run")
+    demo.add_argument("--seed", type=int, default=None, help="default: the scenario's")
+    demo.add_argument("--steps-per-second", type=float, default=2.0, help="pace, so that Prometheus sees each phase")
     demo.add_argument("--no-stack", action="store_true", help="no Prometheus/Alertmanager: exporter and guard only")
     demo.set_defaults(run=_demo)
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")

@@ -1,0 +1,73 @@
+"""The README's demo command, run as a new user would: its own set-up, then the default scenario through the
+real stack; a page must be printed within two minutes, and Ctrl-C must stop every process it started."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE_WITHIN_S = 120.0
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's first code block."""
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block, "README.md starts with a bash block"
+    return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_starts_with_the_demo_and_the_test_suite():
+    commands = readme_commands()
+    assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def _port_open(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def test_readme_demo_command_prints_a_page_within_two_minutes_and_ctrl_c_stops_everything():
+    command = readme_commands()[0]
+    start = time.monotonic()
+    process = subprocess.Popen(shlex.split(command), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, bufsize=1, start_new_session=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    page = None
+    try:
+        assert process.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while page is None and time.monotonic() - start < PAGE_WITHIN_S and process.poll() is None:
+            if selector.select(timeout=1):
+                line = process.stdout.readline()
+                lines.append(line.rstrip())
+                if line.startswith("PAGE "):
+                    page = line
+        elapsed = time.monotonic() - start
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground process group
+        rest, _ = process.communicate(timeout=30)
+        lines += rest.splitlines()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = "\n".join(lines)
+    assert page is not None, output[-3000:]
+    assert elapsed < PAGE_WITHIN_S
+    assert "FIRING GRPOEngineLogprobGapWarning layer=1-gradient" in page, page  # the default scenario's alert
+    assert "runbook: docs/runbooks.md#grpoenginelogprobgapwarning" in page
+    assert process.returncode == 130, output[-3000:]
+    assert "stopped" in lines[-1]
+    urls = re.findall(r"(?:exporter|prometheus|alertmanager): +(http://127\.0\.0\.1:\d+)", output)
+    assert len(urls) == 3, output[:2000]
+    assert not any(_port_open(url) for url in urls), urls  # nothing it started is left listening
