@@ -71,3 +71,55 @@ def test_readme_demo_command_prints_a_page_within_two_minutes_and_ctrl_c_stops_e
     urls = re.findall(r"(?:exporter|prometheus|alertmanager): +(http://127\.0\.0\.1:\d+)", output)
     assert len(urls) == 3, output[:2000]
     assert not any(_port_open(url) for url in urls), urls  # nothing it started is left listening
+
+
+def _urls_once_started(process: subprocess.Popen[str], marker: str, timeout: float = 60.0) -> list[str]:
+    assert process.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        lines.append(line)
+        if marker in line:
+            return re.findall(r"http://127\.0\.0\.1:\d+", "".join(lines))
+    raise AssertionError("".join(lines))
+
+
+def _closed_within(urls: list[str], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_port_open(url) for url in urls):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_kill_stops_the_demo_like_ctrl_c():
+    process = subprocess.Popen([str(ROOT / ".venv/bin/grpo-exporter"), "demo", "--steps", "1000"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        urls = _urls_once_started(process, "step    2 ")
+        assert len(urls) == 3
+        assert all(_port_open(u) for u in urls)
+        process.terminate()
+        out, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 130, out
+    assert _closed_within(urls, 5), urls
+
+
+def test_the_stack_dies_with_its_parent_even_on_sigkill():
+    script = ("from grpo_exporter.demo.stack import Stack\nimport time\n"
+              "s = Stack()\nprint(s.prometheus_url, s.alertmanager_url, 'ready', flush=True)\ntime.sleep(120)\n")
+    process = subprocess.Popen([str(ROOT / ".venv/bin/python"), "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        urls = _urls_once_started(process, "ready")
+        assert len(urls) == 2
+        assert all(_port_open(u) for u in urls)
+        process.kill()  # no cleanup code of the parent runs
+        process.wait(timeout=10)
+    finally:
+        process.kill()
+    assert _closed_within(urls, 10), urls

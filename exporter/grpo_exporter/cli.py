@@ -61,8 +61,14 @@ def _kubernetes(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import signal
+
     from grpo_exporter.demo.main import run_demo
 
+    def terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # `kill` stops the demo like Ctrl-C: everything it started is shut down
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
         run_demo(args.scenario, args.inject_at, args.steps, not args.no_stack, args.seed, args.steps_per_second)
     except ValueError as exc:

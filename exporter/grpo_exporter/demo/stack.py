@@ -4,10 +4,13 @@ prints every page as it arrives. Everything it starts is stopped by :meth:`Stack
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -21,6 +24,7 @@ from typing import Any
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.render import alertmanager_output, rules_outputs
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 BINARIES = ("prometheus", "prometheus-alertmanager")
 INSTALL_HINT = (
     "the demo's stack needs the Debian packages `prometheus` and `prometheus-alertmanager`: "
@@ -93,6 +97,17 @@ class _Receiver:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
+# bound before any fork: the child between fork and exec only makes this one call
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM it when the thread that started it dies, however that
+    happens (even SIGKILL), so that no Prometheus or Alertmanager outlives the demo or the test."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_service(
     binary: str, args: list[str], log: Path, timeout: float = 30.0
 ) -> tuple[subprocess.Popen[bytes], str]:
@@ -100,7 +115,7 @@ def start_service(
     port = free_port()
     with log.open("w") as out:
         process = subprocess.Popen([binary, *args, f"--web.listen-address=127.0.0.1:{port}"],
-                                   stdout=out, stderr=subprocess.STDOUT)
+                                   stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
