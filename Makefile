@@ -1,11 +1,15 @@
 # Developer shortcuts. Each target sets itself up (torch CPU wheel first, see scripts/setup.sh).
-.PHONY: setup test lint generate
+.PHONY: setup test demo lint generate
 
 setup:
 	bash scripts/setup.sh
 
 test:
 	bash scripts/test.sh
+
+# make demo ARGS="--scenario mask-bug"
+demo:
+	bash scripts/demo.sh $(ARGS)
 
 lint: setup
 	.venv/bin/ruff check .
