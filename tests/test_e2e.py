@@ -23,7 +23,7 @@ import torch
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.scenarios import SCENARIOS, STEPS_PER_SECOND
 from grpo_exporter.demo.stack import Page, Stack
-from grpo_exporter.demo.trainer import DemoConfig, Trainer
+from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 
 HEALTHY_SEEDS = (0, 1, 2)
 HEALTHY_STEPS = 150
@@ -86,9 +86,7 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page]]:
     runs += [Run(s.name, s.seed) for s in faults]
     warm: dict[int, dict[str, object]] = {}
     for seed in sorted({r.seed for r in runs}):  # a warm start is deterministic per seed: shared by its runs
-        trainer = Trainer(DemoConfig(seed=seed), None)  # type: ignore[arg-type]
-        trainer.warm_start()
-        warm[seed] = trainer.snapshot()
+        warm[seed] = warm_snapshot(DemoConfig(seed=seed))
     with Stack(workdir=tmp_path_factory.mktemp("stack")) as stack:
         with ThreadPoolExecutor(CONCURRENT) as pool:
             for run in runs:

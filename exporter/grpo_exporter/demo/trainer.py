@@ -233,4 +233,13 @@ class Trainer:
         return ((grouped - mean) / (std + 1e-4)).flatten()
 
 
-__all__ = ["DemoConfig", "Faults", "StepReport", "Trainer"]
+def warm_snapshot(config: DemoConfig) -> dict[str, object]:
+    """The warm-started state for ``config`` (its seed decides it), for :meth:`Trainer.restore`: runs of one
+    seed share one warm start (no monitor is involved before the first RL step). ``accuracy``: the sampled
+    accuracy it reached."""
+    trainer = Trainer(config, monitor=None)  # type: ignore[arg-type]
+    accuracy = trainer.warm_start()
+    return trainer.snapshot() | {"accuracy": accuracy}
+
+
+__all__ = ["DemoConfig", "Faults", "StepReport", "Trainer", "warm_snapshot"]
