@@ -123,3 +123,20 @@ def test_the_stack_dies_with_its_parent_even_on_sigkill():
     finally:
         process.kill()
     assert _closed_within(urls, 10), urls
+
+
+def test_without_the_binaries_the_demo_says_how_to_get_them_and_runs_the_exporter_and_guard(
+    monkeypatch, tmp_path, caplog
+):
+    from grpo_exporter.demo.main import run_demo
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no prometheus, no prometheus-alertmanager
+    lines: list[str] = []
+    pages = run_demo("mask-bug", inject_at=1, steps=3, steps_per_second=100.0, out=lines.append)
+    assert pages == []
+    assert "apt-get install -y prometheus prometheus-alertmanager" in lines[0]
+    assert lines[1].startswith("exporter:     http://127.0.0.1:")
+    assert any(line.startswith("step    2 ") for line in lines)
+    assert not any(line.startswith("prometheus:") for line in lines)
+    assert "guard [layer 1-gradient] run=demo-mask-bug-3" in caplog.text  # the in-process guard caught it
+    assert "runbooks.md#grpolossmaskmismatch" in caplog.text

@@ -31,9 +31,11 @@ class Scenario:
     needs_history: bool = False
     seed: int = 3
 
-    # seed: the default of the demo and the one the end-to-end suite runs. entropy-collapse takes a seed whose
-    # policy is still weak at injection: from a policy that already solves most prompts the collapse lands on
-    # correct answers, pass@G holds, and GRPOEntropyCollapse by design stays silent (convergence is no page).
+    # seed: the default of the demo and the one the end-to-end suite runs. entropy-collapse and reward-hack take
+    # seeds whose policy is still weak at injection. From a policy that already solves most prompts, the
+    # collapse lands on correct answers (pass@G holds: by design GRPOEntropyCollapse stays silent, convergence
+    # is no page), and the hack costs correctness only on the ~51% of prompts without the paid symbol (seed 3:
+    # the 12-step mean falls below 0.7x baseline after 50 steps, against 20 from seed 0).
 
     @property
     def inject_at(self) -> int:
@@ -67,7 +69,7 @@ SCENARIOS: dict[str, Scenario] = {
                  ("GRPOAdvantageAboveBound",), "2-reward", _set(advantage_wrong_groups=True)),
         Scenario("reward-hack", "a format component paying for a quirk (answers opening with the first symbol) "
                  "outweighs correctness", ("GRPORewardHackSuspected",), "2-reward", _set(reward_hack=True),
-                 needs_history=True),
+                 needs_history=True, seed=0),
         Scenario("entropy-collapse", "an entropy penalty (a bonus with the wrong sign) sharpens the policy onto a "
                  "few completions", ("GRPOEntropyCollapse",), "4-diversity", _set(entropy_penalty=ENTROPY_PENALTY),
                  needs_history=True, seed=1),
