@@ -13,6 +13,7 @@ in all), longest first; the whole suite takes ~3 min on 2 cores.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,34 +47,36 @@ class Run:
         self.label = f"e2e-{self.scenario}-{self.seed}"
 
 
-def _train(run: Run, stack: Stack, warm: dict[str, object]) -> None:
+def _monitor(run: Run) -> GRPOMonitor:
+    cfg = DemoConfig(seed=run.seed)
+    return GRPOMonitor(run=run.label, group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=0, guard="off",
+                       log_ratio_clamp=cfg.log_ratio_clamp, edit_distance_groups=0)
+
+
+def _train(run: Run, mon: GRPOMonitor, stack: Stack, warm: dict[str, object]) -> None:
     scenario = SCENARIOS[run.scenario]
     expected = scenario.expected_alerts[0] if scenario.expected_alerts else None
-    cfg = DemoConfig(seed=run.seed)
     try:
-        with GRPOMonitor(run=run.label, group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=0, guard="off",
-                         log_ratio_clamp=cfg.log_ratio_clamp, edit_distance_groups=0) as mon:
-            stack.add_target(mon.port or 0)
-            trainer = Trainer(cfg, mon)
-            trainer.restore(warm)
-            quiet_until = None
-            while True:
-                start = time.monotonic()
-                if expected is None and run.steps == HEALTHY_STEPS:
+        trainer = Trainer(DemoConfig(seed=run.seed), mon)
+        trainer.restore(warm)
+        quiet_until = None
+        while True:
+            start = time.monotonic()
+            if expected is None and run.steps == HEALTHY_STEPS:
+                break
+            if expected is not None and run.steps == scenario.inject_at:
+                scenario.inject(trainer)
+                run.injected_at = time.monotonic()
+            trainer.step(run.steps)
+            run.steps += 1
+            if run.injected_at is not None:
+                now = time.monotonic()
+                if quiet_until is None and any(p.run == run.label and p.alert == expected for p in stack.pages):
+                    quiet_until = now + QUIET_AFTER_S
+                if (quiet_until is not None and now > quiet_until) or now - run.injected_at > PAGE_WITHIN_S + 5:
                     break
-                if expected is not None and run.steps == scenario.inject_at:
-                    scenario.inject(trainer)
-                    run.injected_at = time.monotonic()
-                trainer.step(run.steps)
-                run.steps += 1
-                if run.injected_at is not None:
-                    now = time.monotonic()
-                    if quiet_until is None and any(p.run == run.label and p.alert == expected for p in stack.pages):
-                        quiet_until = now + QUIET_AFTER_S
-                    if (quiet_until is not None and now > quiet_until) or now - run.injected_at > PAGE_WITHIN_S + 5:
-                        break
-                time.sleep(max(0.0, 1 / STEPS_PER_SECOND - (time.monotonic() - start)))
-            stack.retire_target(mon.port or 0)  # before the exporter goes away: no ExporterDown page
+            time.sleep(max(0.0, 1 / STEPS_PER_SECOND - (time.monotonic() - start)))
+        stack.retire_target(mon.port or 0)  # before the exporter goes away: no ExporterDown page
     except BaseException as exc:  # reported by the test, with the run
         run.error = exc
 
@@ -87,10 +90,15 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page]]:
     warm: dict[int, dict[str, object]] = {}
     for seed in sorted({r.seed for r in runs}):  # a warm start is deterministic per seed: shared by its runs
         warm[seed] = warm_snapshot(DemoConfig(seed=seed))
-    with Stack(workdir=tmp_path_factory.mktemp("stack")) as stack:
+    with contextlib.ExitStack() as exits:
+        # every exporter is up, and scraped, from the start (a run waiting for its turn publishes only its
+        # info), so "up" is never absent while runs come and go
+        monitors = [exits.enter_context(_monitor(run)) for run in runs]
+        stack = exits.enter_context(Stack(workdir=tmp_path_factory.mktemp("stack"),
+                                          targets=tuple(mon.port or 0 for mon in monitors)))
         with ThreadPoolExecutor(CONCURRENT) as pool:
-            for run in runs:
-                pool.submit(_train, run, stack, warm[run.seed])
+            for run, mon in zip(runs, monitors, strict=True):
+                pool.submit(_train, run, mon, stack, warm[run.seed])
         pages = stack.pages
     for run in runs:  # the measured latencies (pytest -s): the numbers behind PAGE_WITHIN_S
         expected = SCENARIOS[run.scenario].expected_alerts
