@@ -23,3 +23,10 @@ def test_catalog_to_stdout_and_console_script(tmp_path):
     done = subprocess.run([sys.executable, "-m", "grpo_exporter.cli", "--version"], capture_output=True, text=True)
     assert done.returncode == 0
     assert done.stdout.startswith("grpo-exporter ")
+
+
+def test_demo_names_the_scenarios_on_a_bad_one(capsys):
+    assert main(["demo", "--scenario", "mask_bug", "--no-stack"]) == 2
+    err = capsys.readouterr().err
+    assert "--scenario: expected one of healthy, engine-desync," in err
+    assert "got 'mask_bug'" in err

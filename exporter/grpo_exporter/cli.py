@@ -68,7 +68,7 @@ def _demo(args: argparse.Namespace) -> int:
     def terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # `kill` stops the demo like Ctrl-C: everything it started is shut down
 
-    signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         run_demo(args.scenario, args.inject_at, args.steps, not args.no_stack, args.seed, args.steps_per_second)
     except ValueError as exc:
@@ -77,6 +77,8 @@ def _demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("stopped: the exporter, Prometheus and Alertmanager of this demo are shut down")
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -118,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="step at which the fault starts (default: the scenario's)")
     demo.add_argument("--steps", type=int, default=400, help="GRPO steps to run")
     demo.add_argument("--seed", type=int, default=None, help="default: the scenario's")
-    demo.add_argument("--steps-per-second", type=float, default=2.0, help="pace, so that Prometheus sees each phase")
+    demo.add_argument("--steps-per-second", type=float, default=None,
+                      help="pace, so that Prometheus sees each phase (default: 2)")
     demo.add_argument("--no-stack", action="store_true", help="no Prometheus/Alertmanager: exporter and guard only")
     demo.set_defaults(run=_demo)
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")

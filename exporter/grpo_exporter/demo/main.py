@@ -21,16 +21,18 @@ def run_demo(
     steps: int = 400,
     stack: bool = True,
     seed: int | None = None,
-    steps_per_second: float = STEPS_PER_SECOND,
+    steps_per_second: float | None = None,
     out: Callable[[str], None] = print,
 ) -> list[str]:
     """Run the demo; returns the page lines received. ``inject_at`` and ``seed`` default to the scenario's
-    (docs/demo.md). Ctrl-C (KeyboardInterrupt) stops it and everything it started."""
+    (docs/demo.md), ``steps_per_second`` to the pace the scenarios are calibrated for. Ctrl-C
+    (KeyboardInterrupt) stops it and everything it started."""
     if scenario not in SCENARIOS:
         raise ValueError(f"--scenario: expected one of {', '.join(SCENARIOS)}, got {scenario!r}")
     s = SCENARIOS[scenario]
     inject_at = s.inject_at if inject_at is None else inject_at
     seed = s.seed if seed is None else seed
+    pace = STEPS_PER_SECOND if steps_per_second is None else steps_per_second
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.set_num_threads(1)
     if stack and missing_binaries():
@@ -64,7 +66,7 @@ def run_demo(
                 r = trainer.step(step)
                 out(f"step {r.step:4d}  reward {r.reward:5.2f}  correct {r.correct:4.2f}  truncated {r.truncated:4.2f}"
                     f"  grad {r.grad_norm:8.3g}{'  (step skipped: non-finite)' if r.skipped else ''}")
-                time.sleep(max(0.0, 1.0 / steps_per_second - (time.monotonic() - start)))
+                time.sleep(max(0.0, 1.0 / pace - (time.monotonic() - start)))
         finally:
             if local is not None:
                 local.close()
