@@ -98,6 +98,7 @@ def test_alert_conventions():
         assert annotations["runbook_url"] == f"docs/runbooks.md#{name.lower()}", name
         assert name.lower() in anchors, f"{name}: no runbook section"
     assert len(anchors) == len(rules)
+    assert f"| {len(rules)} `GRPO...` alerts" in (RULES / "README.md").read_text(), "rules/README.md: alert count"
 
 
 def test_every_metric_an_expression_uses_is_in_the_catalogue():
