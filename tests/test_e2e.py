@@ -4,17 +4,22 @@ receiver; each run has its own ``run`` label and exporter port.
 
 * every fault pages its expected alert, with its layer, within PAGE_WITHIN_S of injection, and nothing pages
   for a run before its fault is injected;
-* while a layer-1 alert fires for a run, no page of layers 2-4 for that run is delivered (the inhibition);
-* the healthy scenario, with three seeds for HEALTHY_STEPS steps each, delivers no page at all.
+* while a layer-1 alert fires for a run, no page of layers 2-4 for that run is delivered (the inhibition),
+  also for a run where a layer-3 alert does fire in Prometheus behind the layer-1 one;
+* the healthy scenario, with three seeds for HEALTHY_STEPS steps each, delivers no page at all (nothing even
+  fires in Prometheus), and no exporter is ever seen down.
 
 Runs go through a pool of CONCURRENT trainers (one process: the tiny steps are bound by the GIL, ~15 steps/s
-in all), longest first; the whole suite takes ~3 min on 2 cores.
+in all), longest first; the whole suite takes ~2.5 min on 2 cores.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,15 +41,17 @@ DOWNSTREAM = ("2-reward", "3-samples", "4-diversity")
 
 @dataclass
 class Run:
-    scenario: str
+    scenario: str  # the scenario whose expected alert the run waits for
     seed: int
+    also: tuple[str, ...] = ()  # more scenarios injected at the same step
+    train_after_s: float = 0.0  # train at least this long after injection
     injected_at: float | None = None
     steps: int = 0
     error: BaseException | None = None
     label: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.label = f"e2e-{self.scenario}-{self.seed}"
+        self.label = "e2e-" + "+".join((self.scenario, *self.also)) + f"-{self.seed}"
 
 
 def _monitor(run: Run) -> GRPOMonitor:
@@ -65,14 +72,15 @@ def _train(run: Run, mon: GRPOMonitor, stack: Stack, warm: dict[str, object]) ->
             if expected is None and run.steps == HEALTHY_STEPS:
                 break
             if expected is not None and run.steps == scenario.inject_at:
-                scenario.inject(trainer)
+                for name in (run.scenario, *run.also):
+                    SCENARIOS[name].inject(trainer)
                 run.injected_at = time.monotonic()
             trainer.step(run.steps)
             run.steps += 1
             if run.injected_at is not None:
                 now = time.monotonic()
                 if quiet_until is None and any(p.run == run.label and p.alert == expected for p in stack.pages):
-                    quiet_until = now + QUIET_AFTER_S
+                    quiet_until = max(now + QUIET_AFTER_S, run.injected_at + run.train_after_s)
                 if (quiet_until is not None and now > quiet_until) or now - run.injected_at > PAGE_WITHIN_S + 5:
                     break
             time.sleep(max(0.0, 1 / STEPS_PER_SECOND - (time.monotonic() - start)))
@@ -82,11 +90,14 @@ def _train(run: Run, mon: GRPOMonitor, stack: Stack, warm: dict[str, object]) ->
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory) -> tuple[list[Run], list[Page]]:
+def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, str]]]:
     torch.set_num_threads(1)
     runs = [Run("healthy", seed) for seed in HEALTHY_SEEDS]
     faults = sorted((s for s in SCENARIOS.values() if s.expected_alerts), key=lambda s: -s.inject_at)
     runs += [Run(s.name, s.seed) for s in faults]
+    # a layer-1 fault over a layer-3 one: GRPORolloutsStale fires in Prometheus ~16 s after injection and must
+    # reach nobody while GRPOLossMaskMismatch fires for the same run
+    runs.append(Run("mask-bug", SCENARIOS["mask-bug"].seed, also=("stale-rollouts",), train_after_s=35.0))
     warm: dict[int, dict[str, object]] = {}
     for seed in sorted({r.seed for r in runs}):  # a warm start is deterministic per seed: shared by its runs
         warm[seed] = warm_snapshot(DemoConfig(seed=seed))
@@ -100,6 +111,7 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page]]:
             for run, mon in zip(runs, monitors, strict=True):
                 pool.submit(_train, run, mon, stack, warm[run.seed])
         pages = stack.pages
+        fired = _fired_in_prometheus(stack.prometheus_url)
     for run in runs:  # the measured latencies (pytest -s): the numbers behind PAGE_WITHIN_S
         expected = SCENARIOS[run.scenario].expected_alerts
         hit = next((p for p in pages if p.run == run.label and expected and p.alert == expected[0]), None)
@@ -107,7 +119,15 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page]]:
         print(f"{run.label:32} steps {run.steps:4d}  page after injection {latency}")
     failed = [(r.label, r.error) for r in runs if r.error is not None]
     assert not failed, failed
-    return runs, pages
+    return runs, pages, fired
+
+
+def _fired_in_prometheus(url: str) -> set[tuple[str, str, str]]:
+    """(run, alert, layer) of every alert that fired in Prometheus during the suite, delivered or not."""
+    query = 'max by (run, alertname, layer) (max_over_time(ALERTS{alertstate="firing"}[30m]))'
+    with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': query})}", timeout=10) as r:
+        result = json.load(r)["data"]["result"]
+    return {(m["metric"].get("run", ""), m["metric"]["alertname"], m["metric"]["layer"]) for m in result}
 
 
 def _firing(pages: list[Page], run: Run) -> list[Page]:
@@ -116,8 +136,8 @@ def _firing(pages: list[Page], run: Run) -> list[Page]:
 
 @pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s.expected_alerts])
 def test_fault_pages_its_alert_and_layer(fleet, name):
-    runs, pages = fleet
-    run = next(r for r in runs if r.scenario == name)
+    runs, pages, _ = fleet
+    run = next(r for r in runs if r.scenario == name and not r.also)
     scenario = SCENARIOS[name]
     assert run.injected_at is not None, run
     mine = _firing(pages, run)
@@ -135,16 +155,26 @@ def test_fault_pages_its_alert_and_layer(fleet, name):
         assert downstream == [], "layer 1 fired: its run's layer 2-4 pages must be inhibited"
 
 
+def test_layer_one_mutes_a_downstream_alert_that_fires(fleet):
+    runs, pages, fired = fleet
+    run = next(r for r in runs if r.also)
+    mine = _firing(pages, run)
+    assert ("GRPOLossMaskMismatch", "1-gradient") in [(p.alert, p.layer) for p in mine]
+    assert (run.label, "GRPORolloutsStale", "3-samples") in fired, "the downstream alert fired in Prometheus"
+    assert [(p.alert, p.layer) for p in mine if p.layer in DOWNSTREAM] == [], "and reached nobody"
+
+
 @pytest.mark.parametrize("seed", HEALTHY_SEEDS)
 def test_healthy_run_delivers_no_page(fleet, seed):
-    runs, pages = fleet
+    runs, pages, fired = fleet
     run = next(r for r in runs if r.scenario == "healthy" and r.seed == seed)
     assert run.steps == HEALTHY_STEPS
     assert [(p.alert, p.status) for p in pages if p.run == run.label] == []
+    assert [f for f in fired if f[0] == run.label] == [], "nothing even fired in Prometheus"
 
 
-def test_every_page_belongs_to_a_run(fleet):
-    runs, pages = fleet
+def test_every_page_belongs_to_a_run_and_no_exporter_was_down(fleet):
+    runs, pages, fired = fleet
     labels = {r.label for r in runs}
     assert [p.line() for p in pages if p.run not in labels] == []
-
+    assert [f for f in fired if f[1] == "GRPOExporterDown"] == []

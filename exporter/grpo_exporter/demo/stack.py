@@ -36,9 +36,11 @@ def demo_mixin(**overrides: Any) -> MixinConfig:
     """The rules config of the demo: the production rules and baselines with time shrunk 50x (a 1 h baseline
     window ending 10 min back becomes 72 s ending 12 s back), Alertmanager's waits shortened to match."""
     # zero_variance_margin: every demo prompt is new, so no per-prompt history can capture the spread of
-    # difficulty and the prediction from the running solve rate runs low
+    # difficulty and the prediction from the running solve rate runs low.
+    # GRPOExporterDown waits 10 s, not 2 s: Prometheus' service discovery publishes targets in batches every
+    # 5 s, so at start `up` is absent for ~5 s whatever the scrape interval (a time that does not scale).
     settings = {"time_scale": 0.02, "group_wait_s": 50, "group_interval_s": 250, "repeat_interval_s": 3600,
-                "zero_variance_margin": 0.25} | overrides
+                "zero_variance_margin": 0.25, "for_seconds": {"GRPOExporterDown": 500}} | overrides
     return MixinConfig(**settings)
 
 
