@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,3 +86,13 @@ def post_json(url: str, payload: object) -> None:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200, response.status
+
+
+def prometheus_query(base: str, expr: str) -> dict:
+    """The JSON answer of Prometheus' instant-query API, also for a rejected query (status "error")."""
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read())

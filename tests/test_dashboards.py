@@ -3,12 +3,9 @@ scrapes a live GRPOMonitor."""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ from grpo_exporter.mixin.dashboards import NOT_SHOWN, build, dashboard_files, sp
 from grpo_exporter.mixin.render import rules_outputs
 from grpo_exporter.mixin.rules import recording_rules
 from monitor_helpers import rollout_kwargs, update_kwargs
-from services import prometheus
+from services import prometheus, prometheus_query
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = re.compile(r"\brun:[a-z0-9_]+:[a-z0-9_]+")
@@ -97,15 +94,6 @@ def test_every_metric_exists_and_every_catalogue_metric_is_shown_or_excused():
     assert catalogue - shown - set(NOT_SHOWN) == set(), "neither shown nor listed in NOT_SHOWN"
 
 
-def _query(base: str, expr: str) -> dict:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return json.loads(err.read())
-
-
 def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
     fast = MixinConfig(time_scale=0.01)
     for name, text in rules_outputs(fast).items():
@@ -150,7 +138,7 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
                         for target in panel["targets"]:
                             expr = (target["expr"].replace("$__rate_interval", "10s").replace("$__range", "1m")
                                     .replace("$job", "grpo").replace("$run", "dash"))
-                            answer = _query(base, expr)
+                            answer = prometheus_query(base, expr)
                             assert answer["status"] == "success", (panel["title"], expr, answer)
                             series += len(answer["data"]["result"])
                         if series == 0:

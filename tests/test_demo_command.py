@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,24 +38,31 @@ def _port_open(url: str) -> bool:
         return s.connect_ex((host, int(port))) == 0
 
 
+def _read_until(process: subprocess.Popen[str], done: Callable[[str], bool], timeout: float) -> list[str]:
+    """Output lines until one satisfies ``done`` (the last line returned), the process exits or ``timeout``
+    elapses; never blocks longer than that on a silent process."""
+    assert process.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if selector.select(timeout=1):
+            lines.append(process.stdout.readline().rstrip())
+            if done(lines[-1]):
+                break
+    return lines
+
+
 def test_readme_demo_command_prints_a_page_within_two_minutes_and_ctrl_c_stops_everything():
     command = readme_commands()[0]
     start = time.monotonic()
     process = subprocess.Popen(shlex.split(command), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, bufsize=1, start_new_session=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    page = None
     try:
-        assert process.stdout is not None
-        selector = selectors.DefaultSelector()
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while page is None and time.monotonic() - start < PAGE_WITHIN_S and process.poll() is None:
-            if selector.select(timeout=1):
-                line = process.stdout.readline()
-                lines.append(line.rstrip())
-                if line.startswith("PAGE "):
-                    page = line
+        lines = _read_until(process, lambda line: line.startswith("PAGE "), PAGE_WITHIN_S)
         elapsed = time.monotonic() - start
+        page = lines[-1] if lines and lines[-1].startswith("PAGE ") else None
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground process group
         rest, _ = process.communicate(timeout=30)
         lines += rest.splitlines()
@@ -74,15 +82,9 @@ def test_readme_demo_command_prints_a_page_within_two_minutes_and_ctrl_c_stops_e
 
 
 def _urls_once_started(process: subprocess.Popen[str], marker: str, timeout: float = 60.0) -> list[str]:
-    assert process.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        lines.append(line)
-        if marker in line:
-            return re.findall(r"http://127\.0\.0\.1:\d+", "".join(lines))
-    raise AssertionError("".join(lines))
+    lines = _read_until(process, lambda line: marker in line, timeout)
+    assert marker in (lines[-1] if lines else ""), "\n".join(lines)
+    return re.findall(r"http://127\.0\.0\.1:\d+", "\n".join(lines))
 
 
 def _closed_within(urls: list[str], seconds: float) -> bool:

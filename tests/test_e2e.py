@@ -16,10 +16,7 @@ in all), longest first; the whole suite takes ~2.5 min on 2 cores.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -30,6 +27,7 @@ from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.scenarios import SCENARIOS, STEPS_PER_SECOND
 from grpo_exporter.demo.stack import Page, Stack
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
+from services import prometheus_query
 
 HEALTHY_SEEDS = (0, 1, 2)
 HEALTHY_STEPS = 150
@@ -124,10 +122,10 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, 
 
 def _fired_in_prometheus(url: str) -> set[tuple[str, str, str]]:
     """(run, alert, layer) of every alert that fired in Prometheus during the suite, delivered or not."""
-    query = 'max by (run, alertname, layer) (max_over_time(ALERTS{alertstate="firing"}[30m]))'
-    with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': query})}", timeout=10) as r:
-        result = json.load(r)["data"]["result"]
-    return {(m["metric"].get("run", ""), m["metric"]["alertname"], m["metric"]["layer"]) for m in result}
+    answer = prometheus_query(url, 'max by (run, alertname, layer) (max_over_time(ALERTS{alertstate="firing"}[30m]))')
+    assert answer["status"] == "success", answer
+    return {(m["metric"].get("run", ""), m["metric"]["alertname"], m["metric"]["layer"])
+            for m in answer["data"]["result"]}
 
 
 def _firing(pages: list[Page], run: Run) -> list[Page]:
