@@ -71,10 +71,14 @@ def parse_exposition(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], f
 def expected_step(rollout: StepInputs, update: StepInputs, cfg: Any) -> dict[str, float]:
     """What a monitor publishes for one step: rollout-stage blocks on the rollout inputs, update-stage blocks
     on the update inputs, additive samples summed."""
-    from grpo_exporter.catalog import is_additive
-    from grpo_exporter.step import ROLLOUT_BLOCKS, UPDATE_BLOCKS, compute_step_carrying
+    from grpo_exporter.catalog import family_of, is_additive
+    from grpo_exporter.step import MASK_AUDIT_FAMILIES, ROLLOUT_BLOCKS, UPDATE_BLOCKS, compute_step_carrying
 
     want = dict(compute_step_carrying(rollout, cfg, {}, blocks=ROLLOUT_BLOCKS).metrics)
-    for key, value in compute_step_carrying(update, cfg, {}, blocks=UPDATE_BLOCKS).metrics.items():
+    updated = compute_step_carrying(update, cfg, {}, blocks=UPDATE_BLOCKS).metrics
+    if any(family_of(parse_key(k)[0]).name in MASK_AUDIT_FAMILIES for k in updated):
+        # the update audited the mask it trains with: the rollout's audit is not published
+        want = {k: v for k, v in want.items() if family_of(parse_key(k)[0]).name not in MASK_AUDIT_FAMILIES}
+    for key, value in updated.items():
         want[key] = want.get(key, 0.0) + value if is_additive(key) else value
     return want

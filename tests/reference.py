@@ -50,6 +50,10 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
         nonfinite(name, a[name], True)
     nonfinite("advantages", a["advantages"], a["advantages"].ndim == 2)
     nonfinite("rewards", a["rewards"], False)
+    if comps:
+        out['grpo_nonfinite_values_total{tensor="reward_components"}'] = float(
+            sum(int((~np.isfinite(v)).sum()) for v in comps.values())
+        )
     out['grpo_nonfinite_values_total{tensor="loss"}'] = 0.0 if math.isfinite(sc["loss"]) else 1.0
 
     gap = [abs(a["rollout_logprobs"][i, t] - a["old_logprobs"][i, t]) for i, t in cells]
@@ -63,10 +67,12 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
 
     log_ratio = {c: a["logprobs"][c] - a["old_logprobs"][c] for c in cells}
     finite_lr = {c: v for c, v in log_ratio.items() if math.isfinite(v)}
-    ratio = {c: math.exp(v) if v < 700 else math.inf for c, v in finite_lr.items()}
+    fuse = cfg.log_ratio_clamp if cfg.log_ratio_clamp is not None else math.inf
+    clamped = {c: min(max(v, -fuse), fuse) for c, v in finite_lr.items()}  # the loss clamps before exp
+    ratio = {c: math.exp(v) if v < 700 else math.inf for c, v in clamped.items()}
     out['grpo_nonfinite_values_total{tensor="log_ratio"}'] = float(len(log_ratio) - len(finite_lr))
     out['grpo_nonfinite_values_total{tensor="ratio"}'] = float(
-        len(log_ratio) - sum(1 for v in finite_lr.values() if v < 88.72)
+        len(log_ratio) - sum(1 for v in clamped.values() if v < 88.72)
     )
     lo, hi = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
     if sc.get("on_policy"):
@@ -183,7 +189,7 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
         out['grpo_ess_ratio{level="token"}'] = float(w.sum() ** 2 / (w**2).sum() / w.size)
     seq_w = []
     for i in range(n):
-        lrs = [finite_lr[(i, t)] for t in range(width) if (i, t) in finite_lr]
+        lrs = [clamped[(i, t)] for t in range(width) if (i, t) in clamped]
         if lrs:
             seq_w.append(sum(lrs))
     if seq_w:
@@ -192,8 +198,9 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
     if ratio:
         for q, v in zip(cfg.ratio_quantiles, _quantiles(list(ratio.values()), cfg.ratio_quantiles), strict=True):
             out[f'grpo_importance_weight{{quantile="{_q(q)}"}}'] = v
-    out["grpo_importance_weight_sum"] = float(sum(ratio.values()))
-    out["grpo_importance_weight_count"] = float(len(ratio))
+    finite_ratio = [r for r in ratio.values() if math.isfinite(r)]  # an overflow never enters the cumulative sum
+    out["grpo_importance_weight_sum"] = float(sum(finite_ratio))
+    out["grpo_importance_weight_count"] = float(len(finite_ratio))
 
     upper = sum(1 for c in pos if c in ratio and ratio[c] > hi)
     lower = sum(1 for c in neg if c in ratio and ratio[c] < lo)

@@ -72,7 +72,7 @@ def test_thresholds_come_from_the_mixin_config():
         return [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
 
     assert gap_steps(MixinConfig()) == [None, 0.001, 0.01]
-    assert gap_steps(MixinConfig(engine_gap_warning_nats=0.002, engine_gap_critical_nats=0.02)) == [None, 0.002, 0.02]
+    assert gap_steps(MixinConfig(engine_gap_healthy_nats=0.002, engine_gap_stop_nats=0.02)) == [None, 0.002, 0.02]
 
 
 def test_every_metric_exists_and_every_catalogue_metric_is_shown_or_excused():

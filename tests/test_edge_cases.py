@@ -133,17 +133,26 @@ def test_infinite_quantile_endpoints_never_give_nan():
 
 
 def test_exp_overflow_is_counted_as_nonfinite_ratio_not_nan():
+    """Without a configured clamp a finite log ratio of 100 overflows exp: a non-finite ratio (seed 4.2), yet
+    no +Inf enters the cumulative _sum. With the user's clamp (20) it is a fuse hit, not an overflow."""
     lp = torch.zeros(8, 2)
     x = StepInputs(
         rewards=torch.zeros(8), loss_mask=torch.ones(8, 2, dtype=torch.bool), logprobs=lp + torch.tensor([0.0, 100.0]),
         old_logprobs=lp, advantages=torch.ones(8),
     )
+    unclamped = compute_step(x, MetricsConfig(group_size=8))
+    no_nan(unclamped)
+    assert unclamped['grpo_nonfinite_values_total{tensor="ratio"}'] == 8
+    assert unclamped['grpo_importance_weight{quantile="1"}'] == math.inf
+    assert unclamped["grpo_importance_weight_sum"] == 8.0  # the eight finite ratios exp(0) only
+    assert unclamped["grpo_importance_weight_count"] == 8
     m = compute_step(x, CFG)
     no_nan(m)
-    assert m['grpo_nonfinite_values_total{tensor="ratio"}'] == 8
+    assert m['grpo_nonfinite_values_total{tensor="ratio"}'] == 0
     assert m['grpo_nonfinite_values_total{tensor="log_ratio"}'] == 0
     assert m["grpo_log_ratio_clamp_hit_tokens_total"] == 8
-    assert m['grpo_importance_weight{quantile="1"}'] == math.inf
+    assert m['grpo_importance_weight{quantile="1"}'] == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert math.isfinite(m["grpo_importance_weight_sum"])
     assert m['grpo_ess_ratio{level="token"}'] == pytest.approx(0.5)
 
 

@@ -122,12 +122,15 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
     """A monitor where every catalogue metric has at least one sample."""
     baseline = tmp_path / "baseline.yaml"
     baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.61\n')
-    mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=1, **BASE)
+    mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=1,
+                      max_pending_micro_steps=1, **BASE)
     model = torch.nn.Linear(4, 3)
     for step in range(3):
         x = make_batch(step).inputs()
         mon.observe_rollout(step, **rollout_kwargs(x), prompt_ids=torch.arange(48) // 8)
         mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step)
+        if step == 0:
+            mon.observe_update(step, **update_kwargs(x))  # over max_pending_micro_steps: dropped, counted
         model(torch.randn(5, 4)).square().sum().backward()
         mon.clip_grad_norm_(model.parameters(), 0.5)
         mon.observe_retrieval(step, torch.randn(48, 6), torch.arange(48) // 8)

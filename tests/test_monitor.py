@@ -90,7 +90,9 @@ def test_update_metrics_wait_for_the_end_of_the_step():
         x = make_batch(0).inputs()
         mon.observe_update(0, **update_kwargs(x))
         assert "grpo_ess_ratio{level=\"token\"}" not in mon.metrics()
-        mon.observe_rollout(1, **rollout_kwargs(x))  # the next step ends step 0
+        mon.observe_rollout(1, **rollout_kwargs(x))  # a rollout never ends an update step (async pipelines)
+        assert "grpo_ess_ratio{level=\"token\"}" not in mon.metrics()
+        mon.observe_update(1, **update_kwargs(x))  # an update of the next step ends it
         assert "grpo_ess_ratio{level=\"token\"}" in mon.metrics()
 
 
@@ -232,7 +234,7 @@ def test_config_sources_and_precedence(tmp_path):
         MonitorConfig.load(environ={"GRPO_EXPORTER_GROUP_SIZE": "zero"}, run="r")
     with pytest.raises(ValueError, match="tls_cert and tls_key"):
         MonitorConfig(run="r", group_size=4, tls_cert=file)
-    with pytest.raises(ValueError, match="not a plain password"):
+    with pytest.raises(ValueError, match="from `grpo-exporter hash-password`"):
         MonitorConfig(run="r", group_size=4, basic_auth_user="u", basic_auth_password_hash="secret")
 
 

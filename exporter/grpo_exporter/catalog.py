@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -37,6 +38,23 @@ class Layer(StrEnum):
     REWARD = "2-reward"
     SAMPLES = "3-samples"
     DIVERSITY = "4-diversity"
+
+
+class Merge(StrEnum):
+    """How one sample combines across data-parallel ranks (the catalogue's ``dist_reduce_fx``).
+
+    Counters and the ``_sum``/``_count``/``_bucket`` samples always ``sum``; summary quantiles always come from
+    a merged ``sketch``; every gauge the step computes declares its merge; the monitor's own gauges stay
+    ``local``. :mod:`grpo_exporter.distributed` implements each kind once.
+    """
+
+    SUM = "sum"  # add the ranks' values
+    RATIO = "ratio"  # add numerators and denominators, then divide
+    MAX = "max"  # the largest of the ranks' extremes
+    SAME = "same"  # a value every rank computes alike (the global grad norm): the largest, to be safe
+    ESS = "ess"  # (sum w)^2 / sum w^2 / n from the ranks' weight sums, rescaled to a common shift
+    SKETCH = "sketch"  # quantiles and top-fraction means from a merged log-bucket sketch
+    LOCAL = "local"  # not reduced: the process's own timings, the serving rank's edit distance
 
 
 class Source(StrEnum):
@@ -73,16 +91,28 @@ class Metric:
     source: Source = Source.STEP
     quantiles: tuple[float, ...] = ()
     buckets: tuple[float, ...] = ()
+    merge: Merge | None = None
 
     @property
     def label_names(self) -> tuple[str, ...]:
         return tuple(label.name for label in self.labels)
 
-    def key(self, suffix: str = "", **labels: str) -> str:
-        """The sample key ``name+suffix{label="value",...}`` used in step mappings and tests.
+    def merge_of(self, sample: str) -> Merge:
+        """How the sample ``sample`` (this family's name plus a suffix) merges across ranks."""
+        if self.source is Source.MONITOR:
+            return Merge.LOCAL
+        if self.type in (MetricType.COUNTER, MetricType.HISTOGRAM) or sample != self.name:
+            return Merge.SUM
+        if self.type is MetricType.SUMMARY:
+            return Merge.SKETCH
+        assert self.merge is not None  # validate() requires it of every step gauge
+        return self.merge
 
-        Labels are written in catalogue order; a label this family does not declare, or a value outside a
-        fixed value set, raises ``ValueError``.
+    def key(self, suffix: str = "", **labels: str) -> SampleKey:
+        """The sample key of ``name+suffix`` with ``labels``, used in step mappings, the publication and tests.
+
+        Labels are kept in catalogue order; a label this family does not declare, a value outside a fixed
+        value set, or a value that is not a valid label value (:func:`check_label_value`) raises ``ValueError``.
         """
         declared = {label.name: label for label in self.labels}
         extra = set(labels) - set(declared) - {"quantile", "le"}
@@ -94,9 +124,66 @@ class Metric:
                 raise ValueError(
                     f"metric {self.name!r} label {name!r}: expected one of {label.values}, got {value!r}"
                 )
-        ordered = [n for n in (*self.label_names, "quantile", "le") if n in labels]
-        body = ",".join(f'{n}="{labels[n]}"' for n in ordered)
-        return f"{self.name}{suffix}{{{body}}}" if body else f"{self.name}{suffix}"
+            check_label_value(name, value)
+        ordered = tuple((n, labels[n]) for n in (*self.label_names, "quantile", "le") if n in labels)
+        return SampleKey(self.name + suffix, ordered)
+
+
+MAX_LABEL_VALUE_LENGTH = 128
+
+
+def check_label_value(name: str, value: object) -> str:
+    """``value`` if it may be a label value: a string of at most 128 characters without control characters
+    (quotes, braces and backslashes are fine: they are escaped when written; empty means "no such label"
+    to Prometheus). ``ValueError`` naming the label otherwise; user-supplied values (run, reward component
+    names) are checked with this at the boundary."""
+    if not isinstance(value, str):
+        raise ValueError(f"label {name!r}: expected a string, got {type(value).__name__} {value!r:.80}")
+    if len(value) > MAX_LABEL_VALUE_LENGTH:
+        raise ValueError(
+            f"label {name!r}: expected at most {MAX_LABEL_VALUE_LENGTH} characters, got {len(value)}: {value!r:.80}"
+        )
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    if bad is not None:
+        raise ValueError(f"label {name!r}: expected no control characters, got {bad!r} in {value!r:.80}")
+    return value
+
+
+def is_label_value(value: object) -> bool:
+    """Whether :func:`check_label_value` accepts ``value``."""
+    try:
+        check_label_value("", value)
+    except ValueError:
+        return False
+    return True
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class SampleKey(str):
+    """A sample's identity kept structured: ``sample`` (family name plus suffix) and ``labels`` (name, value)
+    pairs. It *is* its exposition-style string ``name{label="escaped value",...}`` (so mappings keyed by it
+    can be read with a plain string), but nothing parses that string back: the collector, the publication
+    and the guard read ``sample`` and ``labels``. Escaping makes the string form unambiguous, whatever the
+    values hold."""
+
+    sample: str
+    labels: tuple[tuple[str, str], ...]
+
+    def __new__(cls, sample: str, labels: tuple[tuple[str, str], ...] = ()) -> SampleKey:
+        body = ",".join(f'{n}="{_escape(v)}"' for n, v in labels)
+        self = super().__new__(cls, f"{sample}{{{body}}}" if body else sample)
+        self.sample, self.labels = sample, tuple(labels)
+        return self
+
+    def __getnewargs__(self) -> tuple[str, tuple[tuple[str, str], ...]]:  # type: ignore[override]
+        return self.sample, self.labels
+
+    @property
+    def label_dict(self) -> dict[str, str]:
+        return dict(self.labels)
 
 
 def format_quantile(q: float) -> str:
@@ -118,6 +205,7 @@ NONFINITE_TENSORS = (
     "entropy",
     "advantages",
     "rewards",
+    "reward_components",
     "log_ratio",
     "ratio",
     "loss",
@@ -150,7 +238,7 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_engine_logprob_gap_mean_nats", GA,
         "Mean engine log-prob gap |rollout_logprobs - old_logprobs| over the last step's loss tokens, nats.",
-        G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN),
+        G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_onpolicy_outside_clip_tokens_total", C,
@@ -166,19 +254,20 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_onpolicy_outside_clip_ratio", GA,
         "Share of loss tokens outside the clip range on the last on-policy update; should be ~0.",
-        G, "ratio", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN),
+        G, "ratio", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_onpolicy_log_ratio_abs_max_nats", GA,
         "Max |logprobs - old_logprobs| over loss tokens on the last on-policy update, nats; ~0 when trainer "
         "and behaviour policy compute the same probabilities.",
-        G, "nats", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN),
+        G, "nats", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN), merge=Merge.MAX,
     ),
     Metric(
         "grpo_nonfinite_values_total", C,
         "Non-finite (NaN or +-Inf) values seen, per tensor; token tensors are checked on loss tokens only, "
         "so a -inf padding sentinel is not counted; a tensor handed to two observe calls is checked in both. "
-        "log_ratio and ratio are computed in fp32 without clamp.",
+        "log_ratio is computed in fp32 without clamp, ratio as exp of the log ratio after log_ratio_clamp when "
+        "one is configured; reward_components counts every component's values.",
         G, "values", labels=(Label("tensor", NONFINITE_TENSORS),), inputs=(),
     ),
     Metric(
@@ -207,17 +296,17 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_log_ratio_clamp_hit_ratio", GA,
         "Share of the last step's loss tokens whose |log ratio| reached the numerical clamp.",
-        G, "ratio", inputs=("logprobs", "old_logprobs", "log_ratio_clamp", *_TOKEN),
+        G, "ratio", inputs=("logprobs", "old_logprobs", "log_ratio_clamp", *_TOKEN), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_grad_norm_pre_clip", GA,
         "Global gradient L2 norm before clipping (log before clipping: this is where spikes are visible).",
-        G, inputs=("grad_norm_pre_clip|grads",),
+        G, inputs=("grad_norm_pre_clip|grads",), merge=Merge.SAME,
     ),
     Metric(
         "grpo_grad_norm_post_clip", GA,
         "Global gradient L2 norm after clipping.",
-        G, inputs=("grad_norm_pre_clip|grads", "grad_norm_post_clip|max_grad_norm"),
+        G, inputs=("grad_norm_pre_clip|grads", "grad_norm_post_clip|max_grad_norm"), merge=Merge.SAME,
     ),
     Metric(
         "grpo_optimizer_steps_total", C,
@@ -234,18 +323,18 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_param_relative_update", GA,
         "Relative parameter update |theta_after - theta_before| / |theta_before| over the sampled parameters "
         "of the last optimizer step (dimensionless).",
-        G, inputs=("params_before", "params_after"),
+        G, inputs=("params_before", "params_after"), merge=Merge.SAME,
     ),
     Metric(
         "grpo_rollout_staleness_versions", GA,
         "Policy versions between the trainer and the policy that generated the rollouts being trained on.",
-        G, "versions", inputs=("policy_version", "rollout_policy_version"),
+        G, "versions", inputs=("policy_version", "rollout_policy_version"), merge=Merge.SAME,
     ),
     Metric(
         "grpo_kl_ref_nats", GA,
         "Mean per-token KL(pi_theta || pi_ref) over loss tokens with the k3 estimator "
         "exp(ref - logp) - (ref - logp) - 1 (unbiased, non-negative), nats.",
-        G, "nats", inputs=("logprobs", "ref_logprobs", *_TOKEN),
+        G, "nats", inputs=("logprobs", "ref_logprobs", *_TOKEN), merge=Merge.RATIO,
     ),
     # ---- layer 2: does the reward measure what I think? -------------------------------------------------
     Metric(
@@ -256,30 +345,30 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_reward_mean", GA,
         "Mean reward of the last rollout batch, per reward component and for the total (component='total').",
-        R, labels=(_COMPONENT,), inputs=("rewards|reward_components",),
+        R, labels=(_COMPONENT,), inputs=("rewards|reward_components",), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_reward_group_std_mean", GA,
         "Mean over groups of the within-group reward standard deviation (population), before any "
         "normalisation: a tiny value scaled up by sigma-normalisation is noise made loud.",
-        R, labels=(_COMPONENT,), inputs=("rewards|reward_components",),
+        R, labels=(_COMPONENT,), inputs=("rewards|reward_components",), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_reward_group_range_mean", GA,
         "Mean over groups of the within-group reward range (max - min), before any normalisation.",
-        R, labels=(_COMPONENT,), inputs=("rewards|reward_components",),
+        R, labels=(_COMPONENT,), inputs=("rewards|reward_components",), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_advantage_abs_max", GA,
         "Max |advantage| over the last batch's sequences (over loss tokens for per-token advantages).",
-        R, inputs=("advantages",),
+        R, inputs=("advantages",), merge=Merge.MAX,
     ),
     Metric(
         "grpo_advantage_bound", GA,
         "Largest |advantage| group normalisation can produce: (G-1)/sqrt(G) with unbiased std (G=16: 3.75, "
         "G=8: 2.47), sqrt(G-1) with population std, (G-1)/G x group reward range without std. Above it is a "
         "data or reward bug, not dynamics.",
-        R, inputs=("group_size", "advantage_norm"),
+        R, inputs=("group_size", "advantage_norm"), merge=Merge.MAX,
     ),
     Metric(
         "grpo_advantage_over_bound_sequences_total", C,
@@ -305,6 +394,7 @@ CATALOG: tuple[Metric, ...] = (
         "Effective sample size ratio (sum w)^2 / (sum w^2) / n of the importance weights of the last update, "
         "per token and per sequence (w = exp of the summed log ratio). Falls before grad norm spikes.",
         S, "ratio", labels=(Label("level", ESS_LEVELS),), inputs=("logprobs", "old_logprobs", *_TOKEN),
+        merge=Merge.ESS,
     ),
     Metric(
         "grpo_update_tokens_total", C,
@@ -323,7 +413,7 @@ CATALOG: tuple[Metric, ...] = (
         "Per-step truly-clipped fraction by bound, normalised by the tokens of the gating advantage sign. "
         "Lower dominant while upper ~0 is a collapse precursor.",
         S, "ratio", labels=(Label("bound", CLIP_BOUNDS),),
-        inputs=("logprobs", "old_logprobs", "advantages", *_TOKEN),
+        inputs=("logprobs", "old_logprobs", "advantages", *_TOKEN), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_out_of_range_unclipped_tokens_total", C,
@@ -352,19 +442,19 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_zero_variance_groups_ratio", GA,
         "Share of the last batch's groups with zero reward variance.",
-        S, "ratio", inputs=("rewards",),
+        S, "ratio", inputs=("rewards",), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_zero_variance_groups_expected_ratio", GA,
         "Predicted zero-variance share E[p^G + (1-p)^G] over the batch's prompts, p each prompt's prior "
         "solve-rate estimate. The observed share is abnormal only well above this, not above a fixed 50%.",
-        S, "ratio", inputs=("prompt_solve_rate",),
+        S, "ratio", inputs=("prompt_solve_rate",), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_zero_advantage_tokens_ratio", GA,
         "Share of the last update's loss tokens with zero advantage: they sit in a token-level loss "
         "denominator and dilute the gradient like a smaller batch and learning rate.",
-        S, "ratio", inputs=("advantages", *_TOKEN),
+        S, "ratio", inputs=("advantages", *_TOKEN), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_mixed_group_solve_rate_ratio", H,
@@ -376,25 +466,25 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_entropy_mean_nats", GA,
         "Mean token entropy over the last update's loss tokens, nats: a coarse alarm, diluted by format tokens.",
-        D, "nats", inputs=("entropy", *_TOKEN),
+        D, "nats", inputs=("entropy", *_TOKEN), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_entropy_top_mean_nats", GA,
         "Mean entropy of the top `entropy_top_fraction` (default 20%) highest-entropy loss positions of the "
         "step, nats: the forking tokens, a fixed-size set comparable across steps.",
-        D, "nats", inputs=("entropy", *_TOKEN),
+        D, "nats", inputs=("entropy", *_TOKEN), merge=Merge.SKETCH,
     ),
     Metric(
         "grpo_pass_at_k_ratio", GA,
         "Unbiased pass@k 1 - C(n-c,k)/C(n,k) averaged over all groups of the last rollout batch, before any "
         "zero-variance filtering; k = 1, the group size, and configured k. pass@1 up with pass@G down = "
         "narrowing.",
-        D, "ratio", labels=(_K,), inputs=("correct",),
+        D, "ratio", labels=(_K,), inputs=("correct",), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_unique_completions_ratio", GA,
         "Mean over groups of distinct completions / group size (exact token-sequence identity).",
-        D, "ratio", inputs=("completion_ids", "completion_lengths"),
+        D, "ratio", inputs=("completion_ids", "completion_lengths"), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_edit_distance_median_ratio", GA,
@@ -435,6 +525,12 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_dropped_reward_components_total", C,
         "Reward component observations dropped because more components than max_reward_components were given.",
         L, "components", source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_dropped_micro_steps_total", C,
+        "Update micro-steps dropped because more than max_pending_micro_steps were given in one step (a step "
+        "that never ends: call end_step() or clip_grad_norm_ once per optimizer step).",
+        L, "steps", source=Source.MONITOR,
     ),
     Metric(
         "grpo_reference_baseline", GA,
@@ -498,6 +594,9 @@ def validate(metrics: tuple[Metric, ...]) -> None:
             raise ValueError(f"{where}: histograms and only histograms declare buckets")
         if any(not 0.0 <= q <= 1.0 for q in m.quantiles) or list(m.buckets) != sorted(set(m.buckets)):
             raise ValueError(f"{where}: quantiles must lie in [0, 1]; buckets must increase strictly")
+        step_gauge = m.type is MetricType.GAUGE and m.source is Source.STEP
+        if step_gauge != (m.merge is not None) or m.merge in (Merge.SUM, Merge.LOCAL):
+            raise ValueError(f"{where}: every step gauge, and only a step gauge, declares how it merges across ranks")
 
 
 validate(CATALOG)
@@ -507,15 +606,33 @@ BY_NAME: dict[str, Metric] = {m.name: m for m in CATALOG}
 
 _KEY = re.compile(r"^(?P<name>[a-zA-Z_][a-zA-Z0-9_]*)(?:\{(?P<labels>.*)\})?$")
 _PAIR = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_UNESCAPE = re.compile(r"\\(.)")
+
+
+def parse_key(key: str) -> tuple[str, dict[str, str]]:
+    """(sample name, labels) of a key: read from a :class:`SampleKey`, parsed from text written by a person
+    (``'x_sum{a="b"}'`` in a reference-baseline file, a test)."""
+    if isinstance(key, SampleKey):
+        return key.sample, dict(key.labels)
+    return _parse_text_key(key)
 
 
 @functools.lru_cache(maxsize=4096)
-def parse_key(key: str) -> tuple[str, dict[str, str]]:
-    """Inverse of :meth:`Metric.key`: ``'x_sum{a="b"}'`` -> ``('x_sum', {'a': 'b'})``."""
+def _parse_text_key(key: str) -> tuple[str, dict[str, str]]:
     match = _KEY.match(key.strip())
     if match is None:
         raise ValueError(f"expected a sample key like name{{label=\"value\"}}, got {key!r}")
-    return match["name"], dict(_PAIR.findall(match["labels"] or ""))
+    pairs = _PAIR.findall(match["labels"] or "")
+    return match["name"], {n: _UNESCAPE.sub(lambda m: "\n" if m[1] == "n" else m[1], v) for n, v in pairs}
+
+
+def sample_key(key: str) -> SampleKey:
+    """A :class:`SampleKey` for ``key`` (itself when it is one), checked against the catalogue."""
+    if isinstance(key, SampleKey):
+        return key
+    name, labels = parse_key(key)
+    family = family_of(name)
+    return family.key(name.removeprefix(family.name), **labels)
 
 
 def family_of(sample_name: str) -> Metric:
@@ -532,7 +649,7 @@ for _m in CATALOG:
 
 def is_additive(key: str) -> bool:
     """Whether a sample accumulates across steps: counters, and the _sum/_count/_bucket samples."""
-    sample, _ = parse_key(key)
+    sample = key.sample if isinstance(key, SampleKey) else parse_key(key)[0]
     family = family_of(sample)
     return family.type is MetricType.COUNTER or sample != family.name
 

@@ -69,6 +69,18 @@ class MetricsConfig(BaseModel):
         """k values for pass@k: 1, the group size, and the configured extras, sorted."""
         return tuple(sorted({1, self.group_size, *self.pass_k}))
 
+    def quantiles_of(self, summary: str) -> tuple[float, ...]:
+        """The configured quantiles of a catalogue summary."""
+        return {
+            "grpo_engine_logprob_gap_nats": self.gap_quantiles,
+            "grpo_importance_weight": self.ratio_quantiles,
+            "grpo_completion_length_tokens": self.length_quantiles,
+        }[summary]
+
+    def buckets_of(self, histogram: str, default: tuple[float, ...]) -> tuple[float, ...]:
+        """The configured bucket bounds of a catalogue histogram (``default``: its catalogue buckets)."""
+        return self.solve_rate_buckets if histogram == "grpo_mixed_group_solve_rate_ratio" else default
+
 
 def load_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
     """A YAML file that must hold a mapping (an empty file is an empty one); ``what`` names its content in

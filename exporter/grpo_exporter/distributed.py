@@ -1,121 +1,63 @@
-"""Merging one step's readings across data-parallel ranks with exactly two collectives.
+"""Merging one step's readings across data-parallel ranks, on the host, without ever hurting training.
 
-Every rank computes its readings on its own shard; :func:`all_reduce_entries` then merges them on the device,
-before the step's single host transfer, with one packed MAX and one packed SUM ``all_reduce``:
+Every rank computes its shard's readings on its device and lays them out in the stage's fixed
+:class:`~grpo_exporter.layout.Layout` (built from the catalogue and the config, never from what this rank
+computed), each slot with a presence flag. What the merge needs travels to the host inside the step's one
+transfer; the merge then runs on the host, on a dedicated gloo group with its own timeout (the training's
+process group is never used), with one packed MAX and one packed SUM ``all_reduce``. Each kind of sample
+merges as the catalogue says (:class:`~grpo_exporter.catalog.Merge`):
 
-* MAX: extremes (max, and min as max of the negation), gauges that are the same on every rank (grad norms,
-  bounds), each distribution's min and max, and each ESS reading's largest log weight;
-* SUM: counters and sums; numerators and denominators of every ratio (means, fractions, pass@k over groups);
-  each ESS reading's weight sums, rescaled by the global largest log weight from the MAX phase; each
-  distribution's log-bucket sketch (:mod:`grpo_exporter.functional.sketch`).
+* SUM: counters and ``_sum``/``_count``/``_bucket`` samples add; RATIO: numerators and denominators add, then
+  divide; MAX/SAME: the largest; ESS: each rank's weight sums, shifted by its own largest log weight, are
+  rescaled to the global largest (from the MAX phase) and added; SKETCH: log-bucket sketches
+  (:mod:`grpo_exporter.functional.sketch`) add, min and max merge exactly.
+* A slot absent on a rank (an input that rank did not pass) merges over the ranks that have it. A slot whose
+  metric block raised on any rank, or whose inputs failed validation there, is absent on every rank (so no
+  value ever mixes the union with a part of it). A reward-component slot whose name differs between ranks
+  (component names registered in another order) is absent, and the error is counted.
 
-Result: counts, sums, means, fractions, extremes and ESS equal those of the concatenated batch (up to fp64
-rounding); quantiles other than min and max, and top-fraction means, are within relative error
-``sketch.ALPHA`` (0.5%). Group metrics assume every group lives on one rank, as GRPO data loaders do. Every
-rank must pass the same fields (and reward component names) in the same calls, so the packs line up.
-Not reduced: the exporter's own timings, and the in-group edit distance, which each rank computes off-thread
-on its own sampled groups (rank 0's sample is the one served).
+Counts, sums, means, fractions, extremes and ESS equal those of the concatenated batch (up to fp64 rounding);
+quantiles other than min and max, and top-fraction means, are within relative error ``sketch.ALPHA`` (0.5%).
+Group metrics assume every group lives on one rank, as GRPO data loaders do.
+
+Safety: the layouts' fingerprints are compared once, at construction; on a mismatch every rank logs the
+differing slots and publishes rank-local values, never entering a mismatched collective. A collective that
+fails or times out (a rank that closed early, a rank that stopped calling) switches merging off for the rest
+of the run on that rank, which says so once and publishes rank-local values from then on.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 from torch import Tensor
 
+from grpo_exporter.catalog import Merge
 from grpo_exporter.functional import samples, sketch
-from grpo_exporter.step import Entry
+from grpo_exporter.functional.reading import Extreme, Ratio
+from grpo_exporter.functional.selection import Quantiles, TopMean
+from grpo_exporter.layout import Layout
+from grpo_exporter.step import Entry, StepMetrics
+
+log = logging.getLogger("grpo_exporter")
+
+# The reading types each merge accepts: a reading carries what its merge needs (a Ratio its numerator and
+# denominator, an Effective its log weights, a Quantiles/TopMean its sample); a plain Reading is a count or
+# a value every rank shares.
+_ACCEPTS: dict[Merge, tuple[type, ...]] = {
+    Merge.RATIO: (Ratio,),
+    Merge.ESS: (samples.Effective,),
+    Merge.SKETCH: (Quantiles, TopMean),
+}
 
 
-def _ids(entries: list[Entry], merge: str) -> dict[int, object]:
-    """The distinct reading objects of one merge kind, in entry order (identical on every rank)."""
-    seen: dict[int, object] = {}
-    for e in entries:
-        if e.merge == merge:
-            seen.setdefault(id(e.reading), e.reading)
-    return seen
-
-
-def all_reduce_entries(entries: list[Entry], group: object | None = None) -> list[tuple[Tensor, Tensor]]:
-    """(value, present) of every entry merged over the ranks of ``group``: two ``all_reduce`` calls."""
-    dist = torch.distributed
-    device = entries[0].reading.present.device if entries else torch.device("cpu")
-    distributions = {**_ids(entries, "quantile"), **_ids(entries, "top")}
-
-    # ---- phase 1: MAX ----
-    maxes: list[Tensor] = []
-    for e in entries:
-        if e.merge in ("max", "min"):
-            value, present = e.local()
-            signed = value if e.merge == "max" else -value
-            maxes += [torch.where(present > 0, signed, -math.inf), present]
-        elif e.merge == "ess":
-            maxes.append(torch.where(e.reading.valid, e.reading.log_weights.double(), -math.inf).amax())
-    for d in distributions.values():
-        x = torch.where(d.valid, d.sample.double(), -math.inf)
-        maxes += [x.amax(), torch.where(d.valid, -d.sample.double(), -math.inf).amax()]
-    max_pack = torch.stack(maxes).to(device) if maxes else torch.zeros(1, dtype=torch.float64, device=device)
-    dist.all_reduce(max_pack, op=dist.ReduceOp.MAX, group=group)
-    global_max = iter(max_pack.unbind())
-
-    # ---- phase 2: SUM (ESS sums need the global shift from phase 1) ----
-    sums: list[Tensor] = []
-    for e in entries:
-        if e.merge in ("max", "min"):
-            next(global_max), next(global_max)
-        elif e.merge == "ess":
-            shift = next(global_max)
-            shift = torch.where(torch.isfinite(shift), shift, 0.0)
-            s1, s2 = samples.shifted_weight_sums(e.reading.log_weights, e.reading.valid, shift)
-            sums += [s1, s2, e.reading.valid.sum().double()]
-        elif e.merge == "ratio":
-            sums += [e.reading.numerator.reshape(()).double(), e.reading.denominator.reshape(()).double()]
-        elif e.merge == "sum":
-            sums.append(e.local()[0])
-    extremes = {}
-    for key, d in distributions.items():
-        extremes[key] = (next(global_max), -next(global_max))
-        sums += [*sketch.sketch(d.sample, d.valid).unbind()]
-    sum_pack = torch.stack(sums).to(device) if sums else torch.zeros(1, dtype=torch.float64, device=device)
-    dist.all_reduce(sum_pack, op=dist.ReduceOp.SUM, group=group)
-
-    # ---- rebuild, in entry order ----
-    total = iter(sum_pack.unbind())
-    max_again = iter(max_pack.unbind())
-    out: list[tuple[Tensor, Tensor]] = []
-    one = torch.ones((), dtype=torch.float64, device=device)
-    for e in entries:
-        if e.merge in ("max", "min"):
-            value, present = next(max_again), next(max_again)
-            value = value if e.merge == "max" else -value
-            out.append((torch.where(present > 0, value, 0.0), present))
-            continue
-        if e.merge == "ess":
-            next(max_again)
-            s1, s2, n = next(total), next(total), next(total)
-            r = samples.ess_from_sums(s1, s2, n)
-            out.append((r.value, r.present.double()))
-        elif e.merge == "ratio":
-            num, den = next(total), next(total)
-            present = den > 0
-            out.append((torch.where(present, num / torch.where(present, den, 1.0), 0.0), present.double()))
-        elif e.merge == "sum":
-            out.append((next(total), one))
-        else:
-            out.append((torch.zeros((), dtype=torch.float64, device=device), one))  # a distribution: below
-    counts = {key: torch.stack([next(total) for _ in range(sketch.BUCKETS)]) for key in distributions}
-    for i, e in enumerate(entries):
-        if e.merge not in ("quantile", "top"):
-            continue
-        hist, (largest, smallest) = counts[id(e.reading)], extremes[id(e.reading)]
-        present = hist.sum() > 0
-        if e.merge == "quantile":
-            value = sketch.sketch_quantiles(hist, e.reading.quantiles, smallest, largest)[e.index]
-        else:
-            value = sketch.sketch_top_mean(hist, e.reading.fraction, largest)
-        out[i] = (torch.where(present, value.double(), 0.0), present.double())
-    return out
+class MergeError(RuntimeError):
+    """Merging across ranks failed; the exporter publishes rank-local values from now on."""
 
 
 def world() -> tuple[int, int]:
@@ -124,3 +66,229 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def name_hash(name: str) -> float:
+    """A 48-bit hash of a component name, exact in fp64: equal on two ranks iff (almost surely) the names are."""
+    return float(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=6).digest(), "big"))
+
+
+class Reducer:
+    """The merge of every stage of one monitor across the ranks of the default process group."""
+
+    def __init__(self, layouts: dict[str, Layout], timeout_s: float) -> None:
+        dist = torch.distributed
+        self.layouts = layouts
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.failure: str | None = None
+        self.group: object | None = None
+        try:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            mine = {stage: (layout.fingerprint, layout.describe()) for stage, layout in layouts.items()}
+            everyone: list[object] = [None] * self.world
+            dist.all_gather_object(everyone, mine, group=self.group)
+        except Exception as exc:
+            self._fail(f"setting up the exporter's gloo group failed ({type(exc).__name__}: {exc})")
+            return
+        for rank, theirs in enumerate(everyone):
+            differing = _differences(mine, theirs)  # type: ignore[arg-type]
+            if differing:
+                self._fail(
+                    f"metric layout of rank {self.rank} differs from rank {rank} (the config differs between "
+                    f"ranks: group_size, pass_k, quantiles, max_reward_components...): {'; '.join(differing)}"
+                )
+                return
+
+    @property
+    def active(self) -> bool:
+        return self.failure is None
+
+    def _fail(self, why: str) -> None:
+        self.failure = why
+        log.error(
+            "grpo-exporter: merging across ranks is OFF for the rest of this run on rank %d: %s. Every rank "
+            "publishes its own values; the training's process group is untouched.", self.rank, why,
+        )
+
+    def for_stage(self, stage: str, components: Sequence[str]) -> StageMerge | None:
+        """The merger of one computation of ``stage``, or None once merging is off."""
+        if not self.active:
+            return None
+        return StageMerge(self, self.layouts[stage], tuple(components))
+
+    def all_reduce(self, pack: Tensor, op: object) -> Tensor:
+        """One collective on the exporter's own group; any failure switches merging off and raises."""
+        dist = torch.distributed
+        try:
+            dist.all_reduce(pack, op=op, group=self.group)
+        except Exception as exc:
+            self._fail(f"an exporter collective failed ({type(exc).__name__}: {str(exc)[:300]})")
+            raise MergeError(self.failure) from exc
+        return pack
+
+
+def _differences(mine: dict[str, tuple[str, list[str]]], theirs: dict[str, tuple[str, list[str]]]) -> list[str]:
+    out = []
+    for stage in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(stage, ("", [])), theirs.get(stage, ("", []))
+        if a[0] == b[0]:
+            continue
+        only_a = [s for s in a[1] if s not in set(b[1])][:5]
+        only_b = [s for s in b[1] if s not in set(a[1])][:5]
+        out.append(f"{stage}: only here {only_a or 'none (order differs)'}, only there {only_b or 'none'}")
+    return out
+
+
+class StageMerge:
+    """Device parts and host merge of one stage computation (the :class:`~grpo_exporter.step.Merger`)."""
+
+    def __init__(self, reducer: Reducer, layout: Layout, components: tuple[str, ...]) -> None:
+        self.reducer, self.layout, self.components = reducer, layout, components
+        self.index = layout.index(components)
+        slots = layout.slots
+        self.ratio = [i for i, s in enumerate(slots) if s.merge is Merge.RATIO]
+        self.ess = [i for i, s in enumerate(slots) if s.merge is Merge.ESS]
+        self.extreme = [i for i, s in enumerate(slots) if s.merge in (Merge.MAX, Merge.SAME)]
+        self.additive = [i for i, s in enumerate(slots) if s.merge is Merge.SUM]
+        self.sketched = [i for i, s in enumerate(slots) if s.merge is Merge.SKETCH]
+
+    # ---- on the device, before the one transfer --------------------------------------------------------
+
+    def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor:
+        """[value, present] per slot, [numerator, denominator] per RATIO slot, [max log weight, sum w,
+        sum w^2, n] per ESS slot, and [max, -min, counts...] per sketched distribution; fp64, absent = 0."""
+        slots = self.layout.slots
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        readings: dict[int, Entry] = {}
+        for e in entries:
+            i = self.index.get(e.key)
+            if i is None:
+                raise KeyError(f"sample {e.key} is not in the stage layout (undeclared family or component)")
+            accepted = _ACCEPTS.get(slots[i].merge)
+            if accepted is not None and not isinstance(e.reading, accepted):
+                raise TypeError(f"{e.key}: merge {slots[i].merge} needs {accepted}, got {type(e.reading).__name__}")
+            if slots[i].merge in (Merge.MAX, Merge.SAME) and isinstance(e.reading, Extreme) and not e.reading.largest:
+                raise TypeError(f"{e.key}: a smallest-value reading cannot merge as a maximum")
+            readings[i] = e
+        values, presents = [zero] * len(slots), [zero] * len(slots)
+        for i, e in readings.items():
+            values[i], presents[i] = e.local()
+        parts = [torch.stack(values), torch.stack(presents)]
+        for i in self.ratio:
+            r = readings.get(i)
+            parts.append(torch.stack([r.reading.numerator.double(), r.reading.denominator.double()])
+                         if r is not None else torch.zeros(2, dtype=torch.float64, device=device))
+        for i in self.ess:
+            r = readings.get(i)
+            if r is None:
+                parts.append(torch.tensor([-math.inf, 0.0, 0.0, 0.0], dtype=torch.float64, device=device))
+                continue
+            log_w, valid = r.reading.log_weights, r.reading.valid
+            top = torch.where(valid, log_w.double(), -math.inf).amax()
+            s1, s2 = samples.shifted_weight_sums(log_w, valid, torch.where(torch.isfinite(top), top, 0.0))
+            parts.append(torch.stack([top, s1, s2, valid.sum().double()]))
+        for d in range(self.layout.distributions):
+            member = next((readings[i] for i in self.sketched if self.layout.slots[i].distribution == d
+                           and i in readings), None)
+            if member is None:
+                parts.append(torch.cat([torch.full((2,), -math.inf, dtype=torch.float64, device=device),
+                                        torch.zeros(sketch.BUCKETS, dtype=torch.float64, device=device)]))
+                continue
+            x, valid = member.reading.sample.double(), member.reading.valid
+            extremes = torch.stack([torch.where(valid, x, -math.inf).amax(), torch.where(valid, -x, -math.inf).amax()])
+            parts.append(torch.cat([extremes, sketch.sketch(member.reading.sample, valid)]))
+        return torch.cat(parts)
+
+    # ---- on the host, after it -------------------------------------------------------------------------
+
+    def merge(
+        self, host: list[float], entries: list[Entry], local: StepMetrics, failed: set[str]
+    ) -> tuple[StepMetrics, list[tuple[str, Exception]]]:
+        """The merged values of the stage (rank-local ``local`` when the merge fails)."""
+        dist = torch.distributed
+        slots, n = self.layout.slots, len(self.layout.slots)
+        t = torch.tensor(host, dtype=torch.float64)
+        value, present = t[:n], t[n : 2 * n]
+        offset = 2 * n
+        ratio = t[offset : offset + 2 * len(self.ratio)].view(-1, 2)
+        offset += 2 * len(self.ratio)
+        ess = t[offset : offset + 4 * len(self.ess)].view(-1, 4)
+        offset += 4 * len(self.ess)
+        dists = t[offset:].view(self.layout.distributions, 2 + sketch.BUCKETS)
+
+        failed_here = torch.tensor([float(any(tag in failed for tag in s.tags)) for s in slots], dtype=torch.float64)
+        k = max((s.component or 0) + 1 for s in slots) if slots else 0
+        names = torch.full((2 * k,), -math.inf, dtype=torch.float64)
+        for j, name in enumerate(self.components[:k]):
+            names[2 * j], names[2 * j + 1] = name_hash(name), -name_hash(name)
+        extreme = torch.where(present[self.extreme] > 0, value[self.extreme], -math.inf)
+        max_pack = torch.cat([present, failed_here, extreme, ess[:, 0], dists[:, :2].reshape(-1), names])
+        try:
+            max_pack = self.reducer.all_reduce(max_pack, dist.ReduceOp.MAX)
+            o = 2 * n
+            g_present, g_failed = max_pack[:n], max_pack[n:o]
+            g_extreme = max_pack[o : o + len(self.extreme)]
+            o += len(self.extreme)
+            g_top = max_pack[o : o + len(self.ess)]
+            o += len(self.ess)
+            g_dist = max_pack[o : o + 2 * self.layout.distributions].view(-1, 2)
+            o += 2 * self.layout.distributions
+            g_names = max_pack[o:].view(-1, 2)
+
+            shift = torch.where(torch.isfinite(g_top), g_top, 0.0)
+            scale = torch.where(torch.isfinite(ess[:, 0]), torch.exp((ess[:, 0] - shift).clamp(max=0.0)), 0.0)
+            ess_sums = torch.stack([ess[:, 1] * scale, ess[:, 2] * scale.square(), ess[:, 3]], dim=1)
+            sum_pack = torch.cat([value[self.additive], ratio.reshape(-1), ess_sums.reshape(-1),
+                                  dists[:, 2:].reshape(-1)])
+            sum_pack = self.reducer.all_reduce(sum_pack, dist.ReduceOp.SUM)
+        except MergeError as exc:
+            return local, [("distributed", exc)]
+
+        errors: list[tuple[str, Exception]] = []
+        highest, lowest = g_names[:, 0], -g_names[:, 1]
+        disagree = {j for j in range(g_names.shape[0]) if math.isfinite(highest[j]) and highest[j] != lowest[j]}
+        if disagree:
+            errors.append(("distributed", MergeError(
+                f"reward component slots {sorted(disagree)} hold different names on different ranks "
+                f"(this rank: {[self.components[j] for j in sorted(disagree) if j < len(self.components)]}); "
+                "those components are not published this step: pass the same component names on every rank"
+            )))
+        merged: dict[int, float] = {}
+        for j, i in enumerate(self.extreme):
+            merged[i] = float(g_extreme[j])
+        o = 0
+        for i in self.additive:
+            merged[i] = float(sum_pack[o])
+            o += 1
+        for i in self.ratio:
+            num, den = float(sum_pack[o]), float(sum_pack[o + 1])
+            o += 2
+            if den > 0:
+                merged[i] = num / den
+            else:
+                g_present[i] = 0.0
+        for i in self.ess:
+            s1, s2, count = sum_pack[o], sum_pack[o + 1], sum_pack[o + 2]
+            o += 3
+            r = samples.ess_from_sums(s1, s2, count)
+            merged[i] = float(r.value)
+            g_present[i] = float(r.present)
+        hists = sum_pack[o:].view(self.layout.distributions, sketch.BUCKETS)
+        for i in self.sketched:
+            s = slots[i]
+            hist, largest, smallest = hists[s.distribution], g_dist[s.distribution, 0], -g_dist[s.distribution, 1]
+            if hist.sum() <= 0:
+                g_present[i] = 0.0
+                continue
+            if s.top_fraction is not None:
+                merged[i] = float(sketch.sketch_top_mean(hist, s.top_fraction, largest))
+            else:
+                merged[i] = float(sketch.sketch_quantiles(hist, (s.quantile,), smallest, largest)[0])
+        out: StepMetrics = {}
+        for i, s in enumerate(slots):
+            if g_present[i] <= 0 or g_failed[i] > 0 or (s.component is not None and s.component in disagree):
+                continue
+            key = s.key(self.components)
+            if key is not None:
+                out[key] = merged[i]
+        return out, errors

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from grpo_exporter.catalog import parse_key
+from grpo_exporter.thresholds import StopLines
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,11 @@ class TrainingSignalError(RuntimeError):
         super().__init__("\n".join(lines))
 
 
-def check(
-    metrics: Mapping[str, float], engine_gap_stop_nats: float, onpolicy_clip_stop_ratio: float
-) -> list[Violation]:
-    """The layer-1 criteria this step's metrics fail."""
+def check(metrics: Mapping[str, float], lines: StopLines) -> list[Violation]:
+    """The layer-1 criteria this step's metrics fail, at the lines the alerts use too."""
+    engine_gap_stop_nats, onpolicy_clip_stop_ratio = lines.engine_gap_stop_nats, lines.onpolicy_clip_stop_ratio
     found: list[Violation] = []
-    bad = {k: v for k, v in metrics.items() if k.startswith("grpo_nonfinite_values_total") and v > 0}
+    bad = {k: v for k, v in metrics.items() if parse_key(k)[0] == "grpo_nonfinite_values_total" and v > 0}
     if bad:
         what = ", ".join(f"{parse_key(k)[1]['tensor']}: {v:g}" for k, v in sorted(bad.items()))
         found.append(Violation("GRPONonFiniteValues", f"non-finite values on loss tokens ({what})"))

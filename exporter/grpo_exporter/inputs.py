@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_exporter.catalog import check_label_value
 from grpo_exporter.functional.groups import Groups, contiguous_groups, groups_from_ids
 
 SEQUENCE_FLOATS = ("rewards", "prompt_solve_rate")
@@ -33,7 +34,7 @@ class InputError(ValueError):
         super().__init__(f"`{name}`: expected {expected}, got {received}")
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"tensor of shape {tuple(value.shape)}, dtype {value.dtype}, device {value.device}"
     return f"{type(value).__name__} {value!r}"[:120]
@@ -41,8 +42,13 @@ def _describe(value: Any) -> str:
 
 @dataclass(frozen=True)
 class StepInputs:
-    """One step's tensors and scalars. Construct with keywords; ``__post_init__`` validates and normalises
-    (boolean fields accept bool, integer or 0/1 float tensors and are stored as bool)."""
+    """One step's tensors and scalars. Construct with keywords; ``__post_init__`` validates and normalises.
+
+    Boolean fields (masks, ``correct``, ``truncated``) accept bool tensors, or integer/float tensors holding
+    only 0 and 1, and are stored as bool. Checking the values of a numeric mask would need a host sync, so
+    the count of other values is kept on the device in ``value_errors`` and read with the step's one
+    transfer: a mask of 0.5 is then an error naming the field, never True. ``on_policy`` is a bool, or a
+    (N,) bool tensor flagging the on-policy rows (micro-steps stitched into one step)."""
 
     rewards: Tensor | None = None
     group_ids: Tensor | None = None
@@ -60,7 +66,7 @@ class StepInputs:
     ref_logprobs: Tensor | None = None
     entropy: Tensor | None = None
     advantages: Tensor | None = None
-    on_policy: bool | None = None
+    on_policy: bool | Tensor | None = None
     grads: Sequence[Tensor] | None = None
     grad_norm_pre_clip: Tensor | float | None = None
     grad_norm_post_clip: Tensor | float | None = None
@@ -71,6 +77,7 @@ class StepInputs:
     policy_version: int | None = None
     rollout_policy_version: int | None = None
     step: int | None = None
+    value_errors: tuple[tuple[str, Tensor], ...] = ()
 
     def __post_init__(self) -> None:
         shape = _Shape()
@@ -78,17 +85,20 @@ class StepInputs:
 
         def tensor(name: str, value: Any) -> Tensor:
             if not isinstance(value, Tensor):
-                raise InputError(name, "a torch.Tensor", _describe(value))
+                raise InputError(name, "a torch.Tensor", describe(value))
             if device and value.device != device[0][1]:
-                raise InputError(name, f"device {device[0][1]} like `{device[0][0]}`", _describe(value))
+                raise InputError(name, f"device {device[0][1]} like `{device[0][0]}`", describe(value))
             device.append((name, value.device))
             return value
+
+        value_errors = list(self.value_errors)
 
         def as_bool(name: str, value: Tensor) -> Tensor:
             if value.dtype == torch.bool:
                 return value
             if value.is_complex():
-                raise InputError(name, "a bool (or 0/1 integer) tensor", _describe(value))
+                raise InputError(name, "a bool tensor, or 0/1 values", describe(value))
+            value_errors.append((name, ((value != 0) & (value != 1)).sum()))
             return value != 0
 
         for name in (*SEQUENCE_FLOATS, *SEQUENCE_BOOLS, "group_ids", "completion_lengths"):
@@ -101,13 +111,20 @@ class StepInputs:
             elif name in SEQUENCE_BOOLS:
                 object.__setattr__(self, name, as_bool(name, value))
             elif value.is_floating_point() or value.dtype == torch.bool:
-                raise InputError(name, "an integer tensor", _describe(value))
+                raise InputError(name, "an integer tensor", describe(value))
 
-        components = dict(self.reward_components or {})
+        if not isinstance(self.reward_components, Mapping):
+            raise InputError("reward_components", "a mapping of name -> (N,) tensor", describe(self.reward_components))
+        components = dict(self.reward_components)
         for key, value in components.items():
-            name = f"reward_components[{key!r}]"
-            if not isinstance(key, str) or not key or key == "total":
-                raise InputError("reward_components", "non-empty string names other than 'total'", _describe(key))
+            name = f"reward_components[{str(key)[:40]!r}]"
+            if key == "total" or key == "":
+                raise InputError("reward_components", "non-empty names other than 'total' (the summed reward)",
+                                 repr(key))
+            try:
+                check_label_value("component", key)
+            except ValueError as exc:
+                raise InputError("reward_components", "names usable as a label value", str(exc)) from None
             shape.sequence(name, tensor(name, value))
             _floating(name, value)
         object.__setattr__(self, "reward_components", components)
@@ -122,7 +139,7 @@ class StepInputs:
             elif name in TOKEN_BOOLS:
                 object.__setattr__(self, name, as_bool(name, value))
             elif value.is_floating_point() or value.dtype == torch.bool:
-                raise InputError(name, "an integer tensor of token ids", _describe(value))
+                raise InputError(name, "an integer tensor of token ids", describe(value))
 
         if self.advantages is not None:
             adv = tensor("advantages", self.advantages)
@@ -132,25 +149,29 @@ class StepInputs:
             else:
                 shape.tokens("advantages", adv)
 
-        if self.on_policy is not None and not isinstance(self.on_policy, bool):
-            raise InputError("on_policy", "a Python bool", _describe(self.on_policy))
+        if isinstance(self.on_policy, Tensor):
+            if self.on_policy.dtype != torch.bool:
+                raise InputError("on_policy", "a Python bool or a (N,) bool tensor", describe(self.on_policy))
+            shape.sequence("on_policy", tensor("on_policy", self.on_policy))
+        elif self.on_policy is not None and not isinstance(self.on_policy, bool):
+            raise InputError("on_policy", "a Python bool or a (N,) bool tensor", describe(self.on_policy))
         for name in SCALARS:
             value = getattr(self, name)
             if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
                 continue
             if not isinstance(value, Tensor) or value.numel() != 1:
-                raise InputError(name, "a number or a one-element tensor", _describe(value))
+                raise InputError(name, "a number or a one-element tensor", describe(value))
             object.__setattr__(self, name, tensor(name, value).reshape(()))
         for name in INTEGERS:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise InputError(name, "a Python int", _describe(value))
+                raise InputError(name, "a Python int", describe(value))
         for name in ("grads", "params_before", "params_after"):
             value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, Tensor) or not all(isinstance(t, Tensor) for t in value):
-                raise InputError(name, "a sequence of tensors", _describe(value))
+                raise InputError(name, "a sequence of tensors", describe(value))
             object.__setattr__(self, name, list(value))
         if (self.params_before is None) != (self.params_after is None):
             raise InputError("params_after", "params_before and params_after together", "only one of them")
@@ -163,6 +184,7 @@ class StepInputs:
                     f"{len(after)} tensors of shapes {[tuple(t.shape) for t in after][:4]}",
                 )
 
+        object.__setattr__(self, "value_errors", tuple(value_errors))
         object.__setattr__(self, "_n", shape.n)
         object.__setattr__(self, "_device", device[0][1] if device else torch.device("cpu"))
 
@@ -195,13 +217,14 @@ class StepInputs:
         return tuple(
             f.name
             for f in fields(self)
-            if getattr(self, f.name) is not None and (f.name != "reward_components" or self.reward_components)
+            if f.name != "value_errors" and getattr(self, f.name) is not None
+            and (f.name != "reward_components" or self.reward_components)
         )
 
 
 def _floating(name: str, value: Tensor) -> None:
     if not value.is_floating_point():
-        raise InputError(name, "a floating-point tensor (fp32, bf16, fp16 or fp64)", _describe(value))
+        raise InputError(name, "a floating-point tensor (fp32, bf16, fp16 or fp64)", describe(value))
 
 
 class _Shape:
@@ -215,20 +238,20 @@ class _Shape:
 
     def sequence(self, name: str, value: Tensor) -> None:
         if value.dim() != 1:
-            raise InputError(name, "shape (N,): one value per completion", _describe(value))
+            raise InputError(name, "shape (N,): one value per completion", describe(value))
         self._n(name, value)
 
     def tokens(self, name: str, value: Tensor) -> None:
         if value.dim() != 2:
-            raise InputError(name, "shape (N, T): one value per completion token", _describe(value))
+            raise InputError(name, "shape (N, T): one value per completion token", describe(value))
         self._n(name, value)
         if self.t is None:
             self.t, self.t_from = value.shape[1], name
         elif value.shape[1] != self.t:
-            raise InputError(name, f"shape (N, T) with T={self.t} like `{self.t_from}`", _describe(value))
+            raise InputError(name, f"shape (N, T) with T={self.t} like `{self.t_from}`", describe(value))
 
     def _n(self, name: str, value: Tensor) -> None:
         if self.n is None:
             self.n, self.n_from = value.shape[0], name
         elif value.shape[0] != self.n:
-            raise InputError(name, f"N={self.n} rows like `{self.n_from}`", _describe(value))
+            raise InputError(name, f"N={self.n} rows like `{self.n_from}`", describe(value))

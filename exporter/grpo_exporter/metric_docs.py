@@ -45,21 +45,15 @@ def series_per_run(cfg: MonitorConfig) -> dict[str, int]:
         "labels": 1,
         "version": 1, "torch_version": 1, "group_size": 1, "clip_eps_low": 1, "clip_eps_high": 1,
     }
-    quantiles = {
-        "grpo_engine_logprob_gap_nats": cfg.gap_quantiles,
-        "grpo_importance_weight": cfg.ratio_quantiles,
-        "grpo_completion_length_tokens": cfg.length_quantiles,
-    }
     counts: dict[str, int] = {}
     for m in CATALOG:
         combos = 1
         for label in m.labels:
             combos *= len(label.values) if label.values else bounded[label.name]
         if m.type is MetricType.SUMMARY:
-            per = len(quantiles[m.name]) + 2
+            per = len(cfg.quantiles_of(m.name)) + 2
         elif m.type is MetricType.HISTOGRAM:
-            buckets = cfg.solve_rate_buckets if m.name == "grpo_mixed_group_solve_rate_ratio" else m.buckets
-            per = len(buckets) + 3
+            per = len(cfg.buckets_of(m.name, m.buckets)) + 3
         else:
             per = 1
         counts[m.name] = combos * per

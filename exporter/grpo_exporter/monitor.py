@@ -1,15 +1,19 @@
 """GRPOMonitor: the public face. A training loop hands it each step's tensors; Prometheus scrapes the result.
 
 * ``observe_rollout`` once per rollout batch: rewards, groups, outcomes, engine vs trainer log-probs, masks.
-* ``observe_update`` for every optimizer (micro)step: the micro-steps of one optimizer step are kept (as
-  references, validated at once) and computed together, in one pass with one host transfer, when the step
-  ends: at ``clip_grad_norm_``, at the next step's first observe call, or at ``flush``/``close``.
+* ``observe_update`` for every optimizer (micro)step: the micro-steps of one optimizer step are kept
+  (detached, validated at once) and computed together, in one pass with one host transfer, when the step
+  ends (:mod:`grpo_exporter.stitching`): at ``clip_grad_norm_``, ``end_step``, ``flush``/``close``, or an
+  ``observe_update`` of another step number.
 * ``clip_grad_norm_`` clips like ``torch.nn.utils.clip_grad_norm_`` and records the norm before and after.
 
 Inside a training process the monitor never crashes or stalls training: an exception is caught, counted in
 ``grpo_exporter_errors_total{stage}``, logged at most once per stage per minute, and training goes on;
-``strict=True`` raises instead. The layer-1 guard is the one deliberate exception: with ``guard="raise"`` a
+``strict=True`` raises instead. Misuse of the API itself (an unknown keyword, a call after ``close``) raises
+at once, like any Python call. The layer-1 guard is the one deliberate exception: with ``guard="raise"`` a
 failed stop criterion raises :class:`~grpo_exporter.guard.TrainingSignalError` at the end of observe.
+With several ranks every rank makes exactly one merge per rollout and per ended update step, whatever
+failed on it (:mod:`grpo_exporter.distributed`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +33,39 @@ from prometheus_client.registry import CollectorRegistry
 from torch import Tensor
 
 from grpo_exporter import __version__, catalog, distributed, guard
+from grpo_exporter.background import EditDistanceWorker
 from grpo_exporter.collector import CatalogCollector
-from grpo_exporter.edit_distance import median_normalized_edit_distance, rows_to_groups
 from grpo_exporter.functional.diversity import retrieval_accuracy
-from grpo_exporter.functional.groups import Groups
-from grpo_exporter.inputs import InputError, StepInputs
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.layout import Layout
 from grpo_exporter.monitor_config import MonitorConfig
+from grpo_exporter.param_sample import sample_parameters
 from grpo_exporter.publication import Publication
 from grpo_exporter.server import MetricsServer
-from grpo_exporter.step import ROLLOUT_BLOCKS, UPDATE_BLOCKS, compute_step_carrying
+from grpo_exporter.solve_rates import SolveRates
+from grpo_exporter.step import (
+    MASK_AUDIT_FAMILIES,
+    ROLLOUT_BLOCKS,
+    UPDATE_BLOCKS,
+    StepResult,
+    compute_step_carrying,
+    families_of,
+)
+from grpo_exporter.stitching import StepStitcher
 
 log = logging.getLogger("grpo_exporter")
 
-PARAM_SAMPLE_TENSORS = 16
-PARAM_SAMPLE_ELEMENTS = 65_536
 _LOG_EVERY_SECONDS = 60.0
+_STAGE_BLOCKS = {"rollout": ROLLOUT_BLOCKS, "update": UPDATE_BLOCKS}
+# the loss-mask audit of the rollout is published only when the update does not audit its own mask
+_AUDIT = frozenset(MASK_AUDIT_FAMILIES)
+UPDATE_FIELDS = frozenset(f.name for f in dataclasses.fields(StepInputs)) - {
+    "value_errors", "prompt_solve_rate", "params_before", "params_after", "step", "reward_components",
+}
+
+
+class MonitorClosedError(RuntimeError):
+    """An observe call after :meth:`GRPOMonitor.close`."""
 
 
 class GRPOMonitor:
@@ -52,7 +73,8 @@ class GRPOMonitor:
 
     ``GRPOMonitor(run="exp-42", group_size=16, clip_eps=(0.2, 0.28), port=0)``; any
     :class:`~grpo_exporter.monitor_config.MonitorConfig` field is a keyword, ``config_file`` reads YAML and
-    ``GRPO_EXPORTER_*`` variables apply. Use as a context manager or call :meth:`close`.
+    ``GRPO_EXPORTER_*`` variables apply. Use as a context manager or call :meth:`close`. With
+    ``torch.distributed`` initialised, every rank constructs its monitor at the same point of the program.
     """
 
     def __init__(
@@ -72,19 +94,25 @@ class GRPOMonitor:
         self._collector = CatalogCollector(
             self._publication, config.run, self.registry, on_error=lambda exc: self._error("scrape", exc)
         )
+        self._last_log: dict[str, float] = {}
         self._rank, self._world = distributed.world()
-        self._reduce = distributed.all_reduce_entries if self._world > 1 else None
-        self._solve_rates: Tensor | None = None
-        self._overall_rate: Tensor = torch.tensor(config.solve_rate_prior, dtype=torch.float64)
-        self._step: int | None = None
-        self._pending: list[StepInputs] = []
-        self._grad: dict[str, Any] = {}
+        self._reducer: distributed.Reducer | None = None
+        if self._world > 1:
+            layouts = {stage: Layout(families_of(blocks), config) for stage, blocks in _STAGE_BLOCKS.items()}
+            self._reducer = distributed.Reducer(layouts, config.distributed_timeout_s)
+            if not self._reducer.active:
+                self._publication.add({self._errors_key("distributed"): 1.0})
+        self._solve_rates = SolveRates(config.solve_rate_slots, config.solve_rate_prior, config.solve_rate_halflife)
+        self._stitcher = StepStitcher(config.max_pending_micro_steps)
+        self._last_step: int | None = None
+        self._held_audit: dict[str, float] | None = None
         self._param_snapshot: list[Tensor] | None = None
         self._components: list[str] = []
-        self._last_log: dict[str, float] = {}
         self._deferred: list[guard.Violation] = []
-        self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-exporter-edit-distance")
-        self._edit_job: Future[None] | None = None
+        self._closed = False
+        self._edit_worker = EditDistanceWorker(
+            self._publication, lambda exc: self._error("rollout", exc, "edit distance worker")
+        )
         self._publication.merge(self._static_values())
         self._publication.publish()
         self._server: MetricsServer | None = None
@@ -124,33 +152,35 @@ class GRPOMonitor:
         prompt_ids: Tensor | None = None,
     ) -> None:
         """Rollout-level metrics, once per rollout batch (one host transfer)."""
+        self._check_open("observe_rollout")
         violations: list[guard.Violation] = []
         with self._stage("rollout"):
             self._advance(step)
-            inputs = StepInputs(
-                rewards=rewards, group_ids=group_ids, correct=correct, truncated=truncated,
-                reward_components=self._capped(reward_components or {}), rollout_logprobs=rollout_logprobs,
-                old_logprobs=old_logprobs, loss_mask=loss_mask, completion_lengths=completion_lengths,
-                completion_ids=completion_ids, completion_mask=completion_mask,
-            )
-            slots = self._solve_rate_slots(inputs, prompt_ids)
-            if slots is not None and self._solve_rates is not None:
-                prior = solve_rate_prior(self._solve_rates, slots, self._overall_rate)
-                inputs = dataclasses.replace(inputs, prompt_solve_rate=prior)
-            carry = self._edit_distance_carry(inputs)
-            result = compute_step_carrying(inputs, self.config, carry, self.config.strict, self._reduce, ROLLOUT_BLOCKS)
-            self._count_block_errors("rollout", result.errors)
-            metrics = result.metrics
-            if slots is not None and self._solve_rates is not None and inputs.correct is not None:
-                groups = inputs.groups(self.config.group_size)
-                keep = 0.5 ** (1.0 / self.config.solve_rate_halflife)
-                update_solve_rates(self._solve_rates, slots, prior, inputs.correct, groups, keep)
-                batch_rate = inputs.correct.double().mean()
-                self._overall_rate = keep * self._overall_rate + (1.0 - keep) * batch_rate
-            if inputs.completion_ids is not None:
-                self._start_edit_distance(result.carried, inputs.completion_ids.shape[1])
-            self._publication.merge(metrics, result.families)
-            violations = self._check(metrics)
+            violations += self._publish_held_audit()  # the last step had no update to audit its mask
+            inputs: StepInputs | None = None
+            slots = carry = None
+            with self._contained("rollout"):
+                inputs = StepInputs(
+                    rewards=rewards, group_ids=group_ids, correct=correct, truncated=truncated,
+                    reward_components=self._capped(reward_components), rollout_logprobs=rollout_logprobs,
+                    old_logprobs=old_logprobs, loss_mask=loss_mask, completion_lengths=completion_lengths,
+                    completion_ids=completion_ids, completion_mask=completion_mask,
+                )
+                slots = self._solve_rates.slots_of(inputs, prompt_ids)
+                if slots is not None:
+                    inputs = dataclasses.replace(inputs, prompt_solve_rate=self._solve_rates.prior(slots))
+                carry = self._edit_distance_carry(inputs)
+            result = self._compute("rollout", inputs, carry or {})
+            if slots is not None and inputs is not None and inputs.correct is not None:
+                with contextlib.suppress(Exception):  # a grouping error: counted by the metric blocks already
+                    groups = inputs.groups(self.config.group_size)
+                    self._solve_rates.update(slots, inputs.prompt_solve_rate, inputs.correct, groups)
+            if inputs is not None and inputs.completion_ids is not None:
+                self._edit_worker.submit(result.carried, inputs.completion_ids.shape[1])
+            audit = {k: v for k, v in result.metrics.items() if catalog.family_of(k.sample).name in _AUDIT}
+            self._held_audit = audit or None
+            metrics = {k: v for k, v in result.metrics.items() if k not in audit}
+            violations += self._publish(metrics, result.families - _AUDIT)
         self._enforce(violations)
 
     def observe_update(
@@ -169,19 +199,43 @@ class GRPOMonitor:
         """Update-level tensors of one optimizer (micro)step, accumulated into the step (validated now,
         computed when the step ends).
 
-        ``more`` takes any other :class:`~grpo_exporter.inputs.StepInputs` field of the update (``rewards``,
-        ``group_ids`` and ``completion_lengths`` for the advantage bound and mask audit, ``loss``,
-        ``policy_version``, ``rollout_policy_version``).
+        ``on_policy``: True on every micro-step of the first optimizer step on a fresh rollout (the weights
+        have not changed since the old log-probs were computed); the on-policy ratio check runs on the
+        micro-steps flagged. ``more`` takes any other :class:`~grpo_exporter.inputs.StepInputs` field of the
+        update: ``rewards``, ``group_ids``, ``completion_lengths`` (the mask audit of the mask you train
+        with), ``grad_norm_pre_clip``/``grad_norm_post_clip``/``max_grad_norm`` when the framework clips,
+        ``loss``, ``policy_version``, ``rollout_policy_version``. An unknown keyword raises ``TypeError``.
         """
+        self._check_open("observe_update")
+        unknown = sorted(set(more) - UPDATE_FIELDS)
+        if unknown:
+            raise TypeError(
+                f"observe_update() got unexpected keyword argument(s) {unknown}; accepted: {sorted(UPDATE_FIELDS)}"
+            )
+        violations: list[guard.Violation] = []
         with self._stage("update"):
             self._advance(step)
-            self._pending.append(
-                StepInputs(
-                    logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask,
-                    entropy=entropy, ref_logprobs=ref_logprobs, on_policy=on_policy, **more,
-                )
-            )
-        self._enforce([])
+            if self._stitcher.begin(step):
+                violations += self._finish_update()
+            self._stitcher.mark(step)
+            with self._contained("update"):
+                try:
+                    inputs = StepInputs(
+                        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask,
+                        entropy=entropy, ref_logprobs=ref_logprobs, on_policy=on_policy, **more,
+                    )
+                except Exception:
+                    self._stitcher.failed = True
+                    raise
+                if not self._stitcher.add(step, inputs):
+                    self._publication.add({"grpo_dropped_micro_steps_total": 1.0})
+                    if self._due("dropped-micro-steps"):
+                        log.warning(
+                            "grpo-exporter: more than %d micro-steps in step %d; further ones are dropped and "
+                            "counted (grpo_dropped_micro_steps_total). Call clip_grad_norm_() or end_step() once "
+                            "per optimizer step.", self.config.max_pending_micro_steps, step,
+                        )
+        self._enforce(violations)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter] | Tensor, max_norm: float, norm_type: float = 2.0
@@ -189,27 +243,43 @@ class GRPOMonitor:
         """``torch.nn.utils.clip_grad_norm_`` that records the norm before and after clipping; ends the step.
 
         Returns the pre-clip total norm, like torch. The clipping itself always happens, even when recording
-        fails.
+        fails or the monitor is closed.
         """
         params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
         pre_clip = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        self._check_open("clip_grad_norm_")
         violations: list[guard.Violation] = []
         with self._stage("grad"):
-            current = _sample_parameters(params)
-            self._grad = {"grad_norm_pre_clip": pre_clip.detach(), "max_grad_norm": float(max_norm)}
+            current = sample_parameters(params)
+            grad = {"grad_norm_pre_clip": pre_clip.detach(), "max_grad_norm": float(max_norm)}
             before = self._param_snapshot
             if before is not None and [t.shape for t in before] == [t.shape for t in current]:
                 # taken at the previous clip, before that step's optimizer.step(): the update it made
-                self._grad |= {"params_before": before, "params_after": current}
-            violations = self._finish_update()
+                grad |= {"params_before": before, "params_after": current}
+            self._stitcher.record_grad(grad)
             self._param_snapshot = current
+            violations = self._finish_update()
         self._enforce(violations)
         return pre_clip
+
+    def end_step(self) -> None:
+        """End the current optimizer step now: compute and publish its update metrics.
+
+        Call it after ``optimizer.step()`` when ``clip_grad_norm_`` is not called through the monitor (the
+        framework clips, and you pass ``grad_norm_pre_clip=`` to ``observe_update``), or when rollouts and
+        updates overlap (asynchronous pipelines): without it the step ends only at the next update call of
+        another step number."""
+        self._check_open("end_step")
+        violations: list[guard.Violation] = []
+        with self._stage("update"):
+            violations = self._finish_update()
+        self._enforce(violations)
 
     def observe_retrieval(self, step: int, scores: Tensor, own_prompt: Tensor) -> None:
         """Retrieval accuracy: ``scores`` (N, P) of each completion under each of the batch's P prompts (e.g.
         log-probs from one extra forward pass), ``own_prompt`` (N,) the column of its own prompt. Call every
-        K steps; chance level 1/P is published beside it."""
+        K steps; chance level 1/P is published beside it. Rank-local (not merged across ranks)."""
+        self._check_open("observe_retrieval")
         with self._stage("rollout"):
             self._advance(step)
             if scores.dim() != 2 or own_prompt.shape != scores.shape[:1]:
@@ -226,21 +296,27 @@ class GRPOMonitor:
             self._publication.merge(values, [accuracy.name])
 
     def flush(self) -> None:
-        """Compute and publish the pending update step now."""
-        violations: list[guard.Violation] = []
-        with self._stage("update"):
-            violations = self._finish_update()
-        self._enforce(violations)
+        """Compute and publish the pending update step now (:meth:`end_step`)."""
+        self.end_step()
 
     def metrics(self) -> Mapping[str, float]:
         """The published values (sample key -> value, without the run label): what a scrape would see."""
         return self._publication.snapshot()
 
+    def wait_for_workers(self, timeout: float = 10.0) -> None:
+        """Block until the off-thread edit-distance job (if any) is done; for tests and shutdown."""
+        self._edit_worker.wait(timeout)
+
     def close(self) -> None:
-        """Publish what is pending and stop serving. Idempotent."""
+        """Publish what is pending and stop serving. Idempotent; observe calls after it raise."""
+        if self._closed:
+            return
         with contextlib.suppress(guard.TrainingSignalError):
-            self.flush()
-        self._workers.shutdown(wait=True)
+            self.end_step()
+        with self._stage("update"):
+            self._publish_held_audit()
+        self._closed = True
+        self._edit_worker.shutdown()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -253,25 +329,57 @@ class GRPOMonitor:
 
     # ---- step life cycle -------------------------------------------------------------------------------
 
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise MonitorClosedError(
+                f"GRPOMonitor(run={self.config.run!r}).{call}() after close(): the monitor no longer computes "
+                "or serves; create a new monitor for a new run"
+            )
+
     def _advance(self, step: int) -> None:
+        """Record the step number: ``grpo_steps_total`` counts each new largest step once and
+        ``grpo_last_step`` never runs backwards (a late update of step k after rollout k+1 is no new step)."""
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"`step`: expected a Python int, got {type(step).__name__} {step!r}")
-        if self._step is not None and step != self._step and self._pending:
-            self._deferred.extend(self._finish_update())
-        if step != self._step:
+        if self._last_step is None or step > self._last_step:
             self._publication.add({"grpo_steps_total": 1.0})
-        self._step = step
-        self._publication.merge({"grpo_last_step": float(step), "grpo_last_step_timestamp_seconds": time.time()})
+            self._last_step = step
+        self._publication.merge(
+            {"grpo_last_step": float(self._last_step), "grpo_last_step_timestamp_seconds": time.time()}
+        )
 
     def _finish_update(self) -> list[guard.Violation]:
-        if not self._pending and not self._grad:
+        """Compute the pending update step, if one is open (every rank opens and ends steps alike)."""
+        failed = self._stitcher.failed
+        inputs = self._stitcher.take()
+        if inputs is None:
             return []
-        inputs = _concatenate(self._pending, self._grad)
-        self._pending, self._grad = [], {}
-        result = compute_step_carrying(inputs, self.config, {}, self.config.strict, self._reduce, UPDATE_BLOCKS)
-        self._count_block_errors("update", result.errors)
-        self._publication.merge(result.metrics, result.families)
-        return self._check(result.metrics)
+        result = self._compute("update", inputs, {}, failed=failed)
+        violations = self._publish(result.metrics, result.families)
+        if _AUDIT & result.families:
+            self._held_audit = None  # the update audited the mask it trains with
+        return violations + self._publish_held_audit()
+
+    def _publish_held_audit(self) -> list[guard.Violation]:
+        held, self._held_audit = self._held_audit, None
+        return self._publish(held, set()) if held else []
+
+    def _compute(
+        self, stage: str, inputs: StepInputs | None, carry: dict[str, Tensor], failed: bool = False
+    ) -> StepResult:
+        merger = self._reducer.for_stage(stage, self._components) if self._reducer is not None else None
+        result = compute_step_carrying(
+            inputs if inputs is not None else StepInputs(), self.config, carry, self.config.strict, merger,
+            _STAGE_BLOCKS[stage], failed_inputs=failed or inputs is None,
+        )
+        for block, exc in result.errors:
+            where = "distributed" if block == "distributed" else stage
+            self._error(where, exc, f"metric block {block!r}" if where == stage else "")
+        return result
+
+    def _publish(self, metrics: Mapping[str, float], families: Iterable[str]) -> list[guard.Violation]:
+        self._publication.merge(metrics, families)
+        return self._check(metrics)
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -287,35 +395,33 @@ class GRPOMonitor:
         baseline = catalog.metric("grpo_reference_baseline")
         for key, value in self.config.reference_baseline.items():
             name, labels = catalog.parse_key(key)
-            text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            values[baseline.key(metric=name, labels=text.replace('"', "'"))] = float(value)
+            text = ",".join(f"{k}='{v}'" for k, v in labels.items())
+            values[baseline.key(metric=name, labels=text)] = float(value)
         return values
 
-    def _capped(self, components: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def _capped(self, components: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
+        """The components within ``max_reward_components`` (names registered in sorted order, so ranks that
+        see the same names register them alike); the rest dropped and counted. An invalid name is kept for
+        StepInputs to reject with an error naming the field."""
+        if components is None:
+            return {}
+        if not isinstance(components, Mapping):
+            return components  # type: ignore[return-value]
         kept: dict[str, Tensor] = {}
         dropped = 0
-        for name, value in components.items():
+        for name in sorted(components, key=str):
+            if not catalog.is_label_value(name) or name in ("total", ""):
+                kept[name] = components[name]
+                continue
             if name not in self._components and len(self._components) < self.config.max_reward_components:
                 self._components.append(name)
             if name in self._components:
-                kept[name] = value
+                kept[name] = components[name]
             else:
                 dropped += 1
         if dropped:
             self._publication.add({"grpo_dropped_reward_components_total": float(dropped)})
         return kept
-
-    def _solve_rate_slots(self, inputs: StepInputs, prompt_ids: Tensor | None) -> Tensor | None:
-        """Slots of the device-side solve-rate table for this batch's prompts (None without history inputs)."""
-        if prompt_ids is None or inputs.correct is None:
-            return None
-        if prompt_ids.shape != inputs.correct.shape or prompt_ids.is_floating_point():
-            raise InputError("prompt_ids", f"an integer tensor of shape {tuple(inputs.correct.shape)} like `correct`",
-                             f"dtype {prompt_ids.dtype}, shape {tuple(prompt_ids.shape)}")
-        if self._solve_rates is None:
-            self._solve_rates = torch.full((self.config.solve_rate_slots,), math.nan, device=inputs.device)
-            self._overall_rate = torch.tensor(self.config.solve_rate_prior, dtype=torch.float64, device=inputs.device)
-        return prompt_ids.long().remainder(self.config.solve_rate_slots)
 
     def _edit_distance_carry(self, inputs: StepInputs) -> dict[str, Tensor]:
         k = self.config.edit_distance_groups
@@ -324,64 +430,41 @@ class GRPOMonitor:
             lengths = inputs.completion_mask.sum(dim=1)
         if k == 0 or inputs.completion_ids is None or lengths is None:
             return {}
-        groups = inputs.groups(self.config.group_size)
+        try:
+            groups = inputs.groups(self.config.group_size)
+        except ValueError:
+            return {}  # the grouping error is counted by the group metric blocks
         if groups is None:
             return {}
         rows = torch.argsort(groups.index, stable=True)[: k * self.config.group_size]
         return {"ed_ids": inputs.completion_ids[rows], "ed_lengths": lengths[rows], "ed_group": groups.index[rows]}
 
-    def _start_edit_distance(self, carried: dict[str, list[float]], width: int) -> None:
-        """Hand the sampled groups (rows of ``width`` tokens) to the worker thread; skipped while the previous
-        job still runs."""
-        if "ed_ids" not in carried or (self._edit_job is not None and not self._edit_job.done()):
-            return
-        groups = rows_to_groups(carried["ed_ids"], carried["ed_lengths"], carried["ed_group"], width)
-        self._edit_job = self._workers.submit(self._edit_distance_job, groups)
-
-    def _edit_distance_job(self, groups: list[list[list[int]]]) -> None:
-        try:
-            median = median_normalized_edit_distance(groups)
-            family = catalog.metric("grpo_edit_distance_median_ratio")
-            with self._publication.writing:
-                self._publication.merge({} if median is None else {family.key(): median}, [family.name])
-                self._publication.publish()
-        except Exception as exc:
-            with self._publication.writing:
-                self._error("rollout", exc, "edit distance worker")
-                self._publication.publish()
-
-    def wait_for_workers(self, timeout: float = 10.0) -> None:
-        """Block until the off-thread edit-distance job (if any) is done; for tests and shutdown."""
-        if self._edit_job is not None:
-            self._edit_job.result(timeout=timeout)
-
     def _check(self, metrics: Mapping[str, float]) -> list[guard.Violation]:
         if self.config.guard == "off":
             return []
-        return guard.check(metrics, self.config.engine_gap_stop_nats, self.config.onpolicy_clip_stop_ratio)
+        return guard.check(metrics, self.config.stop_lines)
 
     def _enforce(self, violations: list[guard.Violation]) -> None:
         violations, self._deferred = [*self._deferred, *violations], []
         if not violations:
             return
-        lines = [v.line(self.config.run, self._step, self.config.runbook_url) for v in violations]
+        lines = [v.line(self.config.run, self._last_step, self.config.runbook_url) for v in violations]
         if self.config.guard == "raise":
             raise guard.TrainingSignalError(violations, lines)
         for violation, line in zip(violations, lines, strict=True):
             if self._due(f"guard:{violation.alert}"):
                 log.warning(line)
 
-    def _count_block_errors(self, stage: str, errors: list[tuple[str, Exception]]) -> None:
-        for block, exc in errors:
-            self._error(stage, exc, f"metric block {block!r}")
+    def _errors_key(self, stage: str) -> str:
+        return catalog.metric("grpo_exporter_errors_total").key(stage=stage)
 
     def _error(self, stage: str, exc: BaseException, where: str = "") -> None:
-        self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage=stage): 1.0})
+        self._publication.add({self._errors_key(stage): 1.0})
         if self._due(f"error:{stage}"):
             log.warning(
                 "grpo-exporter: %s failed in stage %r%s (training continues; counted in "
-                "grpo_exporter_errors_total; further errors of this stage are logged at most once a minute)",
-                type(exc).__name__, stage, f" ({where})" if where else "", exc_info=exc,
+                "grpo_exporter_errors_total; further errors of this stage are logged at most once a minute): %s",
+                type(exc).__name__, stage, f" ({where})" if where else "", exc, exc_info=exc,
             )
 
     def _due(self, what: str) -> bool:
@@ -392,17 +475,25 @@ class GRPOMonitor:
         return True
 
     @contextlib.contextmanager
+    def _contained(self, stage: str) -> Iterator[None]:
+        """An exception inside is counted and logged under ``stage`` and the call goes on (strict: raised)."""
+        try:
+            yield
+        except guard.TrainingSignalError:
+            raise
+        except Exception as exc:
+            self._error(stage, exc)
+            if self.config.strict:
+                raise
+
+    @contextlib.contextmanager
     def _stage(self, stage: str) -> Iterator[None]:
+        """One observe call: contained, timed, and published at the end."""
         start = time.perf_counter()
         with self._publication.writing:
             try:
-                yield
-            except guard.TrainingSignalError:
-                raise
-            except Exception as exc:
-                self._error(stage, exc)
-                if self.config.strict:
-                    raise
+                with self._contained(stage):
+                    yield
             finally:
                 self._record_duration(stage, time.perf_counter() - start)
                 self._publication.publish()
@@ -414,60 +505,3 @@ class GRPOMonitor:
             le = "+Inf" if bound == math.inf else catalog.format_quantile(bound)
             increments[family.key("_bucket", stage=stage, le=le)] = float(seconds <= bound)
         self._publication.add(increments)
-
-
-def solve_rate_prior(table: Tensor, slots: Tensor, default: Tensor | float) -> Tensor:
-    """Each prompt's solve-rate estimate *before* this batch: the prompt's own history, or ``default`` (the
-    running solve rate of recent batches) when unseen. The ``prompt_solve_rate`` from which E[p^G+(1-p)^G]
-    is predicted; on the device, no host sync."""
-    estimate = table[slots]
-    return torch.where(torch.isnan(estimate), default, estimate)
-
-
-def update_solve_rates(
-    table: Tensor, slots: Tensor, prior: Tensor, correct: Tensor, groups: Groups | None, keep: float
-) -> None:
-    """Exponentially weighted update of each prompt's estimate by its group's solve rate in this batch
-    (``keep`` = 0.5 ** (1 / half-life)). Prompts sharing a slot (prompt_id modulo the table size) share an
-    estimate; the table has a fixed size whatever the number of prompts."""
-    if groups is None:
-        return
-    rate = (groups.count(correct).double() / groups.sizes().clamp(min=1))[groups.index]
-    table.index_put_((slots,), (keep * prior.double() + (1.0 - keep) * rate).to(table.dtype))
-
-
-def _sample_parameters(params: list[Tensor]) -> list[Tensor]:
-    """Copies of up to 16 evenly spaced parameter tensors, first 65,536 elements each: the |dtheta|/|theta|
-    sample (a bounded copy, whatever the model size)."""
-    stride = max(1, math.ceil(len(params) / PARAM_SAMPLE_TENSORS))
-    return [p.detach().reshape(-1)[:PARAM_SAMPLE_ELEMENTS].clone() for p in params[::stride]]
-
-
-def _concatenate(parts: list[StepInputs], grad: Mapping[str, Any]) -> StepInputs:
-    """One StepInputs for the micro-steps of an optimizer step: per-completion fields concatenated (token
-    fields padded to the widest T with masked-out padding); a field missing from any micro-step is dropped;
-    ``on_policy`` holds when every micro-step says so."""
-    fields: dict[str, Any] = dict(grad)
-    if parts:
-        width = max((p.loss_mask.shape[1] for p in parts if p.loss_mask is not None), default=0)
-        for name in ("logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs", "rewards",
-                     "group_ids", "correct", "completion_lengths", "completion_mask", "rollout_logprobs"):
-            values = [getattr(p, name) for p in parts]
-            if any(v is None for v in values):
-                continue
-            fields[name] = torch.cat([_pad(v, width) for v in values]) if len(values) > 1 else values[0]
-        flags = [p.on_policy for p in parts]
-        if all(f is not None for f in flags):
-            fields["on_policy"] = all(flags)
-        for name in ("loss", "policy_version", "rollout_policy_version"):
-            last = getattr(parts[-1], name)
-            if last is not None:
-                fields[name] = last
-    return StepInputs(**fields)
-
-
-def _pad(value: Tensor, width: int) -> Tensor:
-    if value.dim() != 2 or value.shape[1] == width:
-        return value
-    fill = False if value.dtype == torch.bool else 0
-    return torch.nn.functional.pad(value, (0, width - value.shape[1]), value=fill)

@@ -22,6 +22,7 @@ from rapidfuzz import process
 
 from grpo_exporter import catalog
 from grpo_exporter.config import MetricsConfig, load_yaml_mapping
+from grpo_exporter.thresholds import StopLines
 
 ENV_PREFIX = "GRPO_EXPORTER_"
 DEFAULT_PORT = 9887  # in the exporters' range 9100-9999 of Prometheus' default port allocations
@@ -35,14 +36,30 @@ def hash_password(password: str, iterations: int = 200_000) -> str:
     return f"{PASSWORD_SCHEME}${iterations}${salt}${digest}"
 
 
+def parse_password_hash(encoded: str) -> tuple[int, str, str]:
+    """(iterations, salt, hex digest) of a :func:`hash_password` string; ``ValueError`` saying what is wrong."""
+    parts = encoded.split("$")
+    if len(parts) != 4 or parts[0] != PASSWORD_SCHEME:
+        raise ValueError(
+            f"basic_auth_password_hash: expected '{PASSWORD_SCHEME}$ITERATIONS$SALT$HEX' from "
+            f"`grpo-exporter hash-password`, got {len(parts)} '$'-separated parts starting {parts[0][:20]!r}"
+        )
+    _, iterations, salt, digest = parts
+    if not iterations.isdigit() or not 1_000 <= int(iterations) <= 10_000_000:
+        raise ValueError(f"basic_auth_password_hash: expected iterations 1000..10000000, got {iterations!r}")
+    if not salt or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError("basic_auth_password_hash: expected a non-empty salt and a 64-digit lowercase hex digest")
+    return int(iterations), salt, digest
+
+
 def verify_password(password: str, encoded: str) -> bool:
-    """Constant-time check of ``password`` against a :func:`hash_password` string."""
-    scheme, iterations, salt, digest = encoded.split("$")
-    candidate = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), int(iterations)).hex()
-    return scheme == PASSWORD_SCHEME and hmac.compare_digest(candidate, digest)
+    """Check ``password`` against a :func:`hash_password` string (constant-time comparison of the digests)."""
+    iterations, salt, digest = parse_password_hash(encoded)
+    candidate = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations).hex()
+    return hmac.compare_digest(candidate, digest)
 
 
-class MonitorConfig(MetricsConfig):
+class MonitorConfig(MetricsConfig, StopLines):
     """Everything :class:`~grpo_exporter.monitor.GRPOMonitor` needs; the metric knobs are inherited."""
 
     run: str = Field(min_length=1, max_length=128, description="run id: the `run` label of every series")
@@ -58,10 +75,7 @@ class MonitorConfig(MetricsConfig):
     guard: Literal["warn", "raise", "off"] = Field(
         "warn", description="what a layer-1 stop criterion does inside training: log, raise, or nothing"
     )
-    engine_gap_stop_nats: float = Field(0.01, gt=0, description="guard: mean engine gap that stops training")
-    onpolicy_clip_stop_ratio: float = Field(
-        0.0, ge=0, lt=1, description="guard: share of tokens outside the clip range on an on-policy update"
-    )
+    # engine_gap_stop_nats, engine_gap_healthy_nats, onpolicy_clip_stop_ratio: StopLines (shared with the alerts)
     runbook_url: str = Field("docs/runbooks.md", description="base of runbook links in guard messages")
     reference_baseline: dict[str, float] = Field(
         default_factory=dict, description="sample key -> value of a known-good run, published as baselines"
@@ -74,6 +88,13 @@ class MonitorConfig(MetricsConfig):
         "running solve rate of recent batches"
     )
     solve_rate_halflife: float = Field(4.0, gt=0, description="observations after which history weighs half")
+    max_pending_micro_steps: int = Field(
+        256, ge=1, description="micro-steps held for one optimizer step; further ones are dropped and counted"
+    )
+    distributed_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait of a rank in an exporter collective (its own gloo group); after a "
+        "failure or timeout the exporter publishes rank-local values for the rest of the run",
+    )
     edit_distance_groups: int = Field(
         4, ge=0, description="groups per rollout whose in-group edit distance is computed off-thread; 0 = off"
     )
@@ -116,9 +137,14 @@ class MonitorConfig(MetricsConfig):
             raise ValueError("tls_cert and tls_key: expected both or neither")
         if (self.basic_auth_user is None) != (self.basic_auth_password_hash is None):
             raise ValueError("basic_auth_user and basic_auth_password_hash: expected both or neither")
-        if self.basic_auth_password_hash and not self.basic_auth_password_hash.startswith(PASSWORD_SCHEME + "$"):
-            raise ValueError("basic_auth_password_hash: expected a hash_password() string, not a plain password")
+        if self.basic_auth_password_hash:
+            parse_password_hash(self.basic_auth_password_hash)
         return self
+
+    @field_validator("run")
+    @classmethod
+    def _run_is_a_label_value(cls, value: str) -> str:
+        return catalog.check_label_value("run", value)
 
     @classmethod
     def load(

@@ -9,53 +9,74 @@ Absent metrics (empty masks, no token of the gating sign...) are left out of the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from grpo_exporter import catalog
-from grpo_exporter.catalog import format_quantile
+from grpo_exporter.catalog import SampleKey, format_quantile
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
-from grpo_exporter.functional.reading import Extreme, Ratio, always, reading
-from grpo_exporter.functional.selection import Quantiles, TopMean
-from grpo_exporter.inputs import StepInputs
+from grpo_exporter.functional.reading import always, reading
+from grpo_exporter.functional.selection import Quantiles
+from grpo_exporter.inputs import InputError, StepInputs
 
 StepMetrics = dict[str, float]
 
 
 class Entry(NamedTuple):
-    """One sample of the step: its key, the reading it came from, and how it merges across ranks
-    (``sum``, ``ratio``, ``max``, ``min``, ``ess``, ``quantile`` with its ``index``, or ``top``)."""
+    """One sample of the step: its key, and the reading it came from (``index``: the position of a quantile
+    in a quantile vector). How it merges across ranks is the catalogue's (:meth:`catalog.Metric.merge_of`)."""
 
-    key: str
+    key: SampleKey
     reading: Any
-    merge: str
     index: int = 0
 
     def local(self) -> tuple[Tensor, Tensor]:
         """(value, present) on this rank, as 0-d fp64 tensors."""
-        value = self.reading.value[self.index] if self.merge == "quantile" else self.reading.value
+        value = self.reading.value[self.index] if isinstance(self.reading, Quantiles) else self.reading.value
         return value.reshape(()).double(), self.reading.present.reshape(()).double()
 
 
-Reducer = Callable[[list[Entry]], list[tuple[Tensor, Tensor]]]
+class Merger(Protocol):
+    """Merges a stage's entries across ranks around the step's single transfer (see
+    :mod:`grpo_exporter.distributed`): device parts go into the one transfer, the merge runs on the host."""
+
+    def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor | None: ...
+
+    def merge(
+        self, host: list[float], entries: list[Entry], local: StepMetrics, failed: set[str]
+    ) -> tuple[StepMetrics, list[tuple[str, Exception]]]: ...
 
 
-def _merge_of(key: str, value: Any) -> str:
-    if isinstance(value, Ratio):
-        return "ratio"
-    if isinstance(value, Extreme):
-        return "max" if value.largest else "min"
-    if isinstance(value, samples.Effective):
-        return "ess"
-    if isinstance(value, TopMean):
-        return "top"
-    return "sum" if catalog.is_additive(key) else "max"
+NONFINITE = "grpo_nonfinite_values_total"
+
+
+def produces(*families: str, nonfinite: tuple[str, ...] = ()) -> Callable[[Block], Block]:
+    """Declare what a metric block may add: catalogue families, and the ``tensor`` labels of the non-finite
+    counter it owns (several blocks share that family). The stage layout is built from these, and a block
+    that raises drops exactly these samples, on every rank (see :attr:`grpo_exporter.layout.Slot.tags`)."""
+
+    def mark(block: Block) -> Block:
+        for name in families:
+            catalog.metric(name)
+        for tensor in nonfinite:
+            catalog.metric(NONFINITE).key(tensor=tensor)
+        block.families = (*families, *((NONFINITE,) if nonfinite else ()))  # type: ignore[attr-defined]
+        block.tags = (*families, *(f"{NONFINITE}/{t}" for t in nonfinite))  # type: ignore[attr-defined]
+        return block
+
+    return mark
+
+
+def families_of(blocks: Sequence[Block]) -> tuple[str, ...]:
+    """The families a stage's blocks may produce, in block order, each once."""
+    return tuple(dict.fromkeys(name for block in blocks for name in block.families))  # type: ignore[attr-defined]
 
 
 class _Gather:
@@ -66,6 +87,8 @@ class _Gather:
         self.entries: list[Entry] = []
         self.carried: dict[str, Tensor] = {}
         self.errors: list[tuple[str, Exception]] = []
+        self.failed: set[str] = set()
+        self.checks: list[tuple[str, Tensor]] = []
 
     def add(self, name: str, value: Any, suffix: str = "", **labels: str) -> None:
         key = catalog.metric(name).key(suffix, **labels)
@@ -73,19 +96,19 @@ class _Gather:
             value = torch.tensor(float(value), dtype=torch.float64, device=self.device)
         if isinstance(value, Tensor):
             value = always(value)
-        self.entries.append(Entry(key, value, _merge_of(key, value)))
+        self.entries.append(Entry(key, value))
 
     def summary(
         self, name: str, total: Tensor, count: Tensor, r: Quantiles, qs: Sequence[float], **labels: str
     ) -> None:
         family = catalog.metric(name)
         for i, q in enumerate(qs):
-            self.entries.append(Entry(family.key(quantile=format_quantile(q), **labels), r, "quantile", i))
+            self.entries.append(Entry(family.key(quantile=format_quantile(q), **labels), r, i))
         self.add(name, total, "_sum", **labels)
         self.add(name, count, "_count", **labels)
 
-    def run(self, block: Callable[[_Gather, _Context], None], ctx: _Context, strict: bool) -> None:
-        """Run one metric block; on error drop what it added (strict: re-raise)."""
+    def run(self, block: Block, ctx: _Context, strict: bool) -> None:
+        """Run one metric block; on error drop what it added and mark its families failed (strict: re-raise)."""
         mark = len(self.entries)
         try:
             block(self, ctx)
@@ -93,20 +116,38 @@ class _Gather:
             if strict:
                 raise
             del self.entries[mark:]
+            self.failed.update(block.tags)  # type: ignore[attr-defined]
             self.errors.append((block.__name__.lstrip("_"), exc))
 
-    def transfer(self, reduce: Reducer | None) -> tuple[StepMetrics, dict[str, list[float]]]:
-        """The single device-to-host transfer of the step: every reading (reduced across ranks first when
-        ``reduce`` is given), and the carried vectors."""
-        pairs = reduce(self.entries) if reduce is not None else [e.local() for e in self.entries]
+    def transfer(self, merger: Merger | None, stage_tags: set[str]) -> tuple[StepMetrics, dict[str, list[float]]]:
+        """The single device-to-host transfer of the step: every reading, the value checks of the inputs (a
+        numeric mask holding other values than 0 and 1), with ``merger`` what the merge across ranks needs,
+        and the carried vectors; then, on the host, the checks and the merge."""
+        pairs = [e.local() for e in self.entries]
         parts = [torch.stack([v for v, _ in pairs]), torch.stack([p for _, p in pairs])] if pairs else []
+        parts += [count.reshape(1).double() for _, count in self.checks]
+        extra = merger.device_parts(self.entries, self.device) if merger is not None else None
+        if extra is not None:
+            parts.append(extra)
         parts += [t.reshape(-1).to(self.device, torch.float64) for t in self.carried.values()]
-        if not parts:
-            return {}, {}
-        packed = torch.cat([p.to(self.device) for p in parts]).tolist()
+        packed = torch.cat([p.to(self.device) for p in parts]).tolist() if parts else []
         m = len(pairs)
         out = {e.key: packed[i] for i, e in enumerate(self.entries) if packed[m + i]}
-        carried, offset = {}, 2 * m
+        offset = 2 * m
+        for name, _ in self.checks:
+            if packed[offset]:
+                self.errors.append(("inputs", InputError(
+                    name, "a bool tensor, or 0/1 values", f"{packed[offset]:g} values other than 0 and 1"
+                )))
+                self.failed |= stage_tags
+                out = {}
+            offset += 1
+        if merger is not None:
+            width = extra.numel() if extra is not None else 0
+            out, errors = merger.merge(packed[offset : offset + width], self.entries, out, self.failed)
+            self.errors += errors
+            offset += width
+        carried = {}
         for name, t in self.carried.items():
             carried[name] = packed[offset : offset + t.numel()]
             offset += t.numel()
@@ -124,7 +165,8 @@ def compute_step(inputs: StepInputs, config: MetricsConfig) -> StepMetrics:
 
 class StepResult(NamedTuple):
     """What one computation produced: values of present metrics, carried vectors, the errors of metric
-    blocks (non-strict), and every family computed, present or absent (what the publication replaces)."""
+    blocks (non-strict), and every family computed on this rank, present or absent (what the publication
+    replaces; a family that failed keeps describing its last computation)."""
 
     metrics: StepMetrics
     carried: dict[str, list[float]]
@@ -137,46 +179,63 @@ def compute_step_carrying(
     config: MetricsConfig,
     carry: dict[str, Tensor],
     strict: bool = True,
-    reduce: Reducer | None = None,
+    merger: Merger | None = None,
     blocks: tuple[Block, ...] | None = None,
+    failed_inputs: bool = False,
 ) -> StepResult:
     """:func:`compute_step`, plus device vectors ``carry`` brought to the host in the same single transfer
     (the monitor carries prompt ids and outcomes for its solve-rate history this way).
 
     Each metric block runs on its own: with ``strict=False`` a block that raises is dropped whole and
-    returned in the error list, and every other block is still computed and transferred. ``reduce`` merges
-    the readings across ranks before the transfer (see :mod:`grpo_exporter.distributed`). ``blocks`` limits
+    returned in the error list, and every other block is still computed and transferred. ``merger`` merges
+    the readings across ranks after the transfer (see :mod:`grpo_exporter.distributed`). ``blocks`` limits
     the computation to one stage (``ROLLOUT_BLOCKS``, ``UPDATE_BLOCKS``), so a tensor handed to both observe
-    calls never counts a rollout-level quantity twice.
+    calls never counts a rollout-level quantity twice. ``failed_inputs``: some of this rank's inputs were
+    rejected; the rank still takes part in the merge (so the ranks' collectives stay in step) with every
+    family of the stage marked failed, hence absent on every rank; alone, a rank publishes what it has.
     """
     g = _Gather(inputs.device)
     g.carried = dict(carry)
+    stage = BLOCKS if blocks is None else blocks
+    tags = {tag for block in stage for tag in block.tags}  # type: ignore[attr-defined]
+    if failed_inputs:
+        g.failed |= tags
+    g.checks = list(inputs.value_errors)
     with torch.no_grad():
-        ctx = _Context(inputs, config, inputs.groups(config.group_size))
-        for block in BLOCKS if blocks is None else blocks:
+        ctx = _Context(inputs, config)
+        for block in stage:
             g.run(block, ctx, strict)
-    metrics, carried = g.transfer(reduce)
-    families = frozenset(catalog.family_of(catalog.parse_key(e.key)[0]).name for e in g.entries)
+    metrics, carried = g.transfer(merger, tags)
+    if strict and g.errors:
+        raise g.errors[0][1]
+    families = frozenset(catalog.family_of(e.key.sample).name for e in g.entries)
     return StepResult(metrics, carried, g.errors, families)
 
 
 class _Context:
     """The step's inputs, config, groups, and the log ratio and per-token advantages computed once."""
 
-    def __init__(self, x: StepInputs, cfg: MetricsConfig, groups: Groups | None) -> None:
-        self.x, self.cfg, self.groups = x, cfg, groups
+    def __init__(self, x: StepInputs, cfg: MetricsConfig) -> None:
+        self.x, self.cfg = x, cfg
         mask = x.loss_mask
         self.lr = None
         if mask is not None and x.logprobs is not None and x.old_logprobs is not None:
-            self.lr = gradient.log_ratio(x.logprobs, x.old_logprobs, mask)
+            self.lr = gradient.log_ratio(x.logprobs, x.old_logprobs, mask, cfg.log_ratio_clamp)
         self.token_adv = None
         if mask is not None and x.advantages is not None:
             self.token_adv = samples.token_advantages(x.advantages, mask.shape)
+
+    @functools.cached_property
+    def groups(self) -> Groups | None:
+        """The prompt groups; a grouping error raises here, in the blocks that need groups, and only there."""
+        return self.x.groups(self.cfg.group_size)
 
 
 # ---- layer 1 ----------------------------------------------------------------------------------------------
 
 
+@produces(nonfinite=("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "advantages",
+                     "rewards", "reward_components", "loss"))
 def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
     x, mask = c.x, c.x.loss_mask
     if mask is not None:
@@ -189,12 +248,16 @@ def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
         g.add("grpo_nonfinite_values_total", gradient.nonfinite_count(x.advantages, adv_mask), tensor="advantages")
     if x.rewards is not None:
         g.add("grpo_nonfinite_values_total", gradient.nonfinite_count(x.rewards), tensor="rewards")
+    if x.reward_components:
+        bad = sum(gradient.nonfinite_count(v) for v in x.reward_components.values())
+        g.add("grpo_nonfinite_values_total", bad, tensor="reward_components")
     if isinstance(x.loss, Tensor):
         g.add("grpo_nonfinite_values_total", gradient.nonfinite_count(x.loss), tensor="loss")
     elif x.loss is not None:
         g.add("grpo_nonfinite_values_total", 0.0 if math.isfinite(x.loss) else 1.0, tensor="loss")
 
 
+@produces("grpo_engine_logprob_gap_nats", "grpo_engine_logprob_gap_mean_nats")
 def _engine_gap(g: _Gather, c: _Context) -> None:
     x, cfg = c.x, c.cfg
     if x.loss_mask is not None and x.rollout_logprobs is not None and x.old_logprobs is not None:
@@ -203,6 +266,15 @@ def _engine_gap(g: _Gather, c: _Context) -> None:
         g.add("grpo_engine_logprob_gap_mean_nats", gap.mean)
 
 
+@produces(
+    "grpo_onpolicy_outside_clip_tokens_total",
+    "grpo_onpolicy_checked_tokens_total",
+    "grpo_onpolicy_outside_clip_ratio",
+    "grpo_onpolicy_log_ratio_abs_max_nats",
+    "grpo_log_ratio_clamp_hit_tokens_total",
+    "grpo_log_ratio_clamp_hit_ratio",
+    nonfinite=("log_ratio", "ratio"),
+)
 def _log_ratio_checks(g: _Gather, c: _Context) -> None:
     lr, cfg = c.lr, c.cfg
     if lr is None:
@@ -210,8 +282,9 @@ def _log_ratio_checks(g: _Gather, c: _Context) -> None:
     bad_lr, bad_ratio = gradient.nonfinite_ratio_count(lr)
     g.add("grpo_nonfinite_values_total", bad_lr, tensor="log_ratio")
     g.add("grpo_nonfinite_values_total", bad_ratio, tensor="ratio")
-    if c.x.on_policy:
-        check = gradient.onpolicy_check(lr, cfg.clip_eps_low, cfg.clip_eps_high)
+    rows = c.x.on_policy
+    if rows is True or isinstance(rows, Tensor):
+        check = gradient.onpolicy_check(lr, cfg.clip_eps_low, cfg.clip_eps_high, None if rows is True else rows)
         g.add("grpo_onpolicy_outside_clip_tokens_total", check.outside)
         g.add("grpo_onpolicy_checked_tokens_total", check.checked)
         g.add("grpo_onpolicy_outside_clip_ratio", check.outside_ratio)
@@ -222,6 +295,11 @@ def _log_ratio_checks(g: _Gather, c: _Context) -> None:
         g.add("grpo_log_ratio_clamp_hit_ratio", hits.hit_ratio)
 
 
+@produces(
+    "grpo_loss_mask_length_mismatch_sequences_total",
+    "grpo_loss_mask_empty_sequences_total",
+    "grpo_loss_mask_outside_completion_tokens_total",
+)
 def _mask_audit(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.completion_lengths is not None:
@@ -231,12 +309,20 @@ def _mask_audit(g: _Gather, c: _Context) -> None:
         g.add("grpo_loss_mask_outside_completion_tokens_total", audit.outside_completion)
 
 
+@produces("grpo_kl_ref_nats")
 def _kl(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.logprobs is not None and x.ref_logprobs is not None:
         g.add("grpo_kl_ref_nats", gradient.kl_k3(x.logprobs, x.ref_logprobs, x.loss_mask))
 
 
+@produces(
+    "grpo_optimizer_steps_total",
+    "grpo_grad_norm_pre_clip",
+    "grpo_grad_norm_post_clip",
+    "grpo_grad_clip_active_steps_total",
+    nonfinite=("grad_norm",),
+)
 def _grad_norms(g: _Gather, c: _Context) -> None:
     x = c.x
     pre = x.grad_norm_pre_clip
@@ -258,6 +344,7 @@ def _grad_norms(g: _Gather, c: _Context) -> None:
         g.add("grpo_grad_clip_active_steps_total", (pre_t > limit).to(torch.int64))
 
 
+@produces("grpo_param_relative_update", "grpo_rollout_staleness_versions")
 def _update_size(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.params_before is not None and x.params_after is not None:
@@ -269,11 +356,16 @@ def _update_size(g: _Gather, c: _Context) -> None:
 # ---- layer 2 ----------------------------------------------------------------------------------------------
 
 
+@produces("grpo_completions_total")
+def _completions(g: _Gather, c: _Context) -> None:
+    if c.x.rewards is not None:
+        g.add("grpo_completions_total", float(c.x.rewards.shape[0]))
+
+
+@produces("grpo_reward_mean", "grpo_reward_group_std_mean", "grpo_reward_group_range_mean")
 def _rewards(g: _Gather, c: _Context) -> None:
     x, groups = c.x, c.groups
-    if x.rewards is not None:
-        g.add("grpo_completions_total", float(x.rewards.shape[0]))
-    if groups is None:
+    if groups is None or (x.rewards is None and not x.reward_components):
         return
     named = {"total": x.rewards} if x.rewards is not None else {}
     named.update(x.reward_components)
@@ -284,18 +376,20 @@ def _rewards(g: _Gather, c: _Context) -> None:
         g.add("grpo_reward_group_range_mean", stats.group_range_mean, component=component)
 
 
+@produces("grpo_advantage_abs_max", "grpo_advantage_over_bound_sequences_total", "grpo_advantage_bound")
 def _advantages(g: _Gather, c: _Context) -> None:
     x, groups, cfg = c.x, c.groups, c.cfg
     if x.advantages is None or groups is None:
         return
-    bounds = advantage_bounds(x.rewards, groups, cfg.advantage_norm)
+    bounds = advantage_bounds(x.rewards, groups, cfg.advantage_norm, cfg.group_size)
     check = reward.advantage_check(x.advantages, x.loss_mask, groups, bounds, cfg.advantage_bound_rtol)
     g.add("grpo_advantage_abs_max", check.abs_max)
     g.add("grpo_advantage_over_bound_sequences_total", check.over_bound)
-    populated = groups.sizes() > 0
-    g.add("grpo_advantage_bound", reading(torch.where(populated, bounds, 0.0).amax(), populated.any()))
+    known = (groups.sizes() > 0) & torch.isfinite(bounds)
+    g.add("grpo_advantage_bound", reading(torch.where(known, bounds, 0.0).amax(), known.any()))
 
 
+@produces("grpo_completion_length_tokens", "grpo_truncated_completions_total")
 def _lengths(g: _Gather, c: _Context) -> None:
     x, qs = c.x, c.cfg.length_quantiles
     if x.completion_lengths is not None:
@@ -312,6 +406,7 @@ def _lengths(g: _Gather, c: _Context) -> None:
 # ---- layer 3 ----------------------------------------------------------------------------------------------
 
 
+@produces("grpo_update_tokens_total", "grpo_zero_advantage_tokens_ratio")
 def _advantage_signs(g: _Gather, c: _Context) -> None:
     mask, token_adv = c.x.loss_mask, c.token_adv
     if mask is None or token_adv is None:
@@ -322,6 +417,7 @@ def _advantage_signs(g: _Gather, c: _Context) -> None:
     g.add("grpo_zero_advantage_tokens_ratio", samples.zero_advantage_share(token_adv, mask))
 
 
+@produces("grpo_ess_ratio", "grpo_importance_weight")
 def _importance_weights(g: _Gather, c: _Context) -> None:
     lr, qs = c.lr, c.cfg.ratio_quantiles
     if lr is None:
@@ -330,10 +426,12 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     g.add("grpo_ess_ratio", ess.token, level="token")
     g.add("grpo_ess_ratio", ess.sequence, level="sequence")
     weights = samples.importance_weight_quantiles(lr, qs)
-    total = torch.where(lr.valid, lr.ratio, 0.0).double().sum()
-    g.summary("grpo_importance_weight", total, lr.valid.sum(), weights, qs)
+    finite = lr.valid & torch.isfinite(lr.ratio)  # an overflowed ratio never enters the cumulative _sum
+    total = torch.where(finite, lr.ratio, 0.0).double().sum()
+    g.summary("grpo_importance_weight", total, finite.sum(), weights, qs)
 
 
+@produces("grpo_clipped_tokens_total", "grpo_out_of_range_unclipped_tokens_total", "grpo_clipped_tokens_ratio")
 def _clipping(g: _Gather, c: _Context) -> None:
     if c.lr is None or c.token_adv is None:
         return
@@ -346,6 +444,12 @@ def _clipping(g: _Gather, c: _Context) -> None:
     g.add("grpo_clipped_tokens_ratio", clip.lower_ratio, bound="lower")
 
 
+@produces(
+    "grpo_groups_total",
+    "grpo_zero_variance_groups_total",
+    "grpo_zero_variance_groups_ratio",
+    "grpo_zero_variance_groups_expected_ratio",
+)
 def _zero_variance(g: _Gather, c: _Context) -> None:
     x, groups = c.x, c.groups
     if groups is None:
@@ -362,6 +466,7 @@ def _zero_variance(g: _Gather, c: _Context) -> None:
         g.add("grpo_zero_variance_groups_expected_ratio", expected)
 
 
+@produces("grpo_mixed_group_solve_rate_ratio")
 def _solve_rates(g: _Gather, c: _Context) -> None:
     x, groups, buckets = c.x, c.groups, c.cfg.solve_rate_buckets
     if x.correct is None or groups is None:
@@ -377,6 +482,7 @@ def _solve_rates(g: _Gather, c: _Context) -> None:
 # ---- layer 4 ----------------------------------------------------------------------------------------------
 
 
+@produces("grpo_entropy_mean_nats", "grpo_entropy_top_mean_nats")
 def _entropy(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.entropy is not None:
@@ -385,12 +491,14 @@ def _entropy(g: _Gather, c: _Context) -> None:
         g.add("grpo_entropy_top_mean_nats", ent.top_mean)
 
 
+@produces("grpo_pass_at_k_ratio")
 def _pass_at_k(g: _Gather, c: _Context) -> None:
     if c.x.correct is not None and c.groups is not None:
         for k in c.cfg.pass_ks:
             g.add("grpo_pass_at_k_ratio", diversity.pass_at_k(c.x.correct, c.groups, k), k=str(k))
 
 
+@produces("grpo_unique_completions_ratio")
 def _distinct_completions(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.completion_ids is None or c.groups is None:
@@ -409,6 +517,8 @@ Block = Callable[[_Gather, _Context], None]
 ROLLOUT_BLOCKS: tuple[Block, ...] = (
     _nonfinite_inputs,
     _engine_gap,
+    _mask_audit,
+    _completions,
     _rewards,
     _lengths,
     _zero_variance,
@@ -430,4 +540,6 @@ UPDATE_BLOCKS: tuple[Block, ...] = (
     _clipping,
     _entropy,
 )
+# the audit runs where the loss mask and completion lengths meet: the update's mask, else the rollout's
+MASK_AUDIT_FAMILIES: tuple[str, ...] = _mask_audit.families  # type: ignore[attr-defined]
 BLOCKS: tuple[Block, ...] = (*ROLLOUT_BLOCKS, *(b for b in UPDATE_BLOCKS if b not in ROLLOUT_BLOCKS))

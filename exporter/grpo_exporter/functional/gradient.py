@@ -22,12 +22,14 @@ from grpo_exporter.functional.selection import masked_quantiles
 
 class LogRatio(NamedTuple):
     """Per-token log ratio in fp32 (0 outside the loss mask), where it is a finite loss token, and the ratio
-    exp(log ratio) without clamp (computed once: every ratio metric of the step reads it)."""
+    exp(log ratio), after the user's own clamp when one is configured (computed once: every ratio metric of
+    the step reads it)."""
 
     value: Tensor
     valid: Tensor
     loss_mask: Tensor
     ratio: Tensor
+    exponent: Tensor  # log of ``ratio``: the log ratio after the clamp (the importance weights' log)
 
 
 def masked_difference(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
@@ -35,10 +37,16 @@ def masked_difference(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, a.float(), 0.0) - torch.where(mask, b.float(), 0.0)
 
 
-def log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> LogRatio:
-    """log pi_theta - log pi_old on loss tokens, in fp32 (seed 4.1: subtract in fp32, never in bf16)."""
+def log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor, clamp: float | None = None) -> LogRatio:
+    """log pi_theta - log pi_old on loss tokens, in fp32 (seed 4.1: subtract in fp32, never in bf16).
+
+    ``clamp``: the |log ratio| clamp the training loss applies before exp (seed 4.2: clamp, then exp). The
+    ratio is then exp(clamp(log ratio)), as the loss sees it: a finite log ratio above 88.7 is a fuse hit,
+    not an overflow. Without it the ratio is exp(log ratio) and such a token counts as a non-finite ratio.
+    """
     value = masked_difference(logprobs, old_logprobs, loss_mask)
-    return LogRatio(value, loss_mask & torch.isfinite(value), loss_mask, torch.exp(value))
+    exponent = value if clamp is None else value.clamp(-clamp, clamp)
+    return LogRatio(value, loss_mask & torch.isfinite(value), loss_mask, torch.exp(exponent), exponent)
 
 
 class EngineGap(NamedTuple):
@@ -70,17 +78,17 @@ class OnPolicyCheck(NamedTuple):
     abs_log_ratio_max: Reading
 
 
-def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float) -> OnPolicyCheck:
+def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float, rows: Tensor | None = None) -> OnPolicyCheck:
     """On the first update of a fresh rollout batch the ratio must be 1.
 
     Counts loss tokens whose ratio already lies outside [1-eps_low, 1+eps_high] whatever the advantage
-    sign (seed 1.1: "未训先大面积撞 clip" = stop training and fix the probability path), and max |log ratio|.
+    sign (seed 1.1: "未训先大面积撞 clip" = stop training and fix the probability path), and max |log ratio|;
+    ``rows`` (N,) bool limits the check to the on-policy sequences.
     """
-    outside = lr.valid & ((lr.ratio > 1.0 + eps_high) | (lr.ratio < 1.0 - eps_low))
-    checked = lr.valid.sum()
-    return OnPolicyCheck(
-        outside.sum(), checked, fraction(outside.sum(), checked), masked_max(lr.value.abs(), lr.valid)
-    )
+    valid = lr.valid if rows is None else lr.valid & rows.unsqueeze(1)
+    outside = valid & ((lr.ratio > 1.0 + eps_high) | (lr.ratio < 1.0 - eps_low))
+    checked = valid.sum()
+    return OnPolicyCheck(outside.sum(), checked, fraction(outside.sum(), checked), masked_max(lr.value.abs(), valid))
 
 
 def nonfinite_count(x: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -119,12 +119,18 @@ def advantage_bound(group_size: int | Tensor, norm: AdvantageNorm) -> float | Te
     return (group_size - 1) / math.sqrt(group_size) if norm == "unbiased" else math.sqrt(group_size - 1)
 
 
-def advantage_bounds(rewards: Tensor | None, groups: Groups, norm: AdvantageNorm) -> Tensor:
-    """Per-group |A| bound (fp64, one per bin) for the configured normalisation."""
+def advantage_bounds(rewards: Tensor | None, groups: Groups, norm: AdvantageNorm, group_size: int = 1) -> Tensor:
+    """Per-group |A| bound (fp64, one per bin) for the configured normalisation.
+
+    ``group_size``: the rollout's G. A group seen with fewer members is a fragment of a rollout group (an
+    update micro-batch that split it): it is judged with G members, and under ``none`` normalisation,
+    whose bound needs the whole group's reward range, not at all (bound +inf). Never the bound of a fragment.
+    """
     sizes = groups.sizes()
     if norm != "none":
-        return advantage_bound(sizes, norm)
+        return advantage_bound(sizes.clamp(min=group_size), norm)
     if rewards is None:
         return torch.full((groups.bins,), math.inf, dtype=torch.float64, device=sizes.device)
     g = sizes.clamp(min=1).double()
-    return group_stats(rewards, groups).range * (g - 1) / g
+    bound = group_stats(rewards, groups).range * (g - 1) / g
+    return torch.where(sizes < group_size, math.inf, bound)

@@ -78,8 +78,8 @@ class ESS(NamedTuple):
 def ess_ratio(lr: LogRatio) -> ESS:
     """ESS ratio of the importance weights of loss tokens, and of sequences with w_i = exp(sum_t log r_it)
     (the sequence-level importance weight) over sequences with at least one finite loss token."""
-    seq_log_w = torch.where(lr.valid, lr.value, 0.0).sum(dim=1)
-    return ESS(_ess(lr.value, lr.valid), _ess(seq_log_w, lr.valid.any(dim=1)))
+    seq_log_w = torch.where(lr.valid, lr.exponent, 0.0).sum(dim=1)
+    return ESS(_ess(lr.exponent, lr.valid), _ess(seq_log_w, lr.valid.any(dim=1)))
 
 
 class SignCounts(NamedTuple):

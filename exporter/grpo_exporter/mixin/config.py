@@ -10,14 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from grpo_exporter.config import load_yaml_mapping
+from grpo_exporter.thresholds import StopLines
 
 Severity = Literal["critical", "warning", "info"]
 
 
-class MixinConfig(BaseModel):
+class MixinConfig(StopLines):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # ---- selection ----
@@ -56,15 +57,10 @@ class MixinConfig(BaseModel):
     )
 
     # ---- layer 1 thresholds ----
-    engine_gap_critical_nats: float = Field(0.01, gt=0, description="seed: mean >= 0.01 stop training (mean only)")
-    engine_gap_warning_nats: float = Field(0.001, gt=0, description="seed: mean < 0.001 is usually healthy")
+    # engine_gap_stop_nats, engine_gap_healthy_nats and onpolicy_clip_stop_ratio: StopLines (shared with the guard)
     engine_gap_baseline_factor: float = Field(
         3.0, gt=1, description="GRPOEngineLogprobGapWarning also fires above this multiple of the reference run's "
         "clean gap (grpo_reference_baseline); the seed: measure your own clean baseline first."
-    )
-    onpolicy_outside_ratio: float = Field(
-        0.01, ge=0, lt=1, description="GRPORatioClippedBeforeUpdate: share of tokens outside the clip range on "
-        "on-policy updates. Seed: any large-scale clipping before an update = stop."
     )
     fuse_hit_ratio: float = Field(
         0.001, gt=0, lt=1, description="GRPOLogRatioFuseBlowing: share of tokens hitting the numerical log-ratio "

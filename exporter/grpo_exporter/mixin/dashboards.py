@@ -90,10 +90,10 @@ def training_health(c: MixinConfig) -> DashboardSpec:
     ))
     layer1 = RowSpec("1 · Does the gradient match what I think?", (
         PanelSpec("Do trainer and rollout engine agree on log-probs? (mean gap)",
-                  f"Mean |rollout - trainer| log-prob gap on loss tokens. Seed: < {c.engine_gap_warning_nats:g} healthy, "
-                  f">= {c.engine_gap_critical_nats:g} stop. Judge the mean, never the max.",
+                  f"Mean |rollout - trainer| log-prob gap on loss tokens. Seed: < {c.engine_gap_healthy_nats:g} healthy, "
+                  f">= {c.engine_gap_stop_nats:g} stop. Judge the mean, never the max.",
                   (q(gap), q(f'max by (run) (grpo_reference_baseline{{metric="grpo_engine_logprob_gap_mean_nats",{SEL}}})', "reference {{run}}")),
-                  "none", thresholds=((c.engine_gap_warning_nats, "yellow"), (c.engine_gap_critical_nats, "red")), min=0),
+                  "none", thresholds=((c.engine_gap_healthy_nats, "yellow"), (c.engine_gap_stop_nats, "red")), min=0),
         PanelSpec("Which tokens disagree most? (gap quantiles)",
                   "p99, p99.9 and max of the engine gap in the last step: a few bad tokens can hit the clip while the mean looks fine.",
                   (q(f'max by (run, quantile) (grpo_engine_logprob_gap_nats{{quantile=~"0.99|0.999|1",{SEL}}})', "{{run}} q{{quantile}}"),),
@@ -102,7 +102,7 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   "Share of loss tokens outside the clip range on on-policy updates (weights unchanged). Should be ~0.",
                   (q("run:grpo_onpolicy_outside_clip_tokens:window_ratio"),
                    q(f"max by (run) (grpo_onpolicy_log_ratio_abs_max_nats{{{SEL}}})", "max |log r| {{run}}")),
-                  "percentunit", thresholds=((c.onpolicy_outside_ratio, "red"),), min=0),
+                  "percentunit", thresholds=((c.onpolicy_clip_stop_ratio, "red"),), min=0),
         PanelSpec("Are there non-finite values or mask faults?",
                   "NaN/Inf per second by tensor (loss tokens only), sequences with a wrong loss-token count, loss tokens outside completions. Any is a bug.",
                   (q(f"sum by (run, tensor) (rate(grpo_nonfinite_values_total{{{SEL}}}[{W}])) > 0", "{{run}} {{tensor}}"),
@@ -246,7 +246,7 @@ def crash_triage(c: MixinConfig) -> DashboardSpec:
         RowSpec("Probability path: do the two sides agree, is the ratio sane?", (
             PanelSpec("Engine gap quantiles", "p50/p99/p99.9/max of |rollout - trainer| log-prob on loss tokens, and the windowed mean.",
                       (q(f"max by (run, quantile) (grpo_engine_logprob_gap_nats{{{SEL}}})", "q{{quantile}}"), q("run:grpo_engine_logprob_gap_nats:window_mean", "mean")),
-                      "none", thresholds=((c.engine_gap_warning_nats, "yellow"), (c.engine_gap_critical_nats, "red")), width=12),
+                      "none", thresholds=((c.engine_gap_healthy_nats, "yellow"), (c.engine_gap_stop_nats, "red")), width=12),
             PanelSpec("Importance ratio quantiles", "min/p50/p95/p99/max of pi/pi_old on loss tokens.",
                       (q(f"max by (run, quantile) (grpo_importance_weight{{{SEL}}})", "q{{quantile}}"),), "none", width=12),
         )),
@@ -278,6 +278,7 @@ def specs(c: MixinConfig) -> tuple[DashboardSpec, ...]:
 NOT_SHOWN: dict[str, str] = {
     "grpo_observe_duration_seconds": "exporter self-timing; read it in Prometheus when tuning the exporter",
     "grpo_dropped_reward_components_total": "configuration feedback (raise max_reward_components), not a training signal",
+    "grpo_dropped_micro_steps_total": "API-use feedback (a step that never ends), logged by the exporter too",
     "grpo_build_info": "used by the job and run variables, not plotted",
     "grpo_steps_total": "shown as steps per minute",
     "grpo_last_step_timestamp_seconds": "feeds GRPOTrainingStalled; the step panel shows progress",

@@ -175,28 +175,28 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         # ---- layer 1: does the gradient match what I think? ----
         Alert(
             "GRPOEngineLogprobGapCritical", g1, "engine_logprob_gap", "critical",
-            f"{gap} >= {c.engine_gap_critical_nats:g}", 120,
+            f"{gap} >= {c.engine_gap_stop_nats:g}", 120,
             "Trainer and rollout engine disagree on log-probs: stop training.",
             "Mean |rollout_logprobs - old_logprobs| on loss tokens of run {{ $labels.run }} is "
-            + _value("%.4g") + f" nats over {w}, at or above the stop line {c.engine_gap_critical_nats:g} "
-            f"(healthy < {c.engine_gap_warning_nats:g}); reference run: "
+            + _value("%.4g") + f" nats over {w}, at or above the stop line {c.engine_gap_stop_nats:g} "
+            f"(healthy < {c.engine_gap_healthy_nats:g}); reference run: "
             + _query(f'max({ref}{{run=%q,metric=\\"grpo_engine_logprob_gap_mean_nats\\"}})', "%.4g") + ".",
         ),
         Alert(
             "GRPOEngineLogprobGapWarning", g1, "engine_logprob_gap", "warning",
-            f"{gap} >= {c.engine_gap_warning_nats:g} or {gap} > on(job, run) ({c.engine_gap_baseline_factor:g} * "
+            f"{gap} >= {c.engine_gap_healthy_nats:g} or {gap} > on(job, run) ({c.engine_gap_baseline_factor:g} * "
             f'max by ({BY}) ({ref}{c.matchers(metric="grpo_engine_logprob_gap_mean_nats")}))', 600,
             "Trainer and rollout engine log-probs drift apart.",
             "Mean engine log-prob gap of run {{ $labels.run }} is " + _value("%.4g") + f" nats over {w}: above "
-            f"{c.engine_gap_warning_nats:g} or above {c.engine_gap_baseline_factor:g}x the reference run's "
+            f"{c.engine_gap_healthy_nats:g} or above {c.engine_gap_baseline_factor:g}x the reference run's "
             + _query(f'max({ref}{{run=%q,metric=\\"grpo_engine_logprob_gap_mean_nats\\"}})', "%.4g") + " nats.",
         ),
         Alert(
             "GRPORatioClippedBeforeUpdate", g1, "onpolicy_ratio", "critical",
-            f"run:grpo_onpolicy_outside_clip_tokens:window_ratio > {c.onpolicy_outside_ratio:g}", 60,
+            f"run:grpo_onpolicy_outside_clip_tokens:window_ratio > {c.onpolicy_clip_stop_ratio:g}", 60,
             "The importance ratio is outside the clip range before any update: old and new log-probs differ.",
             "On on-policy updates of run {{ $labels.run }}, " + _value("%.3g") + " of loss tokens already lie "
-            f"outside the clip range (threshold {c.onpolicy_outside_ratio:g}): the weights did not move, so "
+            f"outside the clip range (threshold {c.onpolicy_clip_stop_ratio:g}): the weights did not move, so "
             "the probability path differs. Stop and fix it before reading any other curve.",
         ),
         Alert(

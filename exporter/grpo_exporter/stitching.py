@@ -1,0 +1,123 @@
+"""Stitching the micro-steps of one optimizer step into one computation.
+
+Gradient accumulation hands the monitor several ``observe_update`` calls per optimizer step. They are kept
+(detached: no autograd graph is held) until the step ends, then concatenated and computed in one pass with
+one host transfer. The step ends at ``clip_grad_norm_``, ``end_step()``, ``flush``/``close``, or an
+``observe_update`` of another step number; a rollout never ends an update step, so an asynchronous pipeline
+that samples rollout k+1 while update k runs keeps its steps whole.
+
+* ``on_policy`` is per micro-step: the on-policy ratio check runs on the rows of the micro-steps flagged
+  (every micro-step of the first optimizer step on a fresh rollout is on-policy; the flag of one micro-step
+  never switches the check off for the others).
+* Scalars that frameworks compute themselves (``grad_norm_pre_clip``, ``grad_norm_post_clip``,
+  ``max_grad_norm``, ``loss``, policy versions) pass through: the last value given in the step wins, and
+  ``clip_grad_norm_``'s own record wins over them.
+* At most ``max_pending`` micro-steps are held; further ones are dropped and counted, so a step that never
+  ends cannot grow without bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.inputs import StepInputs
+
+PER_ROW = (
+    "logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs", "rewards", "group_ids",
+    "correct", "truncated", "completion_lengths", "completion_mask", "completion_ids", "rollout_logprobs",
+)
+PASSED_THROUGH = (
+    "grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss", "policy_version", "rollout_policy_version",
+)
+
+
+class StepStitcher:
+    """The pending micro-steps of the current optimizer step."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self.step: int | None = None
+        self.pending: list[StepInputs] = []
+        self.grad: dict[str, Any] = {}
+        self.open = False  # an update call (even a failed one) happened in this step: the step must end
+        self.failed = False  # a micro-step of this step was rejected: merged across ranks, the step is absent
+
+    def begin(self, step: int) -> bool:
+        """Whether an update call of ``step`` ends the pending step (it has another step number)."""
+        return self.open and self.step is not None and step != self.step
+
+    def add(self, step: int, inputs: StepInputs) -> bool:
+        """Hold a micro-step (detached); False when it was dropped for the bound."""
+        self.step, self.open = step, True
+        if len(self.pending) >= self.max_pending:
+            return False
+        self.pending.append(_detached(inputs))
+        return True
+
+    def mark(self, step: int) -> None:
+        """An update call of ``step`` whose inputs could not be read: the step still ends like the others."""
+        self.step, self.open = step, True
+
+    def record_grad(self, values: Mapping[str, Any]) -> None:
+        self.grad = dict(values)
+        self.open = True
+
+    def take(self) -> StepInputs | None:
+        """The step's stitched inputs (None when no update happened since the last take), and reset."""
+        if not self.open:
+            return None
+        inputs = concatenate(self.pending, self.grad)
+        self.pending, self.grad, self.open, self.failed = [], {}, False, False
+        return inputs
+
+
+def concatenate(parts: list[StepInputs], grad: Mapping[str, Any]) -> StepInputs:
+    """One StepInputs for the micro-steps of an optimizer step: per-row fields concatenated (token fields
+    padded to the widest T with masked-out padding; a field missing from any micro-step is dropped),
+    ``on_policy`` as a per-row mask of the flagged micro-steps, scalars passed through."""
+    fields: dict[str, Any] = {}
+    if parts:
+        width = max((p.loss_mask.shape[1] for p in parts if p.loss_mask is not None), default=0)
+        for name in PER_ROW:
+            values = [getattr(p, name) for p in parts]
+            if any(v is None for v in values):
+                continue
+            fields[name] = torch.cat([_pad(v, width) for v in values]) if len(values) > 1 else values[0]
+        flags = [p.on_policy for p in parts]
+        if any(f is True or isinstance(f, Tensor) for f in flags) and all(p.n is not None for p in parts):
+            fields["on_policy"] = torch.cat([_rows(p) for p in parts])
+        for name in PASSED_THROUGH:
+            given = [getattr(p, name) for p in parts if getattr(p, name) is not None]
+            if given:
+                fields[name] = given[-1]
+    fields.update(grad)
+    fields["value_errors"] = tuple(check for p in parts for check in p.value_errors)
+    return StepInputs(**fields)
+
+
+def _rows(part: StepInputs) -> Tensor:
+    flag = part.on_policy
+    if isinstance(flag, Tensor):
+        return flag
+    return torch.full((part.n or 0,), flag is True, dtype=torch.bool, device=part.device)
+
+
+def _detached(inputs: StepInputs) -> StepInputs:
+    changes = {
+        f.name: getattr(inputs, f.name).detach()
+        for f in dataclasses.fields(inputs)
+        if isinstance(getattr(inputs, f.name), Tensor) and getattr(inputs, f.name).requires_grad
+    }
+    return dataclasses.replace(inputs, **changes) if changes else inputs
+
+
+def _pad(value: Tensor, width: int) -> Tensor:
+    if value.dim() != 2 or value.shape[1] == width:
+        return value
+    fill = False if value.dtype == torch.bool else 0
+    return torch.nn.functional.pad(value, (0, width - value.shape[1]), value=fill)
