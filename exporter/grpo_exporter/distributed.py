@@ -203,8 +203,9 @@ class StageMerge:
 
     def merge(
         self, host: list[float], entries: list[Entry], local: StepMetrics, failed: set[str]
-    ) -> tuple[StepMetrics, list[tuple[str, Exception]]]:
-        """The merged values of the stage (rank-local ``local`` when the merge fails)."""
+    ) -> tuple[StepMetrics, list[tuple[str, Exception]], frozenset[str] | None]:
+        """The merged values of the stage, the errors, and the families to replace (rank-local ``local`` and
+        None when the merge fails)."""
         dist = torch.distributed
         slots, n = self.layout.slots, len(self.layout.slots)
         t = torch.tensor(host, dtype=torch.float64)
@@ -217,16 +218,19 @@ class StageMerge:
         dists = t[offset:].view(self.layout.distributions, 2 + sketch.BUCKETS)
 
         failed_here = torch.tensor([float(any(tag in failed for tag in s.tags)) for s in slots], dtype=torch.float64)
+        computed = torch.zeros(n, dtype=torch.float64)
+        for e in entries:
+            computed[self.index[e.key]] = 1.0
         k = max((s.component or 0) + 1 for s in slots) if slots else 0
         names = torch.full((2 * k,), -math.inf, dtype=torch.float64)
         for j, name in enumerate(self.components[:k]):
             names[2 * j], names[2 * j + 1] = name_hash(name), -name_hash(name)
         extreme = torch.where(present[self.extreme] > 0, value[self.extreme], -math.inf)
-        max_pack = torch.cat([present, failed_here, extreme, ess[:, 0], dists[:, :2].reshape(-1), names])
+        max_pack = torch.cat([present, failed_here, computed, extreme, ess[:, 0], dists[:, :2].reshape(-1), names])
         try:
             max_pack = self.reducer.all_reduce(max_pack, dist.ReduceOp.MAX)
-            o = 2 * n
-            g_present, g_failed = max_pack[:n], max_pack[n:o]
+            o = 3 * n
+            g_present, g_failed, g_computed = max_pack[:n], max_pack[n : 2 * n], max_pack[2 * n : o]
             g_extreme = max_pack[o : o + len(self.extreme)]
             o += len(self.extreme)
             g_top = max_pack[o : o + len(self.ess)]
@@ -242,7 +246,7 @@ class StageMerge:
                                   dists[:, 2:].reshape(-1)])
             sum_pack = self.reducer.all_reduce(sum_pack, dist.ReduceOp.SUM)
         except MergeError as exc:
-            return local, [("distributed", exc)]
+            return local, [("distributed", exc)], None
 
         errors: list[tuple[str, Exception]] = []
         highest, lowest = g_names[:, 0], -g_names[:, 1]
@@ -291,4 +295,7 @@ class StageMerge:
             key = s.key(self.components)
             if key is not None:
                 out[key] = merged[i]
-        return out, errors
+        # computed on some rank and failed on none: the families the publication replaces, alike on every rank
+        families = {s.family for i, s in enumerate(slots) if g_computed[i] > 0 and g_failed[i] == 0}
+        failed_families = {s.family for i, s in enumerate(slots) if g_failed[i] > 0}
+        return out, errors, frozenset(families - failed_families)

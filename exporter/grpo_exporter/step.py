@@ -51,7 +51,7 @@ class Merger(Protocol):
 
     def merge(
         self, host: list[float], entries: list[Entry], local: StepMetrics, failed: set[str]
-    ) -> tuple[StepMetrics, list[tuple[str, Exception]]]: ...
+    ) -> tuple[StepMetrics, list[tuple[str, Exception]], frozenset[str] | None]: ...
 
 
 NONFINITE = "grpo_nonfinite_values_total"
@@ -119,7 +119,9 @@ class _Gather:
             self.failed.update(block.tags)  # type: ignore[attr-defined]
             self.errors.append((block.__name__.lstrip("_"), exc))
 
-    def transfer(self, merger: Merger | None, stage_tags: set[str]) -> tuple[StepMetrics, dict[str, list[float]]]:
+    def transfer(
+        self, merger: Merger | None, stage_tags: set[str]
+    ) -> tuple[StepMetrics, dict[str, list[float]], frozenset[str]]:
         """The single device-to-host transfer of the step: every reading, the value checks of the inputs (a
         numeric mask holding other values than 0 and 1), with ``merger`` what the merge across ranks needs,
         and the carried vectors; then, on the host, the checks and the merge."""
@@ -133,6 +135,7 @@ class _Gather:
         packed = torch.cat([p.to(self.device) for p in parts]).tolist() if parts else []
         m = len(pairs)
         out = {e.key: packed[i] for i, e in enumerate(self.entries) if packed[m + i]}
+        families = frozenset(catalog.family_of(e.key.sample).name for e in self.entries)
         offset = 2 * m
         for name, _ in self.checks:
             if packed[offset]:
@@ -144,14 +147,15 @@ class _Gather:
             offset += 1
         if merger is not None:
             width = extra.numel() if extra is not None else 0
-            out, errors = merger.merge(packed[offset : offset + width], self.entries, out, self.failed)
+            out, errors, merged_families = merger.merge(packed[offset : offset + width], self.entries, out, self.failed)
             self.errors += errors
+            families = merged_families if merged_families is not None else families
             offset += width
         carried = {}
         for name, t in self.carried.items():
             carried[name] = packed[offset : offset + t.numel()]
             offset += t.numel()
-        return out, carried
+        return out, carried, families
 
 
 def compute_step(inputs: StepInputs, config: MetricsConfig) -> StepMetrics:
@@ -205,10 +209,9 @@ def compute_step_carrying(
         ctx = _Context(inputs, config)
         for block in stage:
             g.run(block, ctx, strict)
-    metrics, carried = g.transfer(merger, tags)
+    metrics, carried, families = g.transfer(merger, tags)
     if strict and g.errors:
         raise g.errors[0][1]
-    families = frozenset(catalog.family_of(e.key.sample).name for e in g.entries)
     return StepResult(metrics, carried, g.errors, families)
 
 
