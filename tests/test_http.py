@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import base64
+import math
+import os
 import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import threading
+import time
 import urllib.error
 
 import pytest
@@ -167,3 +171,159 @@ def test_non_rank_zero_and_portless_monitors_serve_nothing():
         x = make_batch(0).inputs()
         mon.observe_rollout(0, rewards=x.rewards)
         assert registry_value(mon, "grpo_completions_total") == 48
+
+
+# ---- a hostile client -----------------------------------------------------------------------------------
+
+
+def test_a_silent_tls_client_blocks_no_scrape_and_close_returns(certificate):
+    """A TCP client that connects to the TLS port and sends nothing: scrapes keep answering, and close()
+    returns within 2 s while that client is still connected."""
+    cert, key = certificate
+    mon = GRPOMonitor(run="tls-idle", port=0, tls_cert=cert, tls_key=key, **BASE)
+    context = ssl.create_default_context(cafile=str(cert))
+    silent = [socket.create_connection(("127.0.0.1", mon.port)) for _ in range(3)]
+    try:
+        for _ in range(5):
+            assert "grpo_build_info" in scrape(mon.url, context=context)
+        start = time.monotonic()
+        mon.close()
+        assert time.monotonic() - start < 2.0
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_idle_plain_connections_time_out_and_many_scrapers_are_served():
+    from grpo_exporter.server import IDLE_TIMEOUT_S, WORKERS
+
+    with GRPOMonitor(run="idle", port=0, **BASE) as mon:
+        idle = [socket.create_connection(("127.0.0.1", mon.port)) for _ in range(WORKERS)]
+        try:
+            time.sleep(IDLE_TIMEOUT_S + 1.0)  # every worker held by an idle client has let it go
+            assert "grpo_build_info" in scrape(mon.url)
+            assert all(s.recv(1) == b"" for s in idle)  # closed by the server
+        finally:
+            for s in idle:
+                s.close()
+        latencies: list[float] = []
+
+        def scraper() -> None:
+            for _ in range(4):
+                t = time.monotonic()
+                try:
+                    scrape(mon.url)
+                    latencies.append(time.monotonic() - t)
+                except OSError:
+                    latencies.append(math.inf)  # dropped while every worker was busy: retried next interval
+
+        threads = [threading.Thread(target=scraper) for _ in range(50)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        served = sorted(x for x in latencies if math.isfinite(x))
+        assert len(served) >= 100  # most of the 200 scrapes were answered
+        assert served[len(served) // 2] < 0.5  # median latency
+
+
+def test_ipv6_host():
+    if not socket.has_ipv6:
+        pytest.fail("this machine has no IPv6 loopback")
+    with GRPOMonitor(run="v6", port=0, host="::1", **BASE) as mon:
+        assert mon.url == f"http://[::1]:{mon.port}/metrics"
+        assert "grpo_build_info" in scrape(mon.url)
+
+
+def test_a_malformed_password_hash_fails_at_configuration():
+    for bad in ("pbkdf2_sha256$oops", "pbkdf2_sha256$x$salt$" + "0" * 64, "pbkdf2_sha256$1000$salt$nothex"):
+        with pytest.raises(ValueError, match="basic_auth_password_hash"):
+            GRPOMonitor(run="r", port=0, basic_auth_user="prom", basic_auth_password_hash=bad, **BASE)
+
+
+def _auth(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def test_auth_unknown_user_costs_a_hash_and_verified_credentials_are_cached():
+    from grpo_exporter.server import BasicAuth
+
+    auth = BasicAuth(lambda e, s: [b""], "prom", hash_password("s3cret", iterations=100_000))
+
+    def timed(header: str) -> float:
+        auth.failures.tokens = 5.0  # isolate the hash cost from the failure throttle
+        start = time.perf_counter()
+        auth.check(header)
+        return time.perf_counter() - start
+
+    known_wrong = min(timed(_auth("prom", "wrong")) for _ in range(3))
+    unknown = min(timed(_auth("nobody", "wrong")) for _ in range(3))
+    assert unknown > 0.5 * known_wrong  # an unknown user pays the same slow hash
+    assert auth.check(_auth("prom", "s3cret")) == "ok"
+    assert timed(_auth("prom", "s3cret")) < 0.1 * known_wrong  # cached after one verification
+
+
+def test_a_flood_of_wrong_passwords_costs_training_little():
+    """50 client threads (another process) send wrong passwords as fast as they can while a training loop
+    runs; its time against a control run without clients must stay within 10%. Without the throttle each
+    wrong password costs a 200,000-iteration PBKDF2 (~50 ms) and the loop slows many times over."""
+    with GRPOMonitor(run="flood", port=0, basic_auth_user="prom", basic_auth_password_hash=hash_password("s3cret"),
+                     **BASE) as mon:
+        torch.set_num_threads(1)
+        a = torch.randn(384, 384)
+
+        def training() -> float:
+            start = time.perf_counter()
+            for _ in range(150):
+                a.matmul(a).tanh_()
+            return time.perf_counter() - start
+
+        legit = {"Authorization": _auth("prom", "s3cret")}
+        assert "grpo_build_info" in scrape(mon.url, headers=legit)  # Prometheus, verified once
+        training()
+        control = min(training() for _ in range(2))
+        # the attacker's own CPU is not the exporter's cost: its process runs on another core than training
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cores[:1])
+        flood = subprocess.Popen([sys.executable, "-c", _FLOOD, mon.url],
+                                 preexec_fn=lambda: os.sched_setaffinity(0, cores[-1:]))
+        try:
+            time.sleep(1.0)
+            flooded = min(training() for _ in range(2))
+        finally:
+            flood.kill()
+            flood.wait()
+            os.sched_setaffinity(0, cores)
+        # under the flood scrapes may be refused (the connection budget protects training, not Prometheus);
+        # once it stops, the verified scraper is answered at once
+        assert _served_within(mon.url, legit, seconds=3.0)
+    print(f"training {control:.3f} s alone, {flooded:.3f} s under the flood")
+    assert flooded < 1.10 * control, (flooded, control)
+
+
+def _served_within(url: str, headers: dict[str, str], seconds: float) -> bool:
+    """A scraper that retries is answered within ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            return "grpo_build_info" in scrape(url, headers=headers)
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+_FLOOD = """
+import base64, sys, threading, time, urllib.error, urllib.request
+url = sys.argv[1]
+header = {"Authorization": "Basic " + base64.b64encode(b"prom:wrong").decode()}
+def hammer():
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, headers=header), timeout=5).read()
+        except Exception:
+            time.sleep(0.01)
+for _ in range(50):
+    threading.Thread(target=hammer, daemon=True).start()
+time.sleep(60)
+"""

@@ -1,65 +1,200 @@
-"""The HTTP(S) endpoint: prometheus-client's WSGI app on a threading server, with optional TLS and basic auth.
+"""The HTTP(S) endpoint: prometheus-client's WSGI app behind a server that a hostile client cannot hurt.
 
-Binds 127.0.0.1 by default (0.0.0.0 is an explicit choice for containers); ``port=0`` picks a free port,
-reported by :attr:`MetricsServer.port`. A busy port raises :class:`PortInUseError` at start.
+Binds 127.0.0.1 by default (0.0.0.0 or ``::`` is an explicit choice for containers; IPv6 addresses work);
+``port=0`` picks a free port, reported by :attr:`MetricsServer.port`. A busy port raises
+:class:`PortInUseError` at start. What a client can cost the training process is bounded:
+
+* the accept loop only accepts: TLS handshakes and request parsing run in a bounded pool of worker threads
+  (``WORKERS``); a connection beyond it is closed at once; the listen backlog is 128;
+* every connection has a read timeout (``IDLE_TIMEOUT_S``), TLS handshake included, so an idle or silent
+  client ties up a worker for seconds, never for ever;
+* :meth:`MetricsServer.close` returns within 2 s whatever the clients do (it closes their sockets);
+* basic auth (exporter-toolkit's scheme): the hash format is validated at configuration time; an unknown
+  user is checked against a dummy hash of the same cost, so timing does not reveal user names; verified
+  credentials are cached, so a scraper pays the slow hash once; one lock lets at most one slow hash run at a
+  time, and failed attempts draw on a small token bucket: past it, the answer is 429 without hashing, so a
+  flood of wrong passwords costs the training process a few slow hashes a second at most; while failed
+  attempts are being throttled, the accept loop also sheds connections beyond ``CONNECTIONS_PER_S`` a
+  second before reading a byte (scrapes may fail during such a flood: training comes first).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
+import hashlib
 import hmac
+import socket
 import ssl
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from socketserver import BaseServer
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 
-from grpo_exporter.monitor_config import verify_password
+from grpo_exporter.monitor_config import hash_password, parse_password_hash, verify_password
+
+WORKERS = 8
+BACKLOG = 128
+IDLE_TIMEOUT_S = 5.0
+CLOSE_WITHIN_S = 2.0
+FAILED_AUTH_PER_S = 1.0  # refill of the failed-attempt bucket: slow hashes a second a wrong-password flood gets
+FAILED_AUTH_BURST = 5
+CONNECTIONS_PER_S = 50.0  # under a wrong-password flood: connections a second still accepted
+CONNECTIONS_BURST = 50
+VERIFIED_CACHE = 16
 
 
 class PortInUseError(OSError):
     """The configured port is taken by another process."""
 
 
-class _QuietHandler(WSGIRequestHandler):
+class _Handler(WSGIRequestHandler):
+    timeout = IDLE_TIMEOUT_S  # socket timeout of every read: an idle client is dropped after it
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not news; stay silent."""
 
 
-def basic_auth(app: Callable[..., Iterable[bytes]], user: str, password_hash: str) -> Callable[..., Iterable[bytes]]:
-    """Wrap a WSGI app with HTTP basic auth against a PBKDF2 hash; a verified header is remembered so a
-    scrape storm does not pay the key derivation on every request."""
-    accepted: set[str] = set()
-    lock = threading.Lock()
+class BasicAuth:
+    """HTTP basic auth in front of a WSGI app, against one user and a PBKDF2 hash."""
 
-    def check(header: str) -> bool:
-        with lock:
-            if any(hmac.compare_digest(header, known) for known in accepted):
-                return True
-        if not header.startswith("Basic "):
-            return False
-        try:
-            name, _, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
-        except ValueError:
-            return False
-        ok = hmac.compare_digest(name, user) and verify_password(password, password_hash)
-        if ok:
-            with lock:
-                accepted.add(header)
-        return ok
+    def __init__(self, app: Callable[..., Iterable[bytes]], user: str, password_hash: str) -> None:
+        parse_password_hash(password_hash)  # validated at configuration time too; never a 500 per scrape
+        self.app, self.user, self.password_hash = app, user, password_hash
+        iterations = parse_password_hash(password_hash)[0]
+        self._dummy = hash_password("not the password", iterations)  # same cost for an unknown user
+        self._verified: OrderedDict[bytes, None] = OrderedDict()
+        self._slow = threading.Lock()  # at most one key derivation at a time
+        self.failures = _TokenBucket(FAILED_AUTH_PER_S, FAILED_AUTH_BURST)
 
-    def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if check(environ.get("HTTP_AUTHORIZATION", "")):
-            return app(environ, start_response)
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        verdict = self.check(environ.get("HTTP_AUTHORIZATION", ""))
+        if verdict == "ok":
+            return self.app(environ, start_response)
+        if verdict == "throttled":
+            start_response("429 Too Many Requests", [("Retry-After", "1")])
+            return [b"too many failed attempts\n"]
         start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="grpo-exporter"')])
         return [b"unauthorized\n"]
 
-    return wrapped
+    def check(self, header: str) -> str:
+        """``ok``, ``denied`` or ``throttled`` for an Authorization header."""
+        if not header.startswith("Basic "):
+            return "denied"
+        fingerprint = hashlib.sha256(header.encode(errors="replace")).digest()
+        with self._slow:
+            if fingerprint in self._verified:
+                self._verified.move_to_end(fingerprint)
+                return "ok"
+            if not self.failures.take():
+                return "throttled"
+            try:
+                name, _, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
+            except ValueError:
+                return "denied"
+            known = hmac.compare_digest(name.encode(), self.user.encode())
+            ok = verify_password(password, self.password_hash if known else self._dummy) and known
+            if ok:
+                self.failures.give_back()  # a success costs no failure token
+                self._verified[fingerprint] = None
+                while len(self._verified) > VERIFIED_CACHE:
+                    self._verified.popitem(last=False)
+            return "ok" if ok else "denied"
+
+
+class _TokenBucket:
+    """``rate`` tokens a second, at most ``burst`` saved; not thread-safe (callers hold a lock or are the
+    accept loop)."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, float(burst)
+        self.tokens, self.refilled = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.refilled) * self.rate)
+        self.refilled = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+    def give_back(self) -> None:
+        self.tokens = min(self.burst, self.tokens + 1.0)
+
+
+class _Server(WSGIServer):
+    """A WSGI server whose accept loop only accepts; each connection is served (TLS handshake included) by
+    one of ``WORKERS`` threads, or closed at once when all are busy."""
+
+    request_queue_size = BACKLOG
+    allow_reuse_address = True
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], tls: ssl.SSLContext | None) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.tls = tls
+        self.slots = threading.BoundedSemaphore(WORKERS)
+        self.open_connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
+        self.closing = False
+        self.accepting = _TokenBucket(CONNECTIONS_PER_S, CONNECTIONS_BURST)
+        self.auth: BasicAuth | None = None
+        super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        shedding = self.auth is not None and self.auth.failures.tokens < 1.0 and not self.accepting.take()
+        if self.closing or shedding or not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # every worker busy: drop it; the scraper retries next interval
+            return
+        with self.connections_lock:
+            self.open_connections.add(request)
+        threading.Thread(target=self._serve, args=(request, client_address), daemon=True,
+                         name="grpo-exporter-http-worker").start()
+
+    def _serve(self, request: socket.socket, client_address: Any) -> None:
+        conn: socket.socket = request
+        try:
+            request.settimeout(IDLE_TIMEOUT_S)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+                with self.connections_lock:
+                    self.open_connections.add(conn)
+                conn.do_handshake()  # bounded by the socket timeout
+            self.finish_request(conn, client_address)
+        except Exception:  # noqa: S110 -- a client that times out, resets or speaks no TLS: not ours to report
+            pass
+        finally:
+            with self.connections_lock:
+                self.open_connections.discard(request)
+                self.open_connections.discard(conn)
+            self.shutdown_request(conn)
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Client errors are not logged with a traceback."""
+
+    def drop_connections(self) -> None:
+        with self.connections_lock:
+            connections, self.open_connections = list(self.open_connections), set()
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                conn.close()
 
 
 class MetricsServer:
@@ -76,36 +211,46 @@ class MetricsServer:
         auth_password_hash: str | None = None,
     ) -> None:
         app = make_wsgi_app(registry)
+        auth = None
         if auth_user and auth_password_hash:
-            app = basic_auth(app, auth_user, auth_password_hash)
+            app = auth = BasicAuth(app, auth_user, auth_password_hash)
+        context = None
+        if tls_cert and tls_key:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.load_cert_chain(str(tls_cert), str(tls_key))
         try:
-            self._httpd = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+            self._httpd = _Server((host, port), context)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUseError(
                     exc.errno, f"port {port} on {host} is already in use; choose another port or port=0 for a free one"
                 ) from exc
             raise
-        self.scheme = "http"
-        if tls_cert and tls_key:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.load_cert_chain(str(tls_cert), str(tls_key))
-            self._httpd.socket = context.wrap_socket(self._httpd.socket, server_side=True)
-            self.scheme = "https"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="grpo-exporter-http", daemon=True)
+        self._httpd.set_app(app)
+        self._httpd.auth = auth
+        self.scheme = "https" if context is not None else "http"
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="grpo-exporter-http", daemon=True
+        )
         self._thread.start()
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_port)
+        return int(self._httpd.server_address[1])
 
     @property
     def url(self) -> str:
         host = self._httpd.server_address[0]
+        host = f"[{host}]" if ":" in host else host
         return f"{self.scheme}://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        self._httpd.shutdown()
+        """Stop accepting, close every client connection, and return (within ~2 s whatever the clients do)."""
+        self._httpd.closing = True
+        stopper = threading.Thread(target=BaseServer.shutdown, args=(self._httpd,), daemon=True)
+        stopper.start()
+        stopper.join(timeout=CLOSE_WITHIN_S / 2)
+        self._httpd.drop_connections()
         self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=CLOSE_WITHIN_S / 2)
