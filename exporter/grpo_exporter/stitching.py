@@ -81,16 +81,17 @@ def concatenate(parts: list[StepInputs], grad: Mapping[str, Any]) -> StepInputs:
     padded to the widest T with masked-out padding; a field missing from any micro-step is dropped),
     ``on_policy`` as a per-row mask of the flagged micro-steps, scalars passed through."""
     fields: dict[str, Any] = {}
-    if parts:
-        width = max((p.loss_mask.shape[1] for p in parts if p.loss_mask is not None), default=0)
+    rows = [p for p in parts if p.n is not None]  # a scalars-only call (a framework's grad norm) has no rows
+    if rows:
+        width = max((p.loss_mask.shape[1] for p in rows if p.loss_mask is not None), default=0)
         for name in PER_ROW:
-            values = [getattr(p, name) for p in parts]
+            values = [getattr(p, name) for p in rows]
             if any(v is None for v in values):
                 continue
             fields[name] = torch.cat([_pad(v, width) for v in values]) if len(values) > 1 else values[0]
-        flags = [p.on_policy for p in parts]
-        if any(f is True or isinstance(f, Tensor) for f in flags) and all(p.n is not None for p in parts):
-            fields["on_policy"] = torch.cat([_rows(p) for p in parts])
+        if any(p.on_policy is True or isinstance(p.on_policy, Tensor) for p in rows):
+            fields["on_policy"] = torch.cat([_rows(p) for p in rows])
+    if parts:
         for name in PASSED_THROUGH:
             given = [getattr(p, name) for p in parts if getattr(p, name) is not None]
             if given:
