@@ -31,7 +31,7 @@ def test_every_document_has_examples():
 @pytest.mark.parametrize(("doc", "code"), EXAMPLES, ids=[f"{d}#{i}" for i, (d, _) in enumerate(EXAMPLES)])
 def test_following_the_docs_verbatim_catches_each_fault(doc, code, fault, caplog):
     caplog.set_level(logging.WARNING, logger="grpo_exporter")
-    exec(compile(code, doc, "exec"), namespace(fault))  # noqa: S102 -- our own documentation
+    exec(compile(code, doc, "exec"), namespace(fault))
     named = {alert for alert in ("GRPORatioClippedBeforeUpdate", "GRPOLossMaskMismatch", "GRPONonFiniteValues",
                                  "GRPOEngineLogprobGapCritical") if alert.lower() in caplog.text}
     errors = [r for r in caplog.records if "failed in stage" in r.getMessage()]

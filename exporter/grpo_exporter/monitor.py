@@ -373,8 +373,10 @@ class GRPOMonitor:
             _STAGE_BLOCKS[stage], failed_inputs=failed or inputs is None,
         )
         for block, exc in result.errors:
-            where = "distributed" if block == "distributed" else stage
-            self._error(where, exc, f"metric block {block!r}" if where == stage else "")
+            if block == "distributed":
+                self._error("distributed", exc)
+            else:
+                self._error(stage, exc, "input values" if block == "input values" else f"metric block {block!r}")
         return result
 
     def _publish(self, metrics: Mapping[str, float], families: Iterable[str]) -> list[guard.Violation]:

@@ -139,7 +139,7 @@ class _Gather:
         offset = 2 * m
         for name, _ in self.checks:
             if packed[offset]:
-                self.errors.append(("inputs", InputError(
+                self.errors.append(("input values", InputError(
                     name, "a bool tensor, or 0/1 values", f"{packed[offset]:g} values other than 0 and 1"
                 )))
                 self.failed |= stage_tags

@@ -1,0 +1,249 @@
+"""One test per input hazard of issue 10 ("Inputs"): each failed on the monitor before it, through the public
+API, with the numbers of the seed where one applies."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from grpo_exporter import GRPOMonitor, InputError
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.monitor import MonitorClosedError
+from grpo_exporter.monitor_config import MonitorConfig
+from grpo_exporter.solve_rates import SolveRates
+from monitor_helpers import parse_exposition, registry_value, scrape
+
+SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "port": None, "guard": "off", "edit_distance_groups": 0}
+ERRORS = 'grpo_exporter_errors_total{stage="%s"}'
+
+
+def monitor(**overrides) -> GRPOMonitor:
+    return GRPOMonitor(run="inputs", **(SETTINGS | overrides))
+
+
+def tokens(n: int = 16, t: int = 4, shift: float = 0.0) -> dict[str, torch.Tensor]:
+    old = -torch.rand(n, t, generator=torch.Generator().manual_seed(n))
+    return {"logprobs": old + shift, "old_logprobs": old, "loss_mask": torch.ones(n, t, dtype=torch.bool),
+            "advantages": torch.linspace(-1, 1, n)}
+
+
+# ---- label safety ---------------------------------------------------------------------------------------
+
+
+def test_component_names_cannot_inject_labels_or_break_later_steps():
+    hostile = 'fmt",run="victim-run'
+    with monitor(port=0) as mon:
+        mon.observe_rollout(0, rewards=torch.zeros(8), reward_components={hostile: torch.ones(8)})
+        series = parse_exposition(scrape(mon.url))["grpo_reward_mean"]
+        assert (("component", hostile), ("run", "inputs")) in series  # the quote is escaped, run intact
+        assert all(dict(labels)["run"] == "inputs" for labels in series)
+        for bad in ("a\nb", "x" * 100_000, "tab\there", "{}\x00"):
+            mon.observe_rollout(1, rewards=torch.zeros(8), reward_components={bad: torch.ones(8)})
+        assert registry_value(mon, ERRORS % "rollout") == 4
+        mon.observe_rollout(2, rewards=torch.zeros(8), reward_components={"braces{}": torch.ones(8)})
+        assert registry_value(mon, ERRORS % "rollout") == 4  # later rollouts are unaffected
+        assert registry_value(mon, 'grpo_reward_mean{component="braces{}"}') == 1.0
+        body = scrape(mon.url)
+        assert "victim-run\"}" not in body.replace('\\"', "")  # no series carries the injected run label
+
+
+def test_run_label_is_validated_at_configuration():
+    for bad in ("a\nb", "x" * 129):
+        with pytest.raises(ValueError, match="run"):
+            MonitorConfig(run=bad, group_size=8)
+
+
+def test_a_reward_component_name_error_names_the_field():
+    with pytest.raises(InputError, match=r"reward_components.*control characters"):
+        StepInputs(rewards=torch.zeros(4), reward_components={"a\nb": torch.zeros(4)})
+
+
+# ---- on_policy, the mask audit, grad norms ------------------------------------------------------------
+
+
+def test_on_policy_on_the_first_micro_step_only_still_checks_it():
+    """docs' old loop: on_policy=(micro is first). The monitor used all() over the micro-steps: never checked."""
+    with monitor() as mon:
+        x = tokens(32, shift=0.5)  # ratio e^0.5 = 1.65 > 1.28 on every token
+        for i in range(4):
+            rows = slice(8 * i, 8 * (i + 1))
+            mon.observe_update(0, **{k: v[rows] for k, v in x.items()}, on_policy=i == 0)
+        mon.end_step()
+        assert registry_value(mon, "grpo_onpolicy_checked_tokens_total") == 8 * 4  # the flagged micro-step
+        assert registry_value(mon, "grpo_onpolicy_outside_clip_ratio") == 1.0
+
+
+def test_the_rollout_mask_audit_is_published_once_per_step():
+    """README's loop passes completion_lengths to observe_rollout only; the audit ran only on the update."""
+    lengths = torch.full((8,), 3)
+    mask = torch.arange(4)[None, :] < lengths[:, None]
+    mask[0, 3] = True  # a padding position trained on
+    with monitor() as mon:
+        mon.observe_rollout(0, rewards=torch.zeros(8), loss_mask=mask, completion_lengths=lengths)
+        mon.observe_update(0, **tokens(8), on_policy=False)  # no lengths on the update: the rollout's audit counts
+        mon.end_step()
+        assert registry_value(mon, "grpo_loss_mask_outside_completion_tokens_total") == 1
+        mon.observe_rollout(1, rewards=torch.zeros(8), loss_mask=mask, completion_lengths=lengths)
+        mon.observe_update(1, **tokens(8), completion_lengths=torch.full((8,), 4))  # audits the mask it trains with
+        mon.end_step()
+        assert registry_value(mon, "grpo_loss_mask_outside_completion_tokens_total") == 1  # nothing twice
+
+
+def test_framework_grad_norms_pass_through_micro_steps():
+    with monitor() as mon:
+        mon.observe_update(0, **tokens(8))
+        mon.observe_update(0, **tokens(8))
+        mon.observe_update(0, grad_norm_pre_clip=torch.tensor(3.0), max_grad_norm=1.0, loss=0.5)
+        mon.end_step()
+        assert registry_value(mon, "grpo_grad_norm_pre_clip") == 3.0
+        assert registry_value(mon, "grpo_grad_norm_post_clip") == pytest.approx(1.0, rel=1e-5)
+        assert registry_value(mon, "grpo_grad_clip_active_steps_total") == 1
+
+
+def test_the_advantage_bound_is_never_the_bound_of_a_fragment():
+    """A lone correct answer in a group of G=16 has |A| = (G-1)/sqrt(G) = 3.75 (seed). Split over two
+    micro-batches of 8, the fragment's own bound is 7/sqrt(8) = 2.47: a false 'over the bound'."""
+    g = 16
+    rewards = torch.zeros(g)
+    rewards[0] = 1.0
+    adv = (rewards - rewards.mean()) / rewards.std()
+    assert adv.abs().max().item() == pytest.approx(3.75)
+    with monitor(group_size=g) as mon:
+        for half in (slice(0, 8), slice(8, 16)):
+            x = tokens(8)
+            mon.observe_update(0, logprobs=x["logprobs"], old_logprobs=x["old_logprobs"], loss_mask=x["loss_mask"],
+                               advantages=adv[half], rewards=rewards[half], group_ids=torch.zeros(8, dtype=torch.long))
+        mon.end_step()
+        assert registry_value(mon, "grpo_advantage_over_bound_sequences_total") == 0
+        assert registry_value(mon, "grpo_advantage_bound") == pytest.approx(3.75)
+        assert registry_value(mon, "grpo_advantage_abs_max") == pytest.approx(3.75)
+
+
+def test_the_ratio_respects_the_users_clamp_and_no_inf_enters_a_cumulative_sum():
+    with monitor(log_ratio_clamp=20.0) as mon:
+        x = tokens(8)
+        x["logprobs"] = x["old_logprobs"].clone()
+        x["logprobs"][0, 0] += 100.0  # a finite log ratio above 88.7: exp overflows fp32 without the clamp
+        for step in range(3):
+            mon.observe_update(step, **x)
+            mon.end_step()
+        assert registry_value(mon, 'grpo_nonfinite_values_total{tensor="ratio"}') == 0
+        assert registry_value(mon, "grpo_log_ratio_clamp_hit_tokens_total") == 3
+        assert math.isfinite(registry_value(mon, "grpo_importance_weight_sum"))
+    with monitor() as mon:  # no clamp configured: the overflow is a non-finite ratio, the sum stays finite
+        mon.observe_update(0, **x)
+        mon.end_step()
+        assert registry_value(mon, 'grpo_nonfinite_values_total{tensor="ratio"}') == 1
+        assert math.isfinite(registry_value(mon, "grpo_importance_weight_sum"))
+
+
+def test_a_grouping_error_drops_only_the_group_metrics():
+    """N = 12 with group_size 8 and no group_ids: before, the whole step vanished (NaN checks included)."""
+    with monitor() as mon:
+        rewards = torch.zeros(12)
+        rewards[3] = math.nan
+        x = tokens(12)
+        mon.observe_rollout(0, rewards=rewards, correct=torch.zeros(12, dtype=torch.bool), **{
+            "rollout_logprobs": x["old_logprobs"], "old_logprobs": x["old_logprobs"], "loss_mask": x["loss_mask"]})
+        assert registry_value(mon, 'grpo_nonfinite_values_total{tensor="rewards"}') == 1
+        assert registry_value(mon, "grpo_engine_logprob_gap_mean_nats") == 0.0
+        assert registry_value(mon, "grpo_completions_total") == 12
+        assert registry_value(mon, 'grpo_reward_mean{component="total"}') is None
+        assert registry_value(mon, ERRORS % "rollout") >= 1
+
+
+def test_the_solve_rate_table_follows_the_batches_device():
+    rates = SolveRates(slots=64, prior=0.5, halflife=4.0)
+    cpu = StepInputs(correct=torch.ones(4, dtype=torch.bool))
+    rates.slots_of(cpu, torch.arange(4))
+    assert rates.table is not None
+    assert rates.table.device.type == "cpu"
+    meta = StepInputs(correct=torch.ones(4, dtype=torch.bool, device="meta"))
+    rates.slots_of(meta, torch.arange(4, device="meta"))  # another device: the table moves, nothing fails
+    assert rates.table.device.type == "meta"
+    assert rates.overall.device.type == "meta"
+
+
+def test_a_step_that_never_ends_is_bounded_and_holds_no_graph():
+    with monitor(max_pending_micro_steps=8) as mon:
+        weight = torch.zeros(1, requires_grad=True)
+        x = tokens(4)
+        for _ in range(100):
+            mon.observe_update(0, **(x | {"logprobs": x["logprobs"] + weight}))
+        held = mon._stitcher.pending
+        assert len(held) == 8
+        assert not any(p.logprobs.requires_grad for p in held)  # detached: no autograd graph is kept alive
+        assert registry_value(mon, "grpo_dropped_micro_steps_total") == 92
+
+
+def test_rollouts_that_overlap_updates_keep_the_steps_whole():
+    """Async pipeline: rollout k+1 is observed while update k still runs."""
+    with monitor() as mon:
+        mon.observe_rollout(0, rewards=torch.zeros(8))
+        mon.observe_rollout(1, rewards=torch.zeros(8))  # sampled ahead
+        mon.observe_update(0, **tokens(8))
+        mon.end_step()
+        mon.observe_update(1, **tokens(8))
+        mon.end_step()
+        assert registry_value(mon, "grpo_steps_total") == 2
+        assert registry_value(mon, "grpo_last_step") == 1
+        assert registry_value(mon, "grpo_optimizer_steps_total") is None  # no grad norm was given
+        assert registry_value(mon, 'grpo_update_tokens_total{advantage_sign="positive"}') == 2 * 4 * 4
+
+
+# ---- small things -------------------------------------------------------------------------------------
+
+
+def test_a_mask_must_be_bool_or_zero_one(caplog):
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    with monitor() as mon:
+        x = tokens(8)
+        mon.observe_update(0, **(x | {"loss_mask": torch.full((8, 4), 0.5)}))
+        mon.end_step()
+        assert registry_value(mon, ERRORS % "update") == 1
+        assert registry_value(mon, "grpo_clipped_tokens_total") is None  # nothing computed from a 0.5 mask
+        assert "`loss_mask`: expected a bool tensor, or 0/1 values, got 32 values other than 0 and 1" in caplog.text
+        mon.observe_update(1, **(x | {"loss_mask": torch.ones(8, 4, dtype=torch.int64)}))  # 0/1 integers: fine
+        mon.end_step()
+        assert registry_value(mon, ERRORS % "update") == 1
+    strict = GRPOMonitor(run="strict", strict=True, **SETTINGS)
+    strict.observe_update(0, **(x | {"loss_mask": torch.full((8, 4), 0.5)}))  # checked with the step's transfer
+    with pytest.raises(InputError, match="loss_mask"):
+        strict.end_step()
+
+
+def test_non_finite_reward_components_are_counted():
+    with monitor() as mon:
+        fmt = torch.tensor([math.nan] * 2 + [0.0] * 6)
+        mon.observe_rollout(0, rewards=torch.zeros(8), reward_components={"fmt": fmt})
+        assert registry_value(mon, 'grpo_nonfinite_values_total{tensor="reward_components"}') == 2
+
+
+def test_calls_after_close_raise_a_clear_error():
+    mon = monitor()
+    mon.close()
+    for call in (lambda: mon.observe_rollout(0, rewards=torch.zeros(8)), lambda: mon.observe_update(0),
+                 mon.end_step, lambda: mon.observe_retrieval(0, torch.zeros(8, 2), torch.zeros(8, dtype=torch.long))):
+        with pytest.raises(MonitorClosedError, match="after close"):
+            call()
+    mon.close()  # idempotent
+
+
+def test_keyword_errors_raise_alike_in_both_observe_calls():
+    with monitor() as mon:
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            mon.observe_rollout(0, rewardz=torch.zeros(8))
+        with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['advantage'\]"):
+            mon.observe_update(0, advantage=torch.zeros(8))
+
+
+def test_the_guard_and_the_alerts_share_their_stop_lines():
+    guard, alerts = MonitorConfig(run="r", group_size=8), MixinConfig()
+    assert guard.stop_lines == alerts.stop_lines
+    assert guard.onpolicy_clip_stop_ratio == 0.01
+    assert guard.engine_gap_stop_nats == 0.01  # seed: mean >= 0.01 stop
+    assert guard.engine_gap_healthy_nats == 0.001  # seed: mean < 0.001 usually healthy
