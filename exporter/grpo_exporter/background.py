@@ -5,9 +5,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+from torch import Tensor
+
 from grpo_exporter import catalog
 from grpo_exporter.edit_distance import median_normalized_edit_distance, rows_to_groups
+from grpo_exporter.inputs import StepInputs
 from grpo_exporter.publication import Publication
+
+
+def edit_distance_carry(inputs: StepInputs, groups_sampled: int, group_size: int) -> dict[str, Tensor]:
+    """The rows of the first ``groups_sampled`` groups (ids, lengths, group index) to bring to the host with
+    the rollout's one transfer; empty when the inputs do not allow it."""
+    lengths = inputs.completion_lengths
+    if lengths is None and inputs.completion_mask is not None:
+        lengths = inputs.completion_mask.sum(dim=1)
+    if groups_sampled == 0 or inputs.completion_ids is None or lengths is None:
+        return {}
+    try:
+        groups = inputs.groups(group_size)
+    except ValueError:
+        return {}  # the grouping error is counted by the group metric blocks
+    if groups is None:
+        return {}
+    rows = torch.argsort(groups.index, stable=True)[: groups_sampled * group_size]
+    return {"ed_ids": inputs.completion_ids[rows], "ed_lengths": lengths[rows], "ed_group": groups.index[rows]}
 
 
 class EditDistanceWorker:

@@ -57,7 +57,11 @@ _ACCEPTS: dict[Merge, tuple[type, ...]] = {
 
 
 class MergeError(RuntimeError):
-    """Merging across ranks failed; the exporter publishes rank-local values from now on."""
+    """Merging across ranks failed (or a part of it was dropped); ``logged`` when the reducer said so."""
+
+    def __init__(self, message: str | None, logged: bool = False) -> None:
+        super().__init__(message)
+        self.logged = logged
 
 
 def world() -> tuple[int, int]:
@@ -123,7 +127,7 @@ class Reducer:
             dist.all_reduce(pack, op=op, group=self.group)
         except Exception as exc:
             self._fail(f"an exporter collective failed ({type(exc).__name__}: {str(exc)[:300]})")
-            raise MergeError(self.failure) from exc
+            raise MergeError(self.failure, logged=True) from exc
         return pack
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -32,15 +31,18 @@ from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 from torch import Tensor
 
-from grpo_exporter import __version__, catalog, distributed, guard
-from grpo_exporter.background import EditDistanceWorker
+from grpo_exporter import catalog, distributed, guard
+from grpo_exporter.background import EditDistanceWorker, edit_distance_carry
 from grpo_exporter.collector import CatalogCollector
+from grpo_exporter.components import ComponentNames
 from grpo_exporter.functional.diversity import retrieval_accuracy
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.layout import Layout
 from grpo_exporter.monitor_config import MonitorConfig
 from grpo_exporter.param_sample import sample_parameters
-from grpo_exporter.publication import Publication
+from grpo_exporter.publication import Publication, duration_increments
+from grpo_exporter.reporting import Reporter
+from grpo_exporter.run_info import static_values
 from grpo_exporter.server import MetricsServer
 from grpo_exporter.solve_rates import SolveRates
 from grpo_exporter.step import (
@@ -55,7 +57,6 @@ from grpo_exporter.stitching import StepStitcher
 
 log = logging.getLogger("grpo_exporter")
 
-_LOG_EVERY_SECONDS = 60.0
 _STAGE_BLOCKS = {"rollout": ROLLOUT_BLOCKS, "update": UPDATE_BLOCKS}
 # the loss-mask audit of the rollout is published only when the update does not audit its own mask
 _AUDIT = frozenset(MASK_AUDIT_FAMILIES)
@@ -91,29 +92,28 @@ class GRPOMonitor:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self._publication = Publication()
+        self._report = Reporter(self._publication, config)
         self._collector = CatalogCollector(
-            self._publication, config.run, self.registry, on_error=lambda exc: self._error("scrape", exc)
+            self._publication, config.run, self.registry, on_error=lambda exc: self._report.error("scrape", exc)
         )
-        self._last_log: dict[str, float] = {}
         self._rank, self._world = distributed.world()
         self._reducer: distributed.Reducer | None = None
         if self._world > 1:
             layouts = {stage: Layout(families_of(blocks), config) for stage, blocks in _STAGE_BLOCKS.items()}
             self._reducer = distributed.Reducer(layouts, config.distributed_timeout_s)
-            if not self._reducer.active:
-                self._publication.add({self._errors_key("distributed"): 1.0})
+            if not self._reducer.active:  # logged by the reducer; counted here
+                self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage="distributed"): 1.0})
         self._solve_rates = SolveRates(config.solve_rate_slots, config.solve_rate_prior, config.solve_rate_halflife)
         self._stitcher = StepStitcher(config.max_pending_micro_steps)
         self._last_step: int | None = None
         self._held_audit: dict[str, float] | None = None
         self._param_snapshot: list[Tensor] | None = None
-        self._components: list[str] = []
-        self._deferred: list[guard.Violation] = []
+        self._components = ComponentNames(config.max_reward_components)
         self._closed = False
         self._edit_worker = EditDistanceWorker(
-            self._publication, lambda exc: self._error("rollout", exc, "edit distance worker")
+            self._publication, lambda exc: self._report.error("rollout", exc, "edit distance worker")
         )
-        self._publication.merge(self._static_values())
+        self._publication.merge(static_values(config))
         self._publication.publish()
         self._server: MetricsServer | None = None
         if self._rank == 0 and config.port is not None:
@@ -160,16 +160,19 @@ class GRPOMonitor:
             inputs: StepInputs | None = None
             slots = carry = None
             with self._contained("rollout"):
+                components, dropped = self._components.admit(reward_components)
+                if dropped:
+                    self._publication.add({"grpo_dropped_reward_components_total": float(dropped)})
                 inputs = StepInputs(
                     rewards=rewards, group_ids=group_ids, correct=correct, truncated=truncated,
-                    reward_components=self._capped(reward_components), rollout_logprobs=rollout_logprobs,
+                    reward_components=components, rollout_logprobs=rollout_logprobs,
                     old_logprobs=old_logprobs, loss_mask=loss_mask, completion_lengths=completion_lengths,
                     completion_ids=completion_ids, completion_mask=completion_mask,
                 )
                 slots = self._solve_rates.slots_of(inputs, prompt_ids)
                 if slots is not None:
                     inputs = dataclasses.replace(inputs, prompt_solve_rate=self._solve_rates.prior(slots))
-                carry = self._edit_distance_carry(inputs)
+                carry = edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
             result = self._compute("rollout", inputs, carry or {})
             if slots is not None and inputs is not None and inputs.correct is not None:
                 with contextlib.suppress(Exception):  # a grouping error: counted by the metric blocks already
@@ -181,7 +184,7 @@ class GRPOMonitor:
             self._held_audit = audit or None
             metrics = {k: v for k, v in result.metrics.items() if k not in audit}
             violations += self._publish(metrics, result.families - _AUDIT)
-        self._enforce(violations)
+        self._report.enforce(violations, self._last_step)
 
     def observe_update(
         self,
@@ -229,13 +232,13 @@ class GRPOMonitor:
                     raise
                 if not self._stitcher.add(step, inputs):
                     self._publication.add({"grpo_dropped_micro_steps_total": 1.0})
-                    if self._due("dropped-micro-steps"):
+                    if self._report.due("dropped-micro-steps"):
                         log.warning(
                             "grpo-exporter: more than %d micro-steps in step %d; further ones are dropped and "
                             "counted (grpo_dropped_micro_steps_total). Call clip_grad_norm_() or end_step() once "
                             "per optimizer step.", self.config.max_pending_micro_steps, step,
                         )
-        self._enforce(violations)
+        self._report.enforce(violations, self._last_step)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter] | Tensor, max_norm: float, norm_type: float = 2.0
@@ -259,7 +262,7 @@ class GRPOMonitor:
             self._stitcher.record_grad(grad)
             self._param_snapshot = current
             violations = self._finish_update()
-        self._enforce(violations)
+        self._report.enforce(violations, self._last_step)
         return pre_clip
 
     def end_step(self) -> None:
@@ -273,7 +276,7 @@ class GRPOMonitor:
         violations: list[guard.Violation] = []
         with self._stage("update"):
             violations = self._finish_update()
-        self._enforce(violations)
+        self._report.enforce(violations, self._last_step)
 
     def observe_retrieval(self, step: int, scores: Tensor, own_prompt: Tensor) -> None:
         """Retrieval accuracy: ``scores`` (N, P) of each completion under each of the batch's P prompts (e.g.
@@ -367,114 +370,26 @@ class GRPOMonitor:
     def _compute(
         self, stage: str, inputs: StepInputs | None, carry: dict[str, Tensor], failed: bool = False
     ) -> StepResult:
-        merger = self._reducer.for_stage(stage, self._components) if self._reducer is not None else None
+        merger = self._reducer.for_stage(stage, self._components.names) if self._reducer is not None else None
         result = compute_step_carrying(
             inputs if inputs is not None else StepInputs(), self.config, carry, self.config.strict, merger,
             _STAGE_BLOCKS[stage], failed_inputs=failed or inputs is None,
         )
         for block, exc in result.errors:
-            if block == "distributed":
-                self._error("distributed", exc)
+            if getattr(exc, "logged", False):  # the reducer said it once, with why merging is off
+                self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage="distributed"): 1.0})
+            elif block == "distributed":
+                self._report.error("distributed", exc)
             else:
-                self._error(stage, exc, "input values" if block == "input values" else f"metric block {block!r}")
+                where = "input values" if block == "input values" else f"metric block {block!r}"
+                self._report.error(stage, exc, where)
         return result
 
     def _publish(self, metrics: Mapping[str, float], families: Iterable[str]) -> list[guard.Violation]:
         self._publication.merge(metrics, families)
-        return self._check(metrics)
+        return self._report.check(metrics)
 
     # ---- helpers ---------------------------------------------------------------------------------------
-
-    def _static_values(self) -> dict[str, float]:
-        cfg = self.config
-        values = {
-            catalog.metric("grpo_build_info").key(version=__version__, torch_version=torch.__version__): 1.0,
-            catalog.metric("grpo_run_info").key(
-                group_size=str(cfg.group_size), clip_eps_low=repr(cfg.clip_eps_low),
-                clip_eps_high=repr(cfg.clip_eps_high), advantage_norm=cfg.advantage_norm,
-            ): 1.0,
-        }
-        baseline = catalog.metric("grpo_reference_baseline")
-        for key, value in self.config.reference_baseline.items():
-            name, labels = catalog.parse_key(key)
-            text = ",".join(f"{k}='{v}'" for k, v in labels.items())
-            values[baseline.key(metric=name, labels=text)] = float(value)
-        return values
-
-    def _capped(self, components: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
-        """The components within ``max_reward_components`` (names registered in sorted order, so ranks that
-        see the same names register them alike); the rest dropped and counted. An invalid name is kept for
-        StepInputs to reject with an error naming the field."""
-        if components is None:
-            return {}
-        if not isinstance(components, Mapping):
-            return components  # type: ignore[return-value]
-        kept: dict[str, Tensor] = {}
-        dropped = 0
-        for name in sorted(components, key=str):
-            if not catalog.is_label_value(name) or name in ("total", ""):
-                kept[name] = components[name]
-                continue
-            if name not in self._components and len(self._components) < self.config.max_reward_components:
-                self._components.append(name)
-            if name in self._components:
-                kept[name] = components[name]
-            else:
-                dropped += 1
-        if dropped:
-            self._publication.add({"grpo_dropped_reward_components_total": float(dropped)})
-        return kept
-
-    def _edit_distance_carry(self, inputs: StepInputs) -> dict[str, Tensor]:
-        k = self.config.edit_distance_groups
-        lengths = inputs.completion_lengths
-        if lengths is None and inputs.completion_mask is not None:
-            lengths = inputs.completion_mask.sum(dim=1)
-        if k == 0 or inputs.completion_ids is None or lengths is None:
-            return {}
-        try:
-            groups = inputs.groups(self.config.group_size)
-        except ValueError:
-            return {}  # the grouping error is counted by the group metric blocks
-        if groups is None:
-            return {}
-        rows = torch.argsort(groups.index, stable=True)[: k * self.config.group_size]
-        return {"ed_ids": inputs.completion_ids[rows], "ed_lengths": lengths[rows], "ed_group": groups.index[rows]}
-
-    def _check(self, metrics: Mapping[str, float]) -> list[guard.Violation]:
-        if self.config.guard == "off":
-            return []
-        return guard.check(metrics, self.config.stop_lines)
-
-    def _enforce(self, violations: list[guard.Violation]) -> None:
-        violations, self._deferred = [*self._deferred, *violations], []
-        if not violations:
-            return
-        lines = [v.line(self.config.run, self._last_step, self.config.runbook_url) for v in violations]
-        if self.config.guard == "raise":
-            raise guard.TrainingSignalError(violations, lines)
-        for violation, line in zip(violations, lines, strict=True):
-            if self._due(f"guard:{violation.alert}"):
-                log.warning(line)
-
-    def _errors_key(self, stage: str) -> str:
-        return catalog.metric("grpo_exporter_errors_total").key(stage=stage)
-
-    def _error(self, stage: str, exc: BaseException, where: str = "") -> None:
-        self._publication.add({self._errors_key(stage): 1.0})
-        if self._due(f"error:{stage}"):
-            log.warning(
-                "grpo-exporter: %s failed in stage %r%s (training continues; counted in "
-                "grpo_exporter_errors_total; further errors of this stage are logged at most once a minute): %s",
-                type(exc).__name__, stage, f" ({where})" if where else "", exc, exc_info=exc,
-            )
-
-    def _due(self, what: str) -> bool:
-        now = time.monotonic()
-        if now - self._last_log.get(what, -math.inf) < _LOG_EVERY_SECONDS:
-            return False
-        self._last_log[what] = now
-        return True
 
     @contextlib.contextmanager
     def _contained(self, stage: str) -> Iterator[None]:
@@ -484,7 +399,7 @@ class GRPOMonitor:
         except guard.TrainingSignalError:
             raise
         except Exception as exc:
-            self._error(stage, exc)
+            self._report.error(stage, exc)
             if self.config.strict:
                 raise
 
@@ -497,13 +412,5 @@ class GRPOMonitor:
                 with self._contained(stage):
                     yield
             finally:
-                self._record_duration(stage, time.perf_counter() - start)
+                self._publication.add(duration_increments(stage, time.perf_counter() - start))
                 self._publication.publish()
-
-    def _record_duration(self, stage: str, seconds: float) -> None:
-        family = catalog.metric("grpo_observe_duration_seconds")
-        increments = {family.key("_sum", stage=stage): seconds, family.key("_count", stage=stage): 1.0}
-        for bound in (*family.buckets, math.inf):
-            le = "+Inf" if bound == math.inf else catalog.format_quantile(bound)
-            increments[family.key("_bucket", stage=stage, le=le)] = float(seconds <= bound)
-        self._publication.add(increments)

@@ -13,11 +13,12 @@ update", "the last retrieval evaluation").
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from grpo_exporter.catalog import family_of, is_additive, parse_key
+from grpo_exporter.catalog import family_of, format_quantile, is_additive, metric, parse_key
 
 
 class Publication:
@@ -55,3 +56,13 @@ class Publication:
     def snapshot(self) -> Mapping[str, float]:
         with self._lock:
             return self._snapshot
+
+
+def duration_increments(stage: str, seconds: float) -> dict[str, float]:
+    """One observation of ``grpo_observe_duration_seconds{stage}`` as histogram increments."""
+    family = metric("grpo_observe_duration_seconds")
+    increments = {family.key("_sum", stage=stage): seconds, family.key("_count", stage=stage): 1.0}
+    for bound in (*family.buckets, math.inf):
+        le = "+Inf" if bound == math.inf else format_quantile(bound)
+        increments[family.key("_bucket", stage=stage, le=le)] = float(seconds <= bound)
+    return increments

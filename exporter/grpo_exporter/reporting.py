@@ -1,0 +1,63 @@
+"""What the exporter says about itself inside training: counted errors, rate-limited log lines, the guard.
+
+An exception of the exporter is counted in ``grpo_exporter_errors_total{stage}`` and logged at most once per
+stage per minute; a failed layer-1 stop criterion is logged once a minute per alert (``guard="warn"``) or
+raised as :class:`~grpo_exporter.guard.TrainingSignalError` (``guard="raise"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+
+from grpo_exporter import catalog, guard
+from grpo_exporter.monitor_config import MonitorConfig
+from grpo_exporter.publication import Publication
+
+log = logging.getLogger("grpo_exporter")
+
+LOG_EVERY_SECONDS = 60.0
+
+
+class Reporter:
+    def __init__(self, publication: Publication, config: MonitorConfig) -> None:
+        self._publication = publication
+        self._config = config
+        self._last_log: dict[str, float] = {}
+
+    def error(self, stage: str, exc: BaseException, where: str = "") -> None:
+        """Count an exporter error of ``stage`` and log it (at most once a minute per stage)."""
+        self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage=stage): 1.0})
+        if self.due(f"error:{stage}"):
+            log.warning(
+                "grpo-exporter: %s failed in stage %r%s (training continues; counted in "
+                "grpo_exporter_errors_total; further errors of this stage are logged at most once a minute): %s",
+                type(exc).__name__, stage, f" ({where})" if where else "", exc, exc_info=exc,
+            )
+
+    def due(self, what: str) -> bool:
+        """Whether a line about ``what`` may be logged now (once a minute each)."""
+        now = time.monotonic()
+        if now - self._last_log.get(what, -math.inf) < LOG_EVERY_SECONDS:
+            return False
+        self._last_log[what] = now
+        return True
+
+    def check(self, metrics: Mapping[str, float]) -> list[guard.Violation]:
+        """The layer-1 stop criteria these metrics fail (none with ``guard="off"``)."""
+        if self._config.guard == "off":
+            return []
+        return guard.check(metrics, self._config.stop_lines)
+
+    def enforce(self, violations: list[guard.Violation], step: int | None) -> None:
+        """Warn about or raise the violations, as the config says."""
+        if not violations:
+            return
+        lines = [v.line(self._config.run, step, self._config.runbook_url) for v in violations]
+        if self._config.guard == "raise":
+            raise guard.TrainingSignalError(violations, lines)
+        for violation, line in zip(violations, lines, strict=True):
+            if self.due(f"guard:{violation.alert}"):
+                log.warning(line)

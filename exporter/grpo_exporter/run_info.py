@@ -1,0 +1,25 @@
+"""The samples that describe the run rather than a step: build, run settings, reference baseline."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_exporter import __version__, catalog
+from grpo_exporter.monitor_config import MonitorConfig
+
+
+def static_values(config: MonitorConfig) -> dict[str, float]:
+    """``grpo_build_info``, ``grpo_run_info`` and one ``grpo_reference_baseline`` per configured key."""
+    values = {
+        catalog.metric("grpo_build_info").key(version=__version__, torch_version=torch.__version__): 1.0,
+        catalog.metric("grpo_run_info").key(
+            group_size=str(config.group_size), clip_eps_low=repr(config.clip_eps_low),
+            clip_eps_high=repr(config.clip_eps_high), advantage_norm=config.advantage_norm,
+        ): 1.0,
+    }
+    baseline = catalog.metric("grpo_reference_baseline")
+    for key, value in config.reference_baseline.items():
+        name, labels = catalog.parse_key(key)
+        text = ",".join(f"{k}='{v}'" for k, v in labels.items())
+        values[baseline.key(metric=name, labels=text)] = float(value)
+    return values
