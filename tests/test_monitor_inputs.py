@@ -247,3 +247,17 @@ def test_the_guard_and_the_alerts_share_their_stop_lines():
     assert guard.onpolicy_clip_stop_ratio == 0.01
     assert guard.engine_gap_stop_nats == 0.01  # seed: mean >= 0.01 stop
     assert guard.engine_gap_healthy_nats == 0.001  # seed: mean < 0.001 usually healthy
+
+
+def test_step_numbers_are_integers_of_any_kind():
+    import numpy as np
+
+    with monitor() as mon:
+        mon.observe_rollout(np.int64(3), rewards=torch.zeros(8))
+        mon.observe_update(torch.tensor(3), **tokens(8))
+        mon.end_step()
+        assert registry_value(mon, "grpo_last_step") == 3
+        assert registry_value(mon, "grpo_steps_total") == 1
+        for bad in (3.0, True, "3", torch.tensor(3.0)):
+            with pytest.raises(TypeError, match="`step`: expected an integer"):
+                mon.observe_rollout(bad, rewards=torch.zeros(8))

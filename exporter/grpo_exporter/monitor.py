@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -152,7 +153,7 @@ class GRPOMonitor:
         prompt_ids: Tensor | None = None,
     ) -> None:
         """Rollout-level metrics, once per rollout batch (one host transfer)."""
-        self._check_open("observe_rollout")
+        step = self._check_call("observe_rollout", step)
         violations: list[guard.Violation] = []
         with self._stage("rollout"):
             self._advance(step)
@@ -196,7 +197,7 @@ class GRPOMonitor:
         loss_mask: Tensor | None = None,
         entropy: Tensor | None = None,
         ref_logprobs: Tensor | None = None,
-        on_policy: bool | None = None,
+        on_policy: bool | Tensor | None = None,
         **more: Any,
     ) -> None:
         """Update-level tensors of one optimizer (micro)step, accumulated into the step (validated now,
@@ -209,7 +210,7 @@ class GRPOMonitor:
         with), ``grad_norm_pre_clip``/``grad_norm_post_clip``/``max_grad_norm`` when the framework clips,
         ``loss``, ``policy_version``, ``rollout_policy_version``. An unknown keyword raises ``TypeError``.
         """
-        self._check_open("observe_update")
+        step = self._check_call("observe_update", step)
         unknown = sorted(set(more) - UPDATE_FIELDS)
         if unknown:
             raise TypeError(
@@ -282,7 +283,7 @@ class GRPOMonitor:
         """Retrieval accuracy: ``scores`` (N, P) of each completion under each of the batch's P prompts (e.g.
         log-probs from one extra forward pass), ``own_prompt`` (N,) the column of its own prompt. Call every
         K steps; chance level 1/P is published beside it. Rank-local (not merged across ranks)."""
-        self._check_open("observe_retrieval")
+        step = self._check_call("observe_retrieval", step)
         with self._stage("rollout"):
             self._advance(step)
             if scores.dim() != 2 or own_prompt.shape != scores.shape[:1]:
@@ -316,8 +317,9 @@ class GRPOMonitor:
             return
         with contextlib.suppress(guard.TrainingSignalError):
             self.end_step()
-        with self._stage("update"):
+        with self._publication.writing:
             self._publish_held_audit()
+            self._publication.publish()
         self._closed = True
         self._edit_worker.shutdown()
         if self._server is not None:
@@ -339,11 +341,20 @@ class GRPOMonitor:
                 "or serves; create a new monitor for a new run"
             )
 
+    def _check_call(self, call: str, step: object) -> int:
+        """API misuse raises at once, before anything is computed: a call after close, a step that is no
+        integer (a Python int, a numpy or 0-d tensor integer)."""
+        self._check_open(call)
+        if isinstance(step, bool | float) or (isinstance(step, Tensor) and step.is_floating_point()):
+            raise TypeError(f"`step`: expected an integer, got {type(step).__name__} {step!r}")
+        try:
+            return operator.index(step)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"`step`: expected an integer, got {type(step).__name__} {step!r:.80}") from None
+
     def _advance(self, step: int) -> None:
         """Record the step number: ``grpo_steps_total`` counts each new largest step once and
         ``grpo_last_step`` never runs backwards (a late update of step k after rollout k+1 is no new step)."""
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise TypeError(f"`step`: expected a Python int, got {type(step).__name__} {step!r}")
         if self._last_step is None or step > self._last_step:
             self._publication.add({"grpo_steps_total": 1.0})
             self._last_step = step

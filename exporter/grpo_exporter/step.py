@@ -143,7 +143,7 @@ class _Gather:
                     name, "a bool tensor, or 0/1 values", f"{packed[offset]:g} values other than 0 and 1"
                 )))
                 self.failed |= stage_tags
-                out = {}
+                out, families = {}, frozenset()  # nothing computed from such a mask: every family keeps its last
             offset += 1
         if merger is not None:
             width = extra.numel() if extra is not None else 0
