@@ -64,6 +64,16 @@ def _worker(rank: int, scenario: str, port: int, out: str, test_path: str) -> No
     rows = _half(rank)
     result: dict = {"rank": rank, "steps": []}
     start = time.monotonic()
+    if scenario == "rank-zero-only":
+        if rank == 0:  # the user watches rank 0 alone: no collective may wait for the others
+            with GRPOMonitor(run="ddp", **(settings | {"distributed": "local"})) as mon:
+                mon.observe_rollout(0, **_shard(rollout_kwargs(x), rows))
+                result["steps"].append(dict(mon.metrics()))
+            result["merging"] = mon._reducer is not None
+        result["seconds"] = time.monotonic() - start
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+        return
     mon = GRPOMonitor(run="ddp", **settings)
     for step in range(2):
         rollout = _shard(rollout_kwargs(x), rows)
@@ -214,3 +224,10 @@ def test_configs_that_differ_never_enter_a_collective(tmp_path):
     assert 'grpo_pass_at_k_ratio{k=4}' in text  # the differing entry is named
     local = single_process(_half(0))
     assert first_step(ranks[0])["grpo_completions_total"] == local["grpo_completions_total"]
+
+
+def test_a_monitor_on_rank_zero_only_publishes_its_rank_without_waiting(tmp_path):
+    ranks = run_scenario("rank-zero-only", tmp_path)
+    assert not ranks[0]["merging"]
+    assert ranks[0]["seconds"] < TIMEOUT_S
+    assert first_step(ranks[0])["grpo_completions_total"] == 24

@@ -155,6 +155,8 @@ class StageMerge:
         self.extreme = [i for i, s in enumerate(slots) if s.merge in (Merge.MAX, Merge.SAME)]
         self.additive = [i for i, s in enumerate(slots) if s.merge is Merge.SUM]
         self.sketched = [i for i, s in enumerate(slots) if s.merge is Merge.SKETCH]
+        self.problems: list[str] = []
+        self.readings: dict[int, Entry] = {}
 
     # ---- on the device, before the one transfer --------------------------------------------------------
 
@@ -164,16 +166,18 @@ class StageMerge:
         slots = self.layout.slots
         zero = torch.zeros((), dtype=torch.float64, device=device)
         readings: dict[int, Entry] = {}
-        for e in entries:
+        for e in entries:  # a sample that does not fit the layout is dropped and reported, never a longer pack
             i = self.index.get(e.key)
+            accepted = _ACCEPTS.get(slots[i].merge) if i is not None else None
             if i is None:
-                raise KeyError(f"sample {e.key} is not in the stage layout (undeclared family or component)")
-            accepted = _ACCEPTS.get(slots[i].merge)
-            if accepted is not None and not isinstance(e.reading, accepted):
-                raise TypeError(f"{e.key}: merge {slots[i].merge} needs {accepted}, got {type(e.reading).__name__}")
-            if slots[i].merge in (Merge.MAX, Merge.SAME) and isinstance(e.reading, Extreme) and not e.reading.largest:
-                raise TypeError(f"{e.key}: a smallest-value reading cannot merge as a maximum")
-            readings[i] = e
+                self.problems.append(f"sample {e.key} is not in the stage layout (undeclared family or component)")
+            elif accepted is not None and not isinstance(e.reading, accepted):
+                self.problems.append(f"{e.key}: merge {slots[i].merge} needs {accepted}, got {type(e.reading)}")
+            elif slots[i].merge is Merge.MAX and isinstance(e.reading, Extreme) and not e.reading.largest:
+                self.problems.append(f"{e.key}: a smallest-value reading cannot merge as a maximum")
+            else:
+                readings[i] = e
+        self.readings = readings
         values, presents = [zero] * len(slots), [zero] * len(slots)
         for i, e in readings.items():
             values[i], presents[i] = e.local()
@@ -223,8 +227,7 @@ class StageMerge:
 
         failed_here = torch.tensor([float(any(tag in failed for tag in s.tags)) for s in slots], dtype=torch.float64)
         computed = torch.zeros(n, dtype=torch.float64)
-        for e in entries:
-            computed[self.index[e.key]] = 1.0
+        computed[list(self.readings)] = 1.0
         k = max((s.component or 0) + 1 for s in slots) if slots else 0
         names = torch.full((2 * k,), -math.inf, dtype=torch.float64)
         for j, name in enumerate(self.components[:k]):
@@ -252,7 +255,7 @@ class StageMerge:
         except MergeError as exc:
             return local, [("distributed", exc)], None
 
-        errors: list[tuple[str, Exception]] = []
+        errors: list[tuple[str, Exception]] = [("distributed", MergeError(p)) for p in self.problems[:1]]
         highest, lowest = g_names[:, 0], -g_names[:, 1]
         disagree = {j for j in range(g_names.shape[0]) if math.isfinite(highest[j]) and highest[j] != lowest[j]}
         if disagree:

@@ -99,7 +99,7 @@ class GRPOMonitor:
         )
         self._rank, self._world = distributed.world()
         self._reducer: distributed.Reducer | None = None
-        if self._world > 1:
+        if self._world > 1 and config.distributed == "merge":
             layouts = {stage: Layout(families_of(blocks), config) for stage, blocks in _STAGE_BLOCKS.items()}
             self._reducer = distributed.Reducer(layouts, config.distributed_timeout_s)
             if not self._reducer.active:  # logged by the reducer; counted here

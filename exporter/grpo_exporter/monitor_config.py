@@ -91,6 +91,10 @@ class MonitorConfig(MetricsConfig, StopLines):
     max_pending_micro_steps: int = Field(
         256, ge=1, description="micro-steps held for one optimizer step; further ones are dropped and counted"
     )
+    distributed: Literal["merge", "local"] = Field(
+        "merge", description="with torch.distributed: merge the ranks' readings (every rank constructs a monitor "
+        "at the same point), or `local`: each monitor publishes its own rank's values (e.g. a monitor on rank 0 only)",
+    )
     distributed_timeout_s: float = Field(
         300.0, gt=0, description="longest wait of a rank in an exporter collective (its own gloo group); after a "
         "failure or timeout the exporter publishes rank-local values for the rest of the run",
