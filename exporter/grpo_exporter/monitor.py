@@ -66,6 +66,10 @@ UPDATE_FIELDS = frozenset(f.name for f in dataclasses.fields(StepInputs)) - {
 }
 
 
+def _key(name: str, **labels: str) -> catalog.SampleKey:
+    return catalog.metric(name).key(**labels)
+
+
 class MonitorClosedError(RuntimeError):
     """An observe call after :meth:`GRPOMonitor.close`."""
 
@@ -103,7 +107,7 @@ class GRPOMonitor:
             layouts = {stage: Layout(families_of(blocks), config) for stage, blocks in _STAGE_BLOCKS.items()}
             self._reducer = distributed.Reducer(layouts, config.distributed_timeout_s)
             if not self._reducer.active:  # logged by the reducer; counted here
-                self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage="distributed"): 1.0})
+                self._publication.add({_key("grpo_exporter_errors_total", stage="distributed"): 1.0})
         self._solve_rates = SolveRates(config.solve_rate_slots, config.solve_rate_prior, config.solve_rate_halflife)
         self._stitcher = StepStitcher(config.max_pending_micro_steps)
         self._last_step: int | None = None
@@ -163,7 +167,7 @@ class GRPOMonitor:
             with self._contained("rollout"):
                 components, dropped = self._components.admit(reward_components)
                 if dropped:
-                    self._publication.add({"grpo_dropped_reward_components_total": float(dropped)})
+                    self._publication.add({_key("grpo_dropped_reward_components_total"): float(dropped)})
                 inputs = StepInputs(
                     rewards=rewards, group_ids=group_ids, correct=correct, truncated=truncated,
                     reward_components=components, rollout_logprobs=rollout_logprobs,
@@ -232,7 +236,7 @@ class GRPOMonitor:
                     self._stitcher.failed = True
                     raise
                 if not self._stitcher.add(step, inputs):
-                    self._publication.add({"grpo_dropped_micro_steps_total": 1.0})
+                    self._publication.add({_key("grpo_dropped_micro_steps_total"): 1.0})
                     if self._report.due("dropped-micro-steps"):
                         log.warning(
                             "grpo-exporter: more than %d micro-steps in step %d; further ones are dropped and "
@@ -356,10 +360,10 @@ class GRPOMonitor:
         """Record the step number: ``grpo_steps_total`` counts each new largest step once and
         ``grpo_last_step`` never runs backwards (a late update of step k after rollout k+1 is no new step)."""
         if self._last_step is None or step > self._last_step:
-            self._publication.add({"grpo_steps_total": 1.0})
+            self._publication.add({_key("grpo_steps_total"): 1.0})
             self._last_step = step
         self._publication.merge(
-            {"grpo_last_step": float(self._last_step), "grpo_last_step_timestamp_seconds": time.time()}
+            {_key("grpo_last_step"): float(self._last_step), _key("grpo_last_step_timestamp_seconds"): time.time()}
         )
 
     def _finish_update(self) -> list[guard.Violation]:
@@ -388,7 +392,7 @@ class GRPOMonitor:
         )
         for block, exc in result.errors:
             if getattr(exc, "logged", False):  # the reducer said it once, with why merging is off
-                self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage="distributed"): 1.0})
+                self._publication.add({_key("grpo_exporter_errors_total", stage="distributed"): 1.0})
             elif block == "distributed":
                 self._report.error("distributed", exc)
             else:

@@ -1,8 +1,9 @@
 """Cumulative and last-step values, published to scrapers as immutable snapshots.
 
-Written by the training thread (and the edit-distance worker, under ``writing``); read by scrape threads. The
-read lock guards nothing but the swap of the snapshot reference, so a slow or concurrent scrape never blocks
-an observe call beyond that swap.
+Keys are :class:`~grpo_exporter.catalog.SampleKey` (a plain string is checked against the catalogue and
+converted here, once). Written by the training thread (and the edit-distance worker, under ``writing``);
+read by scrape threads. The read lock guards nothing but the swap of the snapshot reference, so a slow or
+concurrent scrape never blocks an observe call beyond that swap.
 
 Counter samples and the ``_sum``/``_count``/``_bucket`` samples of summaries and histograms are *additive*:
 each step's increment is added. Gauges and summary quantiles are *replaced* family by family: a family that
@@ -18,7 +19,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from grpo_exporter.catalog import family_of, format_quantile, is_additive, metric, parse_key
+from grpo_exporter.catalog import family_of, format_quantile, is_additive, metric, sample_key
 
 
 class Publication:
@@ -32,6 +33,7 @@ class Publication:
     def add(self, increments: Mapping[str, float]) -> None:
         """Add increments to additive samples."""
         for key, value in increments.items():
+            key = sample_key(key)
             self._additive[key] = self._additive.get(key, 0.0) + value
 
     def merge(self, metrics: Mapping[str, float], families: Iterable[str] = ()) -> None:
@@ -41,7 +43,8 @@ class Publication:
         fresh: dict[str, dict[str, float]] = {name: {} for name in families}
         for key, value in metrics.items():
             if not is_additive(key):
-                fresh.setdefault(family_of(parse_key(key)[0]).name, {})[key] = value
+                key = sample_key(key)
+                fresh.setdefault(family_of(key.sample).name, {})[key] = value
         self._replaced.update(fresh)
 
     def publish(self) -> None:
