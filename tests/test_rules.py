@@ -15,7 +15,7 @@ import yaml
 from grpo_exporter.catalog import Layer, family_of
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.render import alertmanager_output, rules_outputs
-from grpo_exporter.mixin.rules import alerts, recording_rules
+from grpo_exporter.mixin.rules import OPTIMIZER, alerts, recording_rules
 from services import Webhook, alertmanager, binary, post_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_alert_conventions():
         assert re.fullmatch(r"GRPO[A-Z][A-Za-z0-9]+", name), name
         assert rule["for"], name
         assert rule["labels"]["severity"] in ("critical", "warning", "info"), name
-        assert rule["labels"]["layer"] in {layer.value for layer in Layer}, name
+        assert rule["labels"]["layer"] in {layer.value for layer in Layer} | {OPTIMIZER}, name
         annotations = rule["annotations"]
         assert annotations["summary"], name
         assert "{{" not in annotations["summary"], name
@@ -143,10 +143,10 @@ def test_amtool_check_config():
     assert "SUCCESS" in done.stdout
 
 
-def _alert(name: str, run_id: str, layer: Layer, severity: str, family: str) -> dict:
+def _alert(name: str, run_id: str, layer: Layer | str, severity: str, family: str) -> dict:
     now = dt.datetime.now(dt.UTC)
     return {
-        "labels": {"alertname": name, "run": run_id, "job": "grpo", "layer": layer.value, "severity": severity,
+        "labels": {"alertname": name, "run": run_id, "job": "grpo", "layer": str(layer), "severity": severity,
                    "family": family},
         "annotations": {"summary": name, "description": f"{name} for {run_id}", "runbook_url": "docs/runbooks.md"},
         "startsAt": now.isoformat(),
@@ -169,10 +169,19 @@ def test_alertmanager_routes_and_inhibits_along_the_signal_chain(tmp_path):
                 _alert("GRPOESSDrop", "B", Layer.SAMPLES, "warning", "ess"),
                 _alert("GRPOEngineLogprobGapCritical", "C", Layer.GRADIENT, "critical", "engine_logprob_gap"),
                 _alert("GRPOEngineLogprobGapWarning", "C", Layer.GRADIENT, "warning", "engine_logprob_gap"),
+                # a layer-1 gate mutes the optimizer family too
+                _alert("GRPOGradNormSpike", "A", "1-optimizer", "warning", "grad_norm"),
+                # a layer-1 warning and the optimizer family mute nothing: a warning never mutes a critical
+                _alert("GRPOEngineLogprobGapWarning", "D", Layer.GRADIENT, "warning", "engine_logprob_gap"),
+                _alert("GRPOGradNormSpike", "D", "1-optimizer", "warning", "grad_norm"),
+                _alert("GRPORewardCliff", "D", Layer.REWARD, "critical", "reward_cliff"),
+                _alert("GRPOESSDrop", "D", Layer.SAMPLES, "warning", "ess"),
             ])
             deadline = time.monotonic() + 20
             want = {("/pager", "GRPOEngineLogprobGapCritical", "A"), ("/default", "GRPOESSDrop", "B"),
-                    ("/pager", "GRPOEngineLogprobGapCritical", "C")}
+                    ("/pager", "GRPOEngineLogprobGapCritical", "C"), ("/default", "GRPOEngineLogprobGapWarning", "D"),
+                    ("/default", "GRPOGradNormSpike", "D"), ("/pager", "GRPORewardCliff", "D"),
+                    ("/default", "GRPOESSDrop", "D")}
             while time.monotonic() < deadline:
                 got = {(p, a["labels"]["alertname"], a["labels"]["run"]) for p, a in hook.alerts()}
                 if want <= got:
@@ -182,7 +191,8 @@ def test_alertmanager_routes_and_inhibits_along_the_signal_chain(tmp_path):
             got = {(p, a["labels"]["alertname"], a["labels"]["run"]) for p, a in hook.alerts()}
             assert want <= got, got
             assert ("/default", "GRPOESSDrop", "A") not in got  # layer 3 behind a layer-1 fault of the same run
-            assert not [g for g in got if g[1] == "GRPOEngineLogprobGapWarning"]  # critical mutes its warning
+            assert not [g for g in got if g[1:] == ("GRPOEngineLogprobGapWarning", "C")]  # critical mutes its warning
+            assert ("/default", "GRPOGradNormSpike", "A") not in got  # a gate mutes the optimizer family
             assert got == want
     finally:
         hook.close()

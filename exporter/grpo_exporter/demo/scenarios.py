@@ -64,7 +64,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("exp-before-clamp", "a -inf sentinel reaches a loss token and the ratio is exp'd before clamp",
                  ("GRPONonFiniteValues",), "1-gradient", _set(exp_before_clamp=True)),
         Scenario("grad-accum-scaling", "the loss is not divided by the accumulation steps",
-                 ("GRPOGradClippingEveryStep",), "1-gradient", _set(loss_not_divided_by_accumulation=True)),
+                 ("GRPOGradClippingEveryStep",), "1-optimizer", _set(loss_not_divided_by_accumulation=True)),
         Scenario("advantage-bug", "advantages use the std of half-groups: |A| above (G-1)/sqrt(G)",
                  ("GRPOAdvantageAboveBound",), "2-reward", _set(advantage_wrong_groups=True)),
         Scenario("reward-hack", "a format component paying for a quirk (answers opening with the first symbol) "

@@ -1,9 +1,12 @@
 """Alertmanager routing and inhibition, from the same config as the rules.
 
 Routes: critical to the pager receiver, everything else to the default one, grouped by alert and run.
-Inhibitions encode the signal chain: while any layer-1 alert ("the gradient is not what you think") fires
-for a run, the pages of layers 2-4 for that run are muted (their curves mean nothing until it is fixed); and
-a critical alert mutes the warning of the same family for the same run.
+Inhibitions encode the signal chain: while a layer-1 *critical* fires for a run (the 0/1 gates: non-finite
+values, a wrong loss mask, a ratio clipped before any update, the engine gap at its stop line: "the gradient
+is not what you think"), the pages of layers 2-4 and of the optimizer family for that run are muted (their
+curves mean nothing until it is fixed). A layer-1 warning (a drifting gap, the fuse) and the optimizer family
+(grad-norm spikes, clipping on every step) mute nothing, so a warning never mutes a critical; and a critical
+alert mutes the warning of the same family for the same run.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from typing import Any
 
 from grpo_exporter.catalog import Layer
 from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.rules import OPTIMIZER
 
-DOWNSTREAM = (Layer.REWARD, Layer.SAMPLES, Layer.DIVERSITY)
+DOWNSTREAM = (Layer.REWARD.value, Layer.SAMPLES.value, Layer.DIVERSITY.value, OPTIMIZER)
 
 
 def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
@@ -32,8 +36,8 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
         ],
         "inhibit_rules": [
             {
-                "source_matchers": [f'layer="{Layer.GRADIENT.value}"'],
-                "target_matchers": [f'layer=~"{"|".join(layer.value for layer in DOWNSTREAM)}"'],
+                "source_matchers": [f'layer="{Layer.GRADIENT.value}"', 'severity="critical"'],
+                "target_matchers": [f'layer=~"{"|".join(DOWNSTREAM)}"'],
                 "equal": ["run"],
             },
             {

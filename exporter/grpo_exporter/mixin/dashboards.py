@@ -237,7 +237,7 @@ def crash_triage(c: MixinConfig) -> DashboardSpec:
                       (q(f"min_over_time((max by (run) (grpo_last_step{{{SEL}}}) and on(run) ({faults}))[$__range:])"),),
                       "none", "stat", width=8),
             PanelSpec("Which layer-1 alerts fired?", "GRPO layer-1 alerts of this run in the time range.",
-                      (q(f'count by (alertname) (max_over_time(ALERTS{{alertstate="firing",layer="1-gradient",{SEL}}}[$__range]))', "{{alertname}}"),),
+                      (q(f'count by (alertname) (max_over_time(ALERTS{{alertstate="firing",layer=~"1-.*",{SEL}}}[$__range]))', "{{alertname}}"),),
                       "short", "stat", ((1, "red"),), width=8),
             PanelSpec("Where is the evidence?",
                       "No flight-record metric is published yet: capture the last normal step, the first bad step and the next (prompts, completions, rewards per component, ratio quantiles, masks, grad norms, seeds) by hand; see the runbooks.",

@@ -1,8 +1,9 @@
 """Prometheus recording and alerting rules, as pure functions of :class:`MixinConfig`.
 
 Recording rules are named ``level:metric:operation`` (``run:grpo_clipped_tokens:window_ratio``). Alerts are
-``GRPO...`` with ``for``, labels ``severity``, ``layer`` (the signal-chain layer) and ``family`` (critical and
-warning of one family; Alertmanager lets the critical inhibit the warning), and annotations ``summary``,
+``GRPO...`` with ``for``, labels ``severity``, ``layer`` (the signal-chain layer; ``1-optimizer`` for the
+grad-norm family, the seed's triage step 4, which is no 0/1 gate) and ``family`` (critical and warning of one
+family; Alertmanager lets the critical inhibit the warning), and annotations ``summary``,
 ``description`` (the current value and the baseline it was compared with) and ``runbook_url``.
 
 Thresholds are baseline-relative wherever the seed says fixed lines lie: the run's own history (medians
@@ -21,10 +22,13 @@ from grpo_exporter.mixin.config import MixinConfig, Severity
 BY = "job, run"
 
 
+OPTIMIZER = "1-optimizer"  # the seed's triage step 4: a layer-1 question, but no 0/1 gate (it inhibits nothing)
+
+
 @dataclass(frozen=True)
 class Alert:
     name: str
-    layer: Layer
+    layer: Layer | str
     family: str
     severity: Severity
     expr: str
@@ -39,7 +43,7 @@ class Alert:
             "for": c.duration(c.for_seconds.get(self.name, self.for_s)),
             "labels": {
                 "severity": c.severities.get(self.name, self.severity),
-                "layer": self.layer.value,
+                "layer": self.layer.value if isinstance(self.layer, Layer) else self.layer,
                 "family": self.family,
             },
             "annotations": {
@@ -222,7 +226,7 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             f"(threshold {c.fuse_hit_ratio:g}; should be ~0).",
         ),
         Alert(
-            "GRPOGradNormSpike", g1, "grad_norm", "warning",
+            "GRPOGradNormSpike", OPTIMIZER, "grad_norm", "warning",
             f"max by ({BY}) (grpo_grad_norm_pre_clip{c.matchers()}) > on(job, run) "
             f"({c.grad_spike_factor:g} * run:grpo_grad_norm_pre_clip:baseline_median)", 60,
             "Pre-clip gradient norm spiked above its rolling median.",
@@ -231,7 +235,7 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             + _query("max(run:grpo_grad_norm_pre_clip:baseline_median{run=%q})") + ".",
         ),
         Alert(
-            "GRPOGradClippingEveryStep", g1, "grad_clip", "warning",
+            "GRPOGradClippingEveryStep", OPTIMIZER, "grad_clip", "warning",
             f"run:grpo_grad_clip_active_steps:window_ratio > {c.grad_clip_active_ratio:g}", 900,
             "Gradient clipping is active on nearly every step.",
             "Run {{ $labels.run }}: " + _value("%.2f") + f" of optimizer steps were clipped over {w} "
