@@ -23,14 +23,20 @@ def _catalog(args: argparse.Namespace) -> int:
 
 
 def _rules(args: argparse.Namespace) -> int:
-    from grpo_exporter.mixin.config import MixinConfig
+    from grpo_exporter.mixin.config import RUNBOOK_FALLBACK, MixinConfig
     from grpo_exporter.mixin.render import alertmanager_output, rules_outputs, write
 
     config = MixinConfig.load(args.config)
-    for path in write(rules_outputs(config), Path(args.out)):
+    # everything goes under a path the user named: with --out, alertmanager.yml too (unless placed elsewhere)
+    rules_dir = Path(args.out or "rules")
+    alertmanager_dir = Path(args.alertmanager_out or (args.out or "deploy/alertmanager"))
+    for path in write(rules_outputs(config), rules_dir):
         print(f"wrote {path}")
-    for path in write({"alertmanager.yml": alertmanager_output(config)}, Path(args.alertmanager_out)):
+    for path in write({"alertmanager.yml": alertmanager_output(config)}, alertmanager_dir):
         print(f"wrote {path}")
+    if config.runbook_url == RUNBOOK_FALLBACK:
+        print(f"note: runbook_url is the local fallback {RUNBOOK_FALLBACK!r}; set runbook_url in a --config file to "
+              "a URL your pager can open (e.g. where you host docs/runbooks.md)")
     return 0
 
 
@@ -92,6 +98,12 @@ def _hash_password(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scenario_names() -> list[str]:
+    from grpo_exporter.demo.scenarios import SCENARIOS
+
+    return list(SCENARIOS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-exporter", description=__doc__)
     parser.add_argument("--version", action="version", version=f"grpo-exporter {__version__}")
@@ -101,9 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     catalog.set_defaults(run=_catalog)
     rules = commands.add_parser("rules", help="generate the Prometheus rule files and the Alertmanager config")
     rules.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
-    rules.add_argument("--out", default="rules", help="folder of the rule files (default: rules)")
+    rules.add_argument("--out", help="folder of every file written (default: rules/, and deploy/alertmanager/ "
+                       "for alertmanager.yml: the repository layout)")
     rules.add_argument(
-        "--alertmanager-out", default="deploy/alertmanager", help="folder of alertmanager.yml"
+        "--alertmanager-out", help="folder of alertmanager.yml (default: --out, else deploy/alertmanager)"
     )
     rules.set_defaults(run=_rules)
     boards = commands.add_parser("dashboards", help="generate the Grafana dashboards (JSON)")
@@ -115,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--out", default="deploy/kubernetes", help="folder of the manifests (default: deploy/kubernetes)")
     k8s.set_defaults(run=_kubernetes)
     demo = commands.add_parser("demo", help="a tiny GRPO run with an injected fault, Prometheus and Alertmanager")
-    demo.add_argument("--scenario", default="engine-desync", help="fault to inject, or healthy (docs/demo.md)")
+    demo.add_argument("--scenario", default="engine-desync", choices=_scenario_names(), metavar="SCENARIO",
+                      help="fault to inject, or healthy (docs/demo.md); one of: " + ", ".join(_scenario_names()))
     demo.add_argument("--inject-at", type=int, default=None,
                       help="step at which the fault starts (default: the scenario's)")
     demo.add_argument("--steps", type=int, default=400, help="GRPO steps to run")

@@ -16,6 +16,7 @@ from grpo_exporter.config import load_yaml_mapping
 from grpo_exporter.thresholds import StopLines
 
 Severity = Literal["critical", "warning", "info"]
+RUNBOOK_FALLBACK = "docs/runbooks.md"
 
 
 class MixinConfig(StopLines):
@@ -123,7 +124,10 @@ class MixinConfig(StopLines):
     )
 
     # ---- paging ----
-    runbook_url: str = Field("docs/runbooks.md", description="base of every alert's runbook_url")
+    runbook_url: str = Field(
+        RUNBOOK_FALLBACK, description="base of every alert's runbook_url: set it to a URL your pager can open (where "
+        "you host docs/runbooks.md); the default is the repository-relative fallback, named in every generated file",
+    )
     for_seconds: dict[str, int] = Field(
         default_factory=dict, description="per-alert `for` overrides in seconds (scaled by time_scale), e.g. "
         "{GRPOEngineLogprobGapWarning: 1800} to page only on a persistent drift"
