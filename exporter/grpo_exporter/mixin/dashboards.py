@@ -179,7 +179,7 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q('run:grpo_clipped_tokens:window_ratio{bound="lower"}', "lower {{run}}")),
                   "percentunit", thresholds=((c.lower_clip_min, "orange"),), min=0),
         PanelSpec("How many tokens lie outside the clip range at all?",
-                  f"Clipped plus opposite-sign out-of-range tokens over all update tokens; the seed's danger line is {c.clip_fraction_high:g}.",
+                  f"Clipped plus opposite-sign out-of-range tokens over the signed (non-zero advantage) update tokens, which alone can be clipped; the seed's danger line is {c.clip_fraction_high:g}.",
                   (q("run:grpo_tokens_outside_clip:window_ratio"),),
                   "percentunit", thresholds=((c.clip_fraction_high, "red"),), min=0),
         PanelSpec("How are update tokens split by advantage sign?",

@@ -93,9 +93,11 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_clipped_tokens:window_ratio", "labels": {"bound": "lower"},
          "expr": f"{_rate(c, 'grpo_clipped_tokens_total', bound='lower')}"
                  f" / {_rate(c, 'grpo_update_tokens_total', advantage_sign='negative')}"},
+        # over signed tokens only: a zero-advantage token can never be clipped (100% must read 100%)
         {"record": "run:grpo_tokens_outside_clip:window_ratio",
          "expr": f"({_rate(c, 'grpo_clipped_tokens_total')} + {_rate(c, 'grpo_out_of_range_unclipped_tokens_total')})"
-                 f" / {_rate(c, 'grpo_update_tokens_total')}"},
+                 f" / ({_rate(c, 'grpo_update_tokens_total', advantage_sign='positive')}"
+                 f" + {_rate(c, 'grpo_update_tokens_total', advantage_sign='negative')})"},
         {"record": "run:grpo_onpolicy_outside_clip_tokens:window_ratio",
          "expr": f"{_rate(c, 'grpo_onpolicy_outside_clip_tokens_total')}"
                  f" / {_rate(c, 'grpo_onpolicy_checked_tokens_total')}"},
