@@ -148,3 +148,24 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
             stop.set()
             if trainer.is_alive():
                 trainer.join(timeout=10)
+
+
+def test_every_panel_query_is_filtered_by_job_and_run():
+    """Each series selector of every panel (raw, recorded, ALERTS) carries the dashboard's $job and $run: a
+    single-run board never shows another run (recorded series used to ignore the variables)."""
+    from grpo_exporter.mixin.dashboards import _SELECTOR, scoped
+
+    selectors = 0
+    for spec in specs(MixinConfig()):
+        for row in spec.rows:
+            for panel in row.panels:
+                for query in panel.queries:
+                    for match in _SELECTOR.finditer(query.expr):
+                        selectors += 1
+                        assert match[2] is not None, (panel.title, query.expr)
+                        assert 'job=~"$job"' in match[2], (panel.title, query.expr)
+                        assert 'run=~"$run"' in match[2], (panel.title, query.expr)
+    assert selectors > 40
+    assert scoped("run:x:window_ratio > 1") == 'run:x:window_ratio{job=~"$job",run=~"$run"} > 1'
+    assert scoped('grpo_y{bound="upper"}[5m]') == 'grpo_y{bound="upper",job=~"$job",run=~"$run"}[5m]'
+    assert scoped('grpo_ref{metric="grpo_z"}') == 'grpo_ref{metric="grpo_z",job=~"$job",run=~"$run"}'

@@ -327,8 +327,9 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_rollout_staleness_versions", GA,
-        "Policy versions between the trainer and the policy that generated the rollouts being trained on.",
-        G, "versions", inputs=("policy_version", "rollout_policy_version"), merge=Merge.SAME,
+        "Policy versions between the trainer and the policy that generated the rollouts being trained on "
+        "(off-policyness: a samples question, layer 3, like its alert GRPORolloutsStale).",
+        S, "versions", inputs=("policy_version", "rollout_policy_version"), merge=Merge.SAME,
     ),
     Metric(
         "grpo_kl_ref_nats", GA,

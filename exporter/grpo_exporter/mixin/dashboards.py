@@ -16,6 +16,7 @@ spec list into the SDK's builders, setting panel ids and query refIds explicitly
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,8 +68,27 @@ class DashboardSpec:
     tags: tuple[str, ...] = field(default=("grpo", "grpo-exporter"))
 
 
+_SELECTOR = re.compile(r'(?<![\w:"])(run:[a-z0-9_:]+|grpo_[a-z0-9_]+|ALERTS)(\{[^}]*\})?')
+
+
+def scoped(expr: str) -> str:
+    """``expr`` with every series selector (raw ``grpo_*``, recorded ``run:*``, ``ALERTS``) filtered by the
+    dashboard's ``$job`` and ``$run`` variables, so no panel shows runs the viewer did not pick."""
+
+    def add(match: re.Match[str]) -> str:
+        name, braces = match[1], match[2]
+        if braces is None:
+            return f"{name}{{{SEL}}}"
+        inner = braces[1:-1]
+        if 'job=~"$job"' in inner and 'run=~"$run"' in inner:
+            return match[0]
+        return f"{name}{{{inner + ',' if inner else ''}{SEL}}}"
+
+    return _SELECTOR.sub(add, expr)
+
+
 def q(expr: str, legend: str = "{{run}}") -> Query:
-    return Query(expr, legend)
+    return Query(scoped(expr), legend)
 
 
 def training_health(c: MixinConfig) -> DashboardSpec:
@@ -128,9 +148,6 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   (q(f"max by (run) (grpo_param_relative_update{{{SEL}}})", "|dθ|/|θ| {{run}}"),
                    q(f"max by (run) (grpo_kl_ref_nats{{{SEL}}})", "KL {{run}}")),
                   "none", min=0),
-        PanelSpec("How stale are the rollouts?", "Policy versions between the trainer and the rollouts it learns from.",
-                  (q(f"max by (run) (grpo_rollout_staleness_versions{{{SEL}}})"),),
-                  "none", thresholds=((c.staleness_max_versions, "orange"),), min=0),
     ))
     layer2 = RowSpec("2 · Does the reward measure what I think?", (
         PanelSpec("Which reward component moves? (mean per component)",
@@ -159,6 +176,9 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   "percentunit", thresholds=((c.truncation_surge_floor, "orange"),), min=0),
     ))
     layer3 = RowSpec("3 · How many samples decide this update?", (
+        PanelSpec("How stale are the rollouts?", "Policy versions between the trainer and the rollouts it learns from.",
+                  (q(f"max by (run) (grpo_rollout_staleness_versions{{{SEL}}})"),),
+                  "none", thresholds=((c.staleness_max_versions, "orange"),), min=0),
         PanelSpec("How many samples really carry the gradient? (ESS ratio)",
                   f"Effective sample size ratio per token and per sequence, and the token baseline: falling below {c.ess_drop_factor:g}x warns before grad norm spikes.",
                   (q(f"max by (run, level) (grpo_ess_ratio{{{SEL}}})", "{{run}} {{level}}"),
