@@ -55,6 +55,9 @@ def test_kubernetes_manifests_are_generated_and_carry_the_rules_unchanged():
     service, monitor = docs["service.yaml"], docs["podmonitor.yaml"]
     assert service["spec"]["ports"][0]["port"] == 9887
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # only the serving rank's pod is a target: the other ranks serve nothing and would page for ever
+    assert monitor["spec"]["selector"]["matchLabels"]["grpo-exporter/serving"] == "true"
+    assert service["spec"]["selector"]["grpo-exporter/serving"] == "true"
 
 
 def test_compose_mounts_the_generated_files():

@@ -23,7 +23,8 @@ from grpo_exporter.monitor_config import MonitorConfig
 from monitor_helpers import expected_step, rollout_kwargs, scrape, update_kwargs
 
 WORLD = 2
-SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "guard": "off", "pass_k": (2, 4)}
+SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "guard": "off", "pass_k": (2, 4),
+            "close_linger_s": 0.0}
 
 
 def halves(x: StepInputs, rank: int) -> slice:

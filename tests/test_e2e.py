@@ -52,10 +52,13 @@ class Run:
         self.label = "e2e-" + "+".join((self.scenario, *self.also)) + f"-{self.seed}"
 
 
+END_VISIBLE_S = 3.0  # a closed run's target stays configured this long (longer than the demo's ExporterDown `for`)
+
+
 def _monitor(run: Run) -> GRPOMonitor:
     cfg = DemoConfig(seed=run.seed)
     return GRPOMonitor(run=run.label, group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=0, guard="off",
-                       log_ratio_clamp=cfg.log_ratio_clamp, edit_distance_groups=0)
+                       log_ratio_clamp=cfg.log_ratio_clamp, edit_distance_groups=0, close_linger_s=10.0)
 
 
 def _train(run: Run, mon: GRPOMonitor, stack: Stack, warm: dict[str, object]) -> None:
@@ -82,13 +85,18 @@ def _train(run: Run, mon: GRPOMonitor, stack: Stack, warm: dict[str, object]) ->
                 if (quiet_until is not None and now > quiet_until) or now - run.injected_at > PAGE_WITHIN_S + 5:
                     break
             time.sleep(max(0.0, 1 / STEPS_PER_SECOND - (time.monotonic() - start)))
-        stack.retire_target(mon.port or 0)  # before the exporter goes away: no ExporterDown page
+        port = mon.port or 0
+        # a normal end: close() marks the run finished and waits for Prometheus to scrape that; the target
+        # then stays configured (up = 0) for a while: nothing may page (GRPOExporterDown, GRPOTrainingStalled)
+        mon.close()
+        time.sleep(END_VISIBLE_S)
+        stack.retire_target(port)
     except BaseException as exc:  # reported by the test, with the run
         run.error = exc
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, str]]]:
+def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, str]], set[str]]:
     torch.set_num_threads(1)
     runs = [Run("healthy", seed) for seed in HEALTHY_SEEDS]
     faults = sorted((s for s in SCENARIOS.values() if s.expected_alerts), key=lambda s: -s.inject_at)
@@ -110,6 +118,8 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, 
                 pool.submit(_train, run, mon, stack, warm[run.seed])
         pages = stack.pages
         fired = _fired_in_prometheus(stack.prometheus_url)
+        liveness = {f[1] for f in _fired_in_prometheus(stack.prometheus_url, ".*")
+                    if f[1] in ("GRPOExporterDown", "GRPOTrainingStalled")}
     for run in runs:  # the measured latencies (pytest -s): the numbers behind PAGE_WITHIN_S
         expected = SCENARIOS[run.scenario].expected_alerts
         hit = next((p for p in pages if p.run == run.label and expected and p.alert == expected[0]), None)
@@ -117,12 +127,15 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, 
         print(f"{run.label:32} steps {run.steps:4d}  page after injection {latency}")
     failed = [(r.label, r.error) for r in runs if r.error is not None]
     assert not failed, failed
-    return runs, pages, fired
+    return runs, pages, fired, liveness
 
 
-def _fired_in_prometheus(url: str) -> set[tuple[str, str, str]]:
-    """(run, alert, layer) of every alert that fired in Prometheus during the suite, delivered or not."""
-    answer = prometheus_query(url, 'max by (run, alertname, layer) (max_over_time(ALERTS{alertstate="firing"}[30m]))')
+def _fired_in_prometheus(url: str, state: str = "firing") -> set[tuple[str, str, str]]:
+    """(run, alert, layer) of every alert that reached ``state`` in Prometheus during the suite (firing, or
+    pending too with ``state=".*"``), delivered or not."""
+    answer = prometheus_query(
+        url, f'max by (run, alertname, layer) (max_over_time(ALERTS{{alertstate=~"{state}"}}[30m]))'
+    )
     assert answer["status"] == "success", answer
     return {(m["metric"].get("run", ""), m["metric"]["alertname"], m["metric"]["layer"])
             for m in answer["data"]["result"]}
@@ -134,7 +147,7 @@ def _firing(pages: list[Page], run: Run) -> list[Page]:
 
 @pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s.expected_alerts])
 def test_fault_pages_its_alert_and_layer(fleet, name):
-    runs, pages, _ = fleet
+    runs, pages, _, _ = fleet
     run = next(r for r in runs if r.scenario == name and not r.also)
     scenario = SCENARIOS[name]
     assert run.injected_at is not None, run
@@ -154,7 +167,7 @@ def test_fault_pages_its_alert_and_layer(fleet, name):
 
 
 def test_layer_one_mutes_a_downstream_alert_that_fires(fleet):
-    runs, pages, fired = fleet
+    runs, pages, fired, _ = fleet
     run = next(r for r in runs if r.also)
     mine = _firing(pages, run)
     assert ("GRPOLossMaskMismatch", "1-gradient") in [(p.alert, p.layer) for p in mine]
@@ -164,15 +177,17 @@ def test_layer_one_mutes_a_downstream_alert_that_fires(fleet):
 
 @pytest.mark.parametrize("seed", HEALTHY_SEEDS)
 def test_healthy_run_delivers_no_page(fleet, seed):
-    runs, pages, fired = fleet
+    runs, pages, fired, _ = fleet
     run = next(r for r in runs if r.scenario == "healthy" and r.seed == seed)
     assert run.steps == HEALTHY_STEPS
     assert [(p.alert, p.status) for p in pages if p.run == run.label] == []
     assert [f for f in fired if f[0] == run.label] == [], "nothing even fired in Prometheus"
 
 
-def test_every_page_belongs_to_a_run_and_no_exporter_was_down(fleet):
-    runs, pages, fired = fleet
+def test_every_page_belongs_to_a_run_and_no_normal_end_pages(fleet):
+    """Every run ends with close() while its target stays configured (up = 0) for a few seconds: neither
+    GRPOExporterDown nor GRPOTrainingStalled may even go pending (Prometheus evaluates every second here)."""
+    runs, pages, _, liveness = fleet
     labels = {r.label for r in runs}
     assert [p.line() for p in pages if p.run not in labels] == []
-    assert [f for f in fired if f[1] == "GRPOExporterDown"] == []
+    assert liveness == set()

@@ -23,7 +23,7 @@ from grpo_exporter.catalog import CATALOG, MetricType
 from grpo_exporter.metric_docs import series_per_run
 from monitor_helpers import feed, parse_exposition, registry_value, rollout_kwargs, scrape, update_kwargs
 
-BASE = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "guard": "off"}
+BASE = {"group_size": 8, "clip_eps": (0.2, 0.28), "log_ratio_clamp": 20.0, "guard": "off", "close_linger_s": 0.0}
 
 
 def test_port_zero_serves_on_localhost_with_the_run_label():
@@ -327,3 +327,22 @@ for _ in range(50):
     threading.Thread(target=hammer, daemon=True).start()
 time.sleep(60)
 """
+
+
+def test_close_marks_the_run_finished_and_waits_for_one_scrape_to_see_it():
+    """A normal end must reach Prometheus (grpo_run_finished 1), or the vanished target pages like a crash."""
+    mon = GRPOMonitor(run="ending", port=0, **(BASE | {"close_linger_s": 10.0}))
+    assert parse_exposition(scrape(mon.url))["grpo_run_finished"] == {(("run", "ending"),): 0.0}
+    closer = threading.Thread(target=mon.close)
+    start = time.monotonic()
+    closer.start()
+    time.sleep(0.3)
+    assert closer.is_alive()  # lingering until a scrape has seen the end
+    assert parse_exposition(scrape(mon.url))["grpo_run_finished"] == {(("run", "ending"),): 1.0}
+    closer.join(timeout=5)
+    assert not closer.is_alive()
+    assert time.monotonic() - start < 2.0
+    quiet = GRPOMonitor(run="never-scraped", port=0, **(BASE | {"close_linger_s": 10.0}))
+    start = time.monotonic()
+    quiet.close()  # nothing ever scraped it: no scraper to wait for
+    assert time.monotonic() - start < 1.0

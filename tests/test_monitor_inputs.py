@@ -17,7 +17,8 @@ from grpo_exporter.monitor_config import MonitorConfig
 from grpo_exporter.solve_rates import SolveRates
 from monitor_helpers import parse_exposition, registry_value, scrape
 
-SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "port": None, "guard": "off", "edit_distance_groups": 0}
+SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "port": None, "guard": "off", "edit_distance_groups": 0,
+            "close_linger_s": 0.0}
 ERRORS = 'grpo_exporter_errors_total{stage="%s"}'
 
 

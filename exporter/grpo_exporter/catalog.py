@@ -513,6 +513,12 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric("grpo_steps_total", C, "Steps observed.", L, "steps", inputs=("step",), source=Source.MONITOR),
     Metric(
+        "grpo_run_finished", GA,
+        "1 once close() ran (the run ended normally; close waits up to close_linger_s for one more scrape so "
+        "Prometheus sees it), 0 while the run is live: a normal end pages nothing, a dead process still does.",
+        L, source=Source.MONITOR,
+    ),
+    Metric(
         "grpo_observe_duration_seconds", H,
         "Wall time spent inside observe calls, by stage, seconds.",
         L, "seconds", labels=(Label("stage", STAGES),), source=Source.MONITOR, buckets=OBSERVE_BUCKETS,

@@ -31,10 +31,12 @@ class CatalogCollector(Collector):
         self._publication = publication
         self._run = run
         self._on_error = on_error
+        self.scrapes = 0  # collections served: close() waits for one more after marking the run finished
         if registry is not None:
             registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
+        self.scrapes += 1
         families: dict[str, Metric] = {}
         for key, value in sorted(self._publication.snapshot().items()):
             try:

@@ -316,19 +316,33 @@ class GRPOMonitor:
         self._edit_worker.wait(timeout)
 
     def close(self) -> None:
-        """Publish what is pending and stop serving. Idempotent; observe calls after it raise."""
+        """Publish what is pending, mark the run finished (``grpo_run_finished`` 1: a normal end pages nothing),
+        and stop serving once a scrape has seen it. Idempotent; observe calls after it raise."""
         if self._closed:
             return
         with contextlib.suppress(guard.TrainingSignalError):
             self.end_step()
         with self._publication.writing:
             self._publish_held_audit()
+            self._publication.merge({_key("grpo_run_finished"): 1.0})
             self._publication.publish()
         self._closed = True
         self._edit_worker.shutdown()
         if self._server is not None:
+            self._linger()
             self._server.close()
             self._server = None
+
+    def _linger(self) -> None:
+        """Serve until one more scrape has seen the finished run (at most ``close_linger_s``; not at all when
+        nothing ever scraped this exporter): otherwise Prometheus sees the target vanish and cannot tell a
+        normal end from a crash."""
+        seen = self._collector.scrapes
+        if seen == 0:
+            return
+        deadline = time.monotonic() + self.config.close_linger_s
+        while self._collector.scrapes == seen and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def __enter__(self) -> GRPOMonitor:
         return self

@@ -99,6 +99,10 @@ class MonitorConfig(MetricsConfig, StopLines):
         300.0, gt=0, description="longest wait of a rank in an exporter collective (its own gloo group); after a "
         "failure or timeout the exporter publishes rank-local values for the rest of the run",
     )
+    close_linger_s: float = Field(
+        30.0, ge=0, description="after close() marks the run finished, keep serving until one more scrape (at most "
+        "this long; not at all when nothing ever scraped): Prometheus must see the normal end, or it pages",
+    )
     edit_distance_groups: int = Field(
         4, ge=0, description="groups per rollout whose in-group edit distance is computed off-thread; 0 = off"
     )

@@ -45,8 +45,9 @@ def run_demo(
         out(p.line())
 
     cfg = DemoConfig(seed=seed)
+    # the demo's own stack stops before the exporter closes (below): nobody is left to see the end, so no linger
     with GRPOMonitor(run=f"demo-{scenario}-{seed}", group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=0,
-                     log_ratio_clamp=cfg.log_ratio_clamp, guard="warn") as mon:
+                     log_ratio_clamp=cfg.log_ratio_clamp, guard="warn", close_linger_s=0.0) as mon:
         out(f"exporter:     {mon.url}")
         local = Stack(on_page=page, targets=(mon.port or 0,)) if stack else None
         try:  # the stack stops first: no scrape of a closed exporter, no "exporter down" page at the end

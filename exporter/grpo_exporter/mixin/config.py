@@ -56,6 +56,11 @@ class MixinConfig(StopLines):
         900, ge=1, description="GRPOTrainingStalled: no new step for this long. Set above your slowest step "
         "(evaluation and checkpointing included)."
     )
+    lifecycle_lookback_s: int = Field(
+        21600, ge=1, description="how long a run's last samples are remembered after its process is gone: a run "
+        "that died without close() pages GRPOTrainingStalled (and a static target GRPOExporterDown) for this long; "
+        "a run that ended with close() (grpo_run_finished 1) pages nothing, and between runs nothing pages."
+    )
 
     # ---- layer 1 thresholds ----
     # engine_gap_stop_nats, engine_gap_healthy_nats and onpolicy_clip_stop_ratio: StopLines (shared with the guard)

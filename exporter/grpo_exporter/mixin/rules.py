@@ -161,22 +161,28 @@ def _alerts(c: MixinConfig) -> list[Alert]:
     gap = "run:grpo_engine_logprob_gap_nats:window_mean"
     ref = "grpo_reference_baseline"
     growth = "run:grpo_completion_length_tokens:growth_ratio"
+    lookback = c.duration(c.lifecycle_lookback_s)
     g1, g2, g3, g4, g0 = Layer.GRADIENT, Layer.REWARD, Layer.SAMPLES, Layer.DIVERSITY, Layer.LIVENESS
     return [
         # ---- liveness ----
         Alert(
             "GRPOExporterDown", g0, "exporter", "critical",
-            f"up{c.matchers()} == 0 or absent(up{c.matchers()})", 120,
-            "The grpo-exporter target is down or absent: nothing below can be judged.",
-            "Prometheus cannot scrape {{ $labels.job }} {{ $labels.instance }} (up = " + _value("%g") + ").",
+            f"up{c.matchers()} == 0 unless on(job, instance) "
+            f"(max by (job, instance) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}])) == 1)", 120,
+            "The grpo-exporter target is down and its run did not end normally: nothing below can be judged.",
+            "Prometheus cannot scrape {{ $labels.job }} {{ $labels.instance }} (up = " + _value("%g") + ") and the "
+            "run there never reported a normal end (grpo_run_finished).",
         ),
         Alert(
             "GRPOTrainingStalled", g0, "stalled", "critical",
-            f"time() - max by ({BY}) (grpo_last_step_timestamp_seconds{c.matchers()}) > {c.stall_after_s * c.time_scale:g}",
+            f"time() - max by ({BY}) (last_over_time(grpo_last_step_timestamp_seconds{c.matchers()}[{lookback}])) "
+            f"> {c.stall_after_s * c.time_scale:g} unless on({BY}) "
+            f"(max by ({BY}) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}])) == 1)",
             60,
-            "Training has not reported a new step.",
+            "Training has not reported a new step, and the run did not end normally.",
             "Run {{ $labels.run }} has reported no step for " + _value("%.0f") + f"s (threshold "
-            f"{c.stall_after_s * c.time_scale:g}s); last step " + _query("max(grpo_last_step{run=%q})", "%.0f") + ".",
+            f"{c.stall_after_s * c.time_scale:g}s; its process may be hung or gone); last step "
+            + _query(f"max(last_over_time(grpo_last_step{{run=%q}}[{lookback}]))", "%.0f") + ".",
         ),
         # ---- layer 1: does the gradient match what I think? ----
         Alert(
