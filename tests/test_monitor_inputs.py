@@ -262,3 +262,32 @@ def test_step_numbers_are_integers_of_any_kind():
         for bad in (3.0, True, "3", torch.tensor(3.0)):
             with pytest.raises(TypeError, match="`step`: expected an integer"):
                 mon.observe_rollout(bad, rewards=torch.zeros(8))
+
+
+# ---- per-step events counted in the process (issue 11) -------------------------------------------------
+
+
+def test_a_one_step_grad_norm_spike_is_counted_in_the_process():
+    """Seed: a step whose pre-clip norm is 10x the rolling median. One step of 50x among steps of ~1 is counted
+    once, whatever the scrapes see; the solved-task regime (most norms exactly 0) never makes the median 0."""
+    with monitor() as mon:
+        norms = [1.0 + 0.01 * (i % 7) for i in range(30)] + [50.0] + [1.0] * 5
+        for step, norm in enumerate(norms):
+            mon.observe_update(step, grad_norm_pre_clip=norm, max_grad_norm=100.0)
+            mon.end_step()
+        assert registry_value(mon, "grpo_grad_norm_spike_steps_total") == 1
+    with monitor() as solved:
+        norms = [0.0 if i % 6 else 1.0 for i in range(150)] + [3.0]  # 84% zero norms, then an ordinary mixed step
+        for step, norm in enumerate(norms):
+            solved.observe_update(step, grad_norm_pre_clip=norm, max_grad_norm=100.0)
+            solved.end_step()
+        assert registry_value(solved, "grpo_grad_norm_spike_steps_total") == 0
+
+
+def test_no_spike_is_judged_before_enough_norms():
+    from grpo_exporter.spikes import GradNormSpikes
+
+    spikes = GradNormSpikes(MonitorConfig(run="r", group_size=8))
+    assert [spikes.observe(x) for x in [0.01] * 19 + [1.0]] == [False] * 20  # 19 tiny early norms: no baseline
+    assert spikes.observe(10.5) is True  # 20 norms seen now: median 0.01, and 10.5 > 10x it
+    assert spikes.observe(float("nan")) is False

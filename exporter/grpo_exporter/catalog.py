@@ -304,6 +304,13 @@ CATALOG: tuple[Metric, ...] = (
         G, inputs=("grad_norm_pre_clip|grads",), merge=Merge.SAME,
     ),
     Metric(
+        "grpo_grad_norm_spike_steps_total", C,
+        "Optimizer steps whose pre-clip grad norm exceeded grad_spike_factor (10, seed) times the median of the "
+        "previous grad_spike_window_steps non-zero norms, counted in the process: a one-step spike is never "
+        "missed between scrapes, and zero norms (no signal-carrying group) never make the median 0.",
+        G, "steps", inputs=("grad_norm_pre_clip",), source=Source.MONITOR,
+    ),
+    Metric(
         "grpo_grad_norm_post_clip", GA,
         "Global gradient L2 norm after clipping.",
         G, inputs=("grad_norm_pre_clip|grads", "grad_norm_post_clip|max_grad_norm"), merge=Merge.SAME,

@@ -46,6 +46,7 @@ from grpo_exporter.reporting import Reporter
 from grpo_exporter.run_info import static_values
 from grpo_exporter.server import MetricsServer
 from grpo_exporter.solve_rates import SolveRates
+from grpo_exporter.spikes import GradNormSpikes
 from grpo_exporter.step import (
     MASK_AUDIT_FAMILIES,
     ROLLOUT_BLOCKS,
@@ -110,6 +111,7 @@ class GRPOMonitor:
                 self._publication.add({_key("grpo_exporter_errors_total", stage="distributed"): 1.0})
         self._solve_rates = SolveRates(config.solve_rate_slots, config.solve_rate_prior, config.solve_rate_halflife)
         self._stitcher = StepStitcher(config.max_pending_micro_steps)
+        self._spikes = GradNormSpikes(config)
         self._last_step: int | None = None
         self._held_audit: dict[str, float] | None = None
         self._param_snapshot: list[Tensor] | None = None
@@ -387,6 +389,9 @@ class GRPOMonitor:
         if inputs is None:
             return []
         result = self._compute("update", inputs, {}, failed=failed)
+        norm = result.metrics.get(_key("grpo_grad_norm_pre_clip"))
+        if norm is not None and self._spikes.observe(norm):
+            self._publication.add({_key("grpo_grad_norm_spike_steps_total"): 1.0})
         violations = self._publish(result.metrics, result.families)
         if _AUDIT & result.families:
             self._held_audit = None  # the update audited the mask it trains with

@@ -22,7 +22,7 @@ from rapidfuzz import process
 
 from grpo_exporter import catalog
 from grpo_exporter.config import MetricsConfig, load_yaml_mapping
-from grpo_exporter.thresholds import StopLines
+from grpo_exporter.thresholds import EventLines, StopLines
 
 ENV_PREFIX = "GRPO_EXPORTER_"
 DEFAULT_PORT = 9887  # in the exporters' range 9100-9999 of Prometheus' default port allocations
@@ -59,7 +59,7 @@ def verify_password(password: str, encoded: str) -> bool:
     return hmac.compare_digest(candidate, digest)
 
 
-class MonitorConfig(MetricsConfig, StopLines):
+class MonitorConfig(MetricsConfig, StopLines, EventLines):
     """Everything :class:`~grpo_exporter.monitor.GRPOMonitor` needs; the metric knobs are inherited."""
 
     run: str = Field(min_length=1, max_length=128, description="run id: the `run` label of every series")

@@ -1,7 +1,9 @@
-"""The layer-1 stop lines, in one place: the in-process guard and the Prometheus alerts read these fields.
+"""Lines the exporter and the rules share, in one place: the in-process guard and the Prometheus alerts read
+these fields.
 
-``MonitorConfig`` (the guard) and ``MixinConfig`` (the rules, alerts and dashboards) both inherit this model,
-so a line has one name, one default and one description wherever it is set. The numbers are the seed's.
+``MonitorConfig`` (the guard, the in-process event counters) and ``MixinConfig`` (the rules, alerts and
+dashboards) both inherit these models, so a line has one name, one default and one description wherever it
+is set. The numbers are the seed's.
 """
 
 from __future__ import annotations
@@ -32,3 +34,23 @@ class StopLines(BaseModel):
     def stop_lines(self) -> StopLines:
         """Just the stop lines of a config that inherits them."""
         return StopLines(**{name: getattr(self, name) for name in StopLines.model_fields})
+
+
+class EventLines(BaseModel):
+    """Per-step events the exporter counts in process (a scrape every 30 s would miss a one-step event, and a
+    step of minutes empties a rate window); the alerts page on the counters' increase."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    grad_spike_factor: float = Field(
+        10.0, gt=1, description="a step's pre-clip grad norm above this multiple of the median of the previous "
+        "non-zero norms counts in grpo_grad_norm_spike_steps_total and pages GRPOGradNormSpike (seed: 10x)",
+    )
+    grad_spike_window_steps: int = Field(
+        50, ge=2, description="how many previous non-zero pre-clip norms the spike median is taken over (zero "
+        "norms, steps without a mixed group in a solved task, are left out: they would make the median 0)",
+    )
+    grad_spike_min_steps: int = Field(
+        20, ge=1, description="no spike is judged before this many non-zero norms were seen (a median of a "
+        "handful of early norms is no baseline)",
+    )

@@ -13,13 +13,13 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from grpo_exporter.config import load_yaml_mapping
-from grpo_exporter.thresholds import StopLines
+from grpo_exporter.thresholds import EventLines, StopLines
 
 Severity = Literal["critical", "warning", "info"]
 RUNBOOK_FALLBACK = "docs/runbooks.md"
 
 
-class MixinConfig(StopLines):
+class MixinConfig(StopLines, EventLines):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # ---- selection ----
@@ -72,7 +72,7 @@ class MixinConfig(StopLines):
         0.001, gt=0, lt=1, description="GRPOLogRatioFuseBlowing: share of tokens hitting the numerical log-ratio "
         "clamp. Should be ~0 (our choice of line)."
     )
-    grad_spike_factor: float = Field(10.0, gt=1, description="GRPOGradNormSpike: seed's 10x the rolling median")
+    # grad_spike_factor, grad_spike_window_steps, grad_spike_min_steps: EventLines (counted by the exporter)
     grad_clip_active_ratio: float = Field(
         0.9, gt=0, le=1, description="GRPOGradClippingEveryStep: share of optimizer steps clipped. Seed: clipping "
         "on nearly every step = root cause unsolved."

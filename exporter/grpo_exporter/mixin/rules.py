@@ -40,7 +40,7 @@ class Alert:
         return {
             "alert": self.name,
             "expr": self.expr,
-            "for": c.duration(c.for_seconds.get(self.name, self.for_s)),
+            "for": c.duration(for_s) if (for_s := c.for_seconds.get(self.name, self.for_s)) else "0s",
             "labels": {
                 "severity": c.severities.get(self.name, self.severity),
                 "layer": self.layer.value if isinstance(self.layer, Layer) else self.layer,
@@ -235,11 +235,11 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPOGradNormSpike", OPTIMIZER, "grad_norm", "warning",
-            f"max by ({BY}) (grpo_grad_norm_pre_clip{c.matchers()}) > on(job, run) "
-            f"({c.grad_spike_factor:g} * run:grpo_grad_norm_pre_clip:baseline_median)", 60,
+            f"{_increase(c, 'grpo_grad_norm_spike_steps_total')} > 0", 0,
             "Pre-clip gradient norm spiked above its rolling median.",
-            "Pre-clip grad norm of run {{ $labels.run }} is " + _value("%.3g") + f", more than "
-            f"{c.grad_spike_factor:g}x its rolling median "
+            "Run {{ $labels.run }}: " + _value("%.0f") + f" optimizer step(s) over {w} had a pre-clip grad norm "
+            f"above {c.grad_spike_factor:g}x the median of the previous {c.grad_spike_window_steps} non-zero "
+            "norms (counted in the process, so no step between scrapes is missed); rolling median now "
             + _query("max(run:grpo_grad_norm_pre_clip:baseline_median{run=%q})") + ".",
         ),
         Alert(
