@@ -100,8 +100,9 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
         (tmp_path / name).write_text(text)
     baseline = tmp_path / "baseline.yaml"
     baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.6\n')
+    # Prometheus stops before the exporter closes: nobody is left to scrape the end, so no linger
     with GRPOMonitor(run="dash", group_size=8, port=0, guard="off", log_ratio_clamp=20.0,
-                     reference_baseline=str(baseline)) as mon:
+                     reference_baseline=str(baseline), close_linger_s=0.0) as mon:
         config = tmp_path / "prometheus.yml"
         config.write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
