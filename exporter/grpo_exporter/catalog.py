@@ -113,7 +113,12 @@ class Metric:
 
         Labels are kept in catalogue order; a label this family does not declare, a value outside a fixed
         value set, or a value that is not a valid label value (:func:`check_label_value`) raises ``ValueError``.
+        Keys are built once each and cached (the step asks for the same few hundred keys every step).
         """
+        return _sample_key(self, suffix, tuple(labels.items()))
+
+    def _build_key(self, suffix: str, items: tuple[tuple[str, str], ...]) -> SampleKey:
+        labels = dict(items)
         declared = {label.name: label for label in self.labels}
         extra = set(labels) - set(declared) - {"quantile", "le"}
         if extra:
@@ -127,6 +132,11 @@ class Metric:
             check_label_value(name, value)
         ordered = tuple((n, labels[n]) for n in (*self.label_names, "quantile", "le") if n in labels)
         return SampleKey(self.name + suffix, ordered)
+
+
+@functools.lru_cache(maxsize=16384)
+def _sample_key(family: Metric, suffix: str, items: tuple[tuple[str, str], ...]) -> SampleKey:
+    return family._build_key(suffix, items)
 
 
 MAX_LABEL_VALUE_LENGTH = 128
