@@ -291,3 +291,14 @@ def test_no_spike_is_judged_before_enough_norms():
     assert [spikes.observe(x) for x in [0.01] * 19 + [1.0]] == [False] * 20  # 19 tiny early norms: no baseline
     assert spikes.observe(10.5) is True  # 20 norms seen now: median 0.01, and 10.5 > 10x it
     assert spikes.observe(float("nan")) is False
+
+
+def test_stale_update_steps_are_counted_on_every_step():
+    """A weight sync every 8 steps: staleness climbs 0..7 and resets. Steps 5, 6 and 7 of each cycle are more
+    than 4 versions stale; a scrape right after each sync would only ever see 0."""
+    with monitor() as mon:
+        for step in range(32):
+            mon.observe_update(step, **tokens(8), policy_version=step, rollout_policy_version=step - step % 8)
+            mon.end_step()
+        assert registry_value(mon, "grpo_stale_update_steps_total") == 4 * 3
+        assert registry_value(mon, "grpo_rollout_staleness_versions") == 7

@@ -349,6 +349,13 @@ CATALOG: tuple[Metric, ...] = (
         S, "versions", inputs=("policy_version", "rollout_policy_version"), merge=Merge.SAME,
     ),
     Metric(
+        "grpo_stale_update_steps_total", C,
+        "Update steps whose rollouts were more than staleness_max_versions (4) policy versions old, counted in "
+        "the process on every step: the staleness gauge resets at every weight sync, so scrapes alone can miss "
+        "every peak.",
+        S, "steps", inputs=("policy_version", "rollout_policy_version"), source=Source.MONITOR,
+    ),
+    Metric(
         "grpo_kl_ref_nats", GA,
         "Mean per-token KL(pi_theta || pi_ref) over loss tokens with the k3 estimator "
         "exp(ref - logp) - (ref - logp) - 1 (unbiased, non-negative), nats.",

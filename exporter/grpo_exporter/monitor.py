@@ -392,6 +392,9 @@ class GRPOMonitor:
         norm = result.metrics.get(_key("grpo_grad_norm_pre_clip"))
         if norm is not None and self._spikes.observe(norm):
             self._publication.add({_key("grpo_grad_norm_spike_steps_total"): 1.0})
+        staleness = result.metrics.get(_key("grpo_rollout_staleness_versions"))
+        if staleness is not None and staleness > self.config.staleness_max_versions:
+            self._publication.add({_key("grpo_stale_update_steps_total"): 1.0})
         violations = self._publish(result.metrics, result.families)
         if _AUDIT & result.families:
             self._held_audit = None  # the update audited the mask it trains with

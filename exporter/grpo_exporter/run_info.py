@@ -9,12 +9,13 @@ from grpo_exporter.monitor_config import MonitorConfig
 
 
 def static_values(config: MonitorConfig) -> dict[str, float]:
-    """``grpo_build_info``, ``grpo_run_info``, ``grpo_run_finished`` 0 (live), ``grpo_grad_norm_spike_steps_total`` 0
+    """``grpo_build_info``, ``grpo_run_info``, ``grpo_run_finished`` 0 (live), the event counters at 0
     and one ``grpo_reference_baseline`` per configured key."""
     values = {
         catalog.metric("grpo_run_finished").key(): 0.0,
         # a counter exists from the start, so that its first increment is an increase Prometheus can see
         catalog.metric("grpo_grad_norm_spike_steps_total").key(): 0.0,
+        catalog.metric("grpo_stale_update_steps_total").key(): 0.0,
         catalog.metric("grpo_build_info").key(version=__version__, torch_version=torch.__version__): 1.0,
         catalog.metric("grpo_run_info").key(
             group_size=str(config.group_size), clip_eps_low=repr(config.clip_eps_low),

@@ -54,3 +54,8 @@ class EventLines(BaseModel):
         20, ge=1, description="no spike is judged before this many non-zero norms were seen (a median of a "
         "handful of early norms is no baseline)",
     )
+    staleness_max_versions: int = Field(
+        4, ge=1, description="an update step trained on rollouts more than this many policy versions old counts "
+        "in grpo_stale_update_steps_total; GRPORolloutsStale pages while such steps keep coming (the staleness "
+        "gauge is a sawtooth that resets at every weight sync: a scrape can always land after the reset)",
+    )

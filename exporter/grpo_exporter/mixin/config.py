@@ -111,7 +111,7 @@ class MixinConfig(StopLines, EventLines):
     lower_clip_min: float = Field(0.05, gt=0, lt=1, description="GRPOLowerClipDominant: lower clip share above")
     upper_clip_max: float = Field(0.005, ge=0, lt=1, description="GRPOLowerClipDominant: while upper is below")
     clip_fraction_high: float = Field(0.2, gt=0, lt=1, description="GRPOClipFractionHigh: seed's 20%")
-    staleness_max_versions: int = Field(4, ge=1, description="GRPORolloutsStale: policy versions behind")
+    # staleness_max_versions: EventLines (counted by the exporter)
 
     # ---- layer 4 thresholds ----
     entropy_drop_factor: float = Field(

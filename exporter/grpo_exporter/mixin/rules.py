@@ -349,10 +349,11 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPORolloutsStale", g3, "staleness", "warning",
-            f"max by ({BY}) (grpo_rollout_staleness_versions{c.matchers()}) > {c.staleness_max_versions}", 600,
+            f"{_increase(c, 'grpo_stale_update_steps_total')} > 0", 600,
             "The trainer learns from rollouts of an old policy.",
-            "Run {{ $labels.run }} trains on rollouts " + _value("%.0f") + " policy versions old "
-            f"(threshold {c.staleness_max_versions}).",
+            "Run {{ $labels.run }}: " + _value("%.0f") + f" update steps over {w} trained on rollouts more than "
+            f"{c.staleness_max_versions} policy versions old (counted on every step by the exporter; last scraped "
+            "staleness " + _query("max(grpo_rollout_staleness_versions{run=%q})", "%.0f") + ").",
         ),
         # ---- layer 4: does the policy still read the question? ----
         Alert(
