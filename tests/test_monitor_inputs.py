@@ -302,3 +302,15 @@ def test_stale_update_steps_are_counted_on_every_step():
             mon.end_step()
         assert registry_value(mon, "grpo_stale_update_steps_total") == 4 * 3
         assert registry_value(mon, "grpo_rollout_staleness_versions") == 7
+
+
+def test_micro_steps_that_cannot_be_stitched_are_counted_and_the_next_step_is_whole():
+    with monitor() as mon:
+        mon.observe_update(0, **tokens(8, t=4))
+        mon.observe_update(0, **{k: v.to("meta") for k, v in tokens(8, t=4).items()})  # another device: no cat
+        mon.end_step()
+        assert registry_value(mon, ERRORS % "update") == 1
+        mon.observe_update(1, **tokens(8, t=4))
+        mon.end_step()
+        assert registry_value(mon, ERRORS % "update") == 1
+        assert registry_value(mon, 'grpo_update_tokens_total{advantage_sign="positive"}') == 4 * 4

@@ -384,10 +384,16 @@ class GRPOMonitor:
 
     def _finish_update(self) -> list[guard.Violation]:
         """Compute the pending update step, if one is open (every rank opens and ends steps alike)."""
-        failed = self._stitcher.failed
-        inputs = self._stitcher.take()
-        if inputs is None:
+        if not self._stitcher.open:
             return []
+        failed = self._stitcher.failed
+        try:
+            inputs = self._stitcher.take()
+        except Exception as exc:  # micro-steps that cannot be stitched: the step still merges, as failed
+            if self.config.strict:
+                raise
+            self._report.error("update", exc, "stitching the micro-steps")
+            inputs, failed = StepInputs(), True
         result = self._compute("update", inputs, {}, failed=failed)
         norm = result.metrics.get(_key("grpo_grad_norm_pre_clip"))
         if norm is not None and self._spikes.observe(norm):

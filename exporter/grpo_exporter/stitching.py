@@ -68,12 +68,13 @@ class StepStitcher:
         self.open = True
 
     def take(self) -> StepInputs | None:
-        """The step's stitched inputs (None when no update happened since the last take), and reset."""
+        """Reset, and return the step's stitched inputs (None when no update happened since the last take).
+        Raises if the micro-steps cannot be stitched (the state is reset all the same)."""
         if not self.open:
             return None
-        inputs = concatenate(self.pending, self.grad)
+        parts, grad = self.pending, self.grad
         self.pending, self.grad, self.open, self.failed = [], {}, False, False
-        return inputs
+        return concatenate(parts, grad)
 
 
 def concatenate(parts: list[StepInputs], grad: Mapping[str, Any]) -> StepInputs:
