@@ -314,3 +314,19 @@ def test_micro_steps_that_cannot_be_stitched_are_counted_and_the_next_step_is_wh
         mon.end_step()
         assert registry_value(mon, ERRORS % "update") == 1
         assert registry_value(mon, 'grpo_update_tokens_total{advantage_sign="positive"}') == 4 * 4
+
+
+def test_the_runs_own_clean_engine_gap_is_measured_and_frozen():
+    """Seed: measure your own clean baseline. 20 rollouts at a gap of 1e-7 nats make the clean gap; a fault
+    that multiplies it by 1000 (1e-4, a tenth of the fixed 0.001 line) leaves it frozen, and the rule pages on
+    the multiple (rules/tests/layer1.test.yml)."""
+    with monitor() as mon:
+        x = tokens(8)
+        for step in range(30):
+            gap = 1e-7 if step < 25 else 1e-4
+            mon.observe_rollout(step, rewards=torch.zeros(8), rollout_logprobs=x["old_logprobs"].double() + gap,
+                                old_logprobs=x["old_logprobs"].double(), loss_mask=x["loss_mask"])
+            clean = registry_value(mon, "grpo_engine_logprob_gap_clean_baseline_nats")
+            assert (clean is None) == (step < 19)
+        assert clean == pytest.approx(1e-7, rel=0.1)  # fp32 differences of log-probs near -0.5 (seed 4.1)
+        assert registry_value(mon, "grpo_engine_logprob_gap_mean_nats") == pytest.approx(1e-4, rel=1e-3)

@@ -251,6 +251,13 @@ CATALOG: tuple[Metric, ...] = (
         G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), merge=Merge.RATIO,
     ),
     Metric(
+        "grpo_engine_logprob_gap_clean_baseline_nats", GA,
+        "The run's own clean engine gap: the mean of the per-rollout mean gaps of its first gap_baseline_steps "
+        "(20) rollouts, frozen, in nats; absent before. A gap many times it is another probability path even far "
+        "below 0.001 (seed: measure your own clean baseline first).",
+        G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), source=Source.MONITOR,
+    ),
+    Metric(
         "grpo_onpolicy_outside_clip_tokens_total", C,
         "Loss tokens whose importance ratio is already outside [1-eps_low, 1+eps_high] on the first update "
         "of a fresh rollout batch, before any weight changed (seed: 'clip before any update' = stop).",

@@ -46,7 +46,7 @@ from grpo_exporter.reporting import Reporter
 from grpo_exporter.run_info import static_values
 from grpo_exporter.server import MetricsServer
 from grpo_exporter.solve_rates import SolveRates
-from grpo_exporter.spikes import GradNormSpikes
+from grpo_exporter.spikes import CleanGap, GradNormSpikes
 from grpo_exporter.step import (
     MASK_AUDIT_FAMILIES,
     ROLLOUT_BLOCKS,
@@ -112,6 +112,7 @@ class GRPOMonitor:
         self._solve_rates = SolveRates(config.solve_rate_slots, config.solve_rate_prior, config.solve_rate_halflife)
         self._stitcher = StepStitcher(config.max_pending_micro_steps)
         self._spikes = GradNormSpikes(config)
+        self._clean_gap = CleanGap(config)
         self._last_step: int | None = None
         self._held_audit: dict[str, float] | None = None
         self._param_snapshot: list[Tensor] | None = None
@@ -190,6 +191,10 @@ class GRPOMonitor:
             audit = {k: v for k, v in result.metrics.items() if catalog.family_of(k.sample).name in _AUDIT}
             self._held_audit = audit or None
             metrics = {k: v for k, v in result.metrics.items() if k not in audit}
+            gap = metrics.get(_key("grpo_engine_logprob_gap_mean_nats"))
+            clean = self._clean_gap.observe(gap) if gap is not None else None
+            if clean is not None:
+                metrics[_key("grpo_engine_logprob_gap_clean_baseline_nats")] = clean
             violations += self._publish(metrics, result.families - _AUDIT)
         self._report.enforce(violations, self._last_step)
 

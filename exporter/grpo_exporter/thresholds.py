@@ -59,3 +59,15 @@ class EventLines(BaseModel):
         "in grpo_stale_update_steps_total; GRPORolloutsStale pages while such steps keep coming (the staleness "
         "gauge is a sawtooth that resets at every weight sync: a scrape can always land after the reset)",
     )
+    gap_baseline_steps: int = Field(
+        20, ge=1, description="rollouts whose mean engine gap make the run's own clean gap "
+        "(grpo_engine_logprob_gap_clean_baseline_nats, frozen after them; seed: measure your own clean baseline)",
+    )
+    gap_clean_factor: float = Field(
+        10.0, gt=1, description="GRPOEngineLogprobGapWarning also fires when the gap exceeds this multiple of the "
+        "run's clean gap (and the floor): a different probability path can stay far below the fixed 0.001 line",
+    )
+    gap_floor_nats: float = Field(
+        1e-5, gt=0, description="the clean-baseline comparison applies only above this mean gap: an exactly "
+        "matching engine (clean gap ~0) must not page on rounding",
+    )

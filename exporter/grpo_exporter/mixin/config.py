@@ -72,7 +72,8 @@ class MixinConfig(StopLines, EventLines):
         0.001, gt=0, lt=1, description="GRPOLogRatioFuseBlowing: share of tokens hitting the numerical log-ratio "
         "clamp. Should be ~0 (our choice of line)."
     )
-    # grad_spike_factor, grad_spike_window_steps, grad_spike_min_steps: EventLines (counted by the exporter)
+    # grad_spike_factor, grad_spike_window_steps, grad_spike_min_steps, gap_baseline_steps, gap_clean_factor,
+    # gap_floor_nats: EventLines (judged by the exporter or against what it publishes)
     grad_clip_active_ratio: float = Field(
         0.9, gt=0, le=1, description="GRPOGradClippingEveryStep: share of optimizer steps clipped. Seed: clipping "
         "on nearly every step = root cause unsolved."

@@ -111,8 +111,9 @@ def training_health(c: MixinConfig) -> DashboardSpec:
     layer1 = RowSpec("1 · Does the gradient match what I think?", (
         PanelSpec("Do trainer and rollout engine agree on log-probs? (mean gap)",
                   f"Mean |rollout - trainer| log-prob gap on loss tokens. Seed: < {c.engine_gap_healthy_nats:g} healthy, "
-                  f">= {c.engine_gap_stop_nats:g} stop. Judge the mean, never the max.",
-                  (q(gap), q(f'max by (run) (grpo_reference_baseline{{metric="grpo_engine_logprob_gap_mean_nats",{SEL}}})', "reference {{run}}")),
+                  f">= {c.engine_gap_stop_nats:g} stop. Judge the mean, never the max. The clean-gap line is {c.gap_clean_factor:g}x the run's own first {c.gap_baseline_steps} rollouts.",
+                  (q(gap), q(f'max by (run) (grpo_reference_baseline{{metric="grpo_engine_logprob_gap_mean_nats",{SEL}}})', "reference {{run}}"),
+                   q(f"{c.gap_clean_factor:g} * max by (run) (grpo_engine_logprob_gap_clean_baseline_nats{{{SEL}}})", "clean-gap line {{run}}")),
                   "none", thresholds=((c.engine_gap_healthy_nats, "yellow"), (c.engine_gap_stop_nats, "red")), min=0),
         PanelSpec("Which tokens disagree most? (gap quantiles)",
                   "p99, p99.9 and max of the engine gap in the last step: a few bad tokens can hit the clip while the mean looks fine.",

@@ -37,10 +37,16 @@ class Alert:
     description: str
 
     def rule(self, c: MixinConfig) -> dict[str, Any]:
-        return {
+        rule: dict[str, Any] = {
             "alert": self.name,
             "expr": self.expr,
             "for": c.duration(for_s) if (for_s := c.for_seconds.get(self.name, self.for_s)) else "0s",
+        }
+        if self.layer is Layer.GRADIENT and c.severities.get(self.name, self.severity) == "critical":
+            # a 0/1 gate keeps firing one rate window after its last evidence: a scrape gap cannot flicker it,
+            # and the pages it mutes downstream stay muted while its curves are still suspect
+            rule["keep_firing_for"] = c.duration(c.rate_window_s)
+        return rule | {
             "labels": {
                 "severity": c.severities.get(self.name, self.severity),
                 "layer": self.layer.value if isinstance(self.layer, Layer) else self.layer,
@@ -197,11 +203,15 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         Alert(
             "GRPOEngineLogprobGapWarning", g1, "engine_logprob_gap", "warning",
             f"{gap} >= {c.engine_gap_healthy_nats:g} or {gap} > on(job, run) ({c.engine_gap_baseline_factor:g} * "
-            f'max by ({BY}) ({ref}{c.matchers(metric="grpo_engine_logprob_gap_mean_nats")}))', 600,
+            f'max by ({BY}) ({ref}{c.matchers(metric="grpo_engine_logprob_gap_mean_nats")}))'
+            f" or ({gap} > on(job, run) ({c.gap_clean_factor:g} * max by ({BY}) "
+            f"(grpo_engine_logprob_gap_clean_baseline_nats{c.matchers()})) and {gap} > {c.gap_floor_nats:g})", 600,
             "Trainer and rollout engine log-probs drift apart.",
             "Mean engine log-prob gap of run {{ $labels.run }} is " + _value("%.4g") + f" nats over {w}: above "
-            f"{c.engine_gap_healthy_nats:g} or above {c.engine_gap_baseline_factor:g}x the reference run's "
-            + _query(f'max({ref}{{run=%q,metric=\\"grpo_engine_logprob_gap_mean_nats\\"}})', "%.4g") + " nats.",
+            f"{c.engine_gap_healthy_nats:g}, above {c.engine_gap_baseline_factor:g}x the reference run's "
+            + _query(f'max({ref}{{run=%q,metric=\\"grpo_engine_logprob_gap_mean_nats\\"}})', "%.4g")
+            + f" nats, or above {c.gap_clean_factor:g}x the run's own clean gap "
+            + _query("max(grpo_engine_logprob_gap_clean_baseline_nats{run=%q})", "%.3g") + " nats.",
         ),
         Alert(
             "GRPORatioClippedBeforeUpdate", g1, "onpolicy_ratio", "critical",
