@@ -161,10 +161,10 @@ class StageMerge:
     # ---- on the device, before the one transfer --------------------------------------------------------
 
     def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor:
-        """[value, present] per slot, [numerator, denominator] per RATIO slot, [max log weight, sum w,
-        sum w^2, n] per ESS slot, and [max, -min, counts...] per sketched distribution; fp64, absent = 0."""
+        """[numerator, denominator] per RATIO slot, [max log weight, sum w, sum w^2, n] per ESS slot, and
+        [max, -min, counts...] per sketched distribution; fp64, absent = 0. Each slot's own value and presence
+        are not repeated here: they reach the host with the step's local values (:meth:`merge`)."""
         slots = self.layout.slots
-        zero = torch.zeros((), dtype=torch.float64, device=device)
         readings: dict[int, Entry] = {}
         for e in entries:  # a sample that does not fit the layout is dropped and reported, never a longer pack
             i = self.index.get(e.key)
@@ -178,10 +178,7 @@ class StageMerge:
             else:
                 readings[i] = e
         self.readings = readings
-        values, presents = [zero] * len(slots), [zero] * len(slots)
-        for i, e in readings.items():
-            values[i], presents[i] = e.local()
-        parts = [torch.stack(values), torch.stack(presents)]
+        parts: list[Tensor] = []
         for i in self.ratio:
             r = readings.get(i)
             parts.append(torch.stack([r.reading.numerator.double(), r.reading.denominator.double()])
@@ -189,7 +186,8 @@ class StageMerge:
         for i in self.ess:
             r = readings.get(i)
             if r is None:
-                parts.append(torch.tensor([-math.inf, 0.0, 0.0, 0.0], dtype=torch.float64, device=device))
+                parts.append(torch.cat([torch.full((1,), -math.inf, dtype=torch.float64, device=device),
+                                        torch.zeros(3, dtype=torch.float64, device=device)]))
                 continue
             log_w, valid = r.reading.log_weights, r.reading.valid
             top = torch.where(valid, log_w.double(), -math.inf).amax()
@@ -205,7 +203,7 @@ class StageMerge:
             x, valid = member.reading.sample.double(), member.reading.valid
             extremes = torch.stack([torch.where(valid, x, -math.inf).amax(), torch.where(valid, -x, -math.inf).amax()])
             parts.append(torch.cat([extremes, sketch.sketch(member.reading.sample, valid)]))
-        return torch.cat(parts)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
     # ---- on the host, after it -------------------------------------------------------------------------
 
@@ -217,8 +215,11 @@ class StageMerge:
         dist = torch.distributed
         slots, n = self.layout.slots, len(self.layout.slots)
         t = torch.tensor(host, dtype=torch.float64)
-        value, present = t[:n], t[n : 2 * n]
-        offset = 2 * n
+        value, present = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        for i, e in self.readings.items():  # this rank's own values, transferred with the step's
+            if e.key in local:
+                value[i], present[i] = local[e.key], 1.0
+        offset = 0
         ratio = t[offset : offset + 2 * len(self.ratio)].view(-1, 2)
         offset += 2 * len(self.ratio)
         ess = t[offset : offset + 4 * len(self.ess)].view(-1, 4)
