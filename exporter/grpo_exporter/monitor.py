@@ -108,7 +108,7 @@ class GRPOMonitor:
             layouts = {stage: Layout(families_of(blocks), config) for stage, blocks in _STAGE_BLOCKS.items()}
             self._reducer = distributed.Reducer(layouts, config.distributed_timeout_s)
             if not self._reducer.active:  # logged by the reducer; counted here
-                self._publication.add({_key("grpo_exporter_errors_total", stage="distributed"): 1.0})
+                self._report.count("distributed")
         self._solve_rates = SolveRates(config.solve_rate_slots, config.solve_rate_prior, config.solve_rate_halflife)
         self._stitcher = StepStitcher(config.max_pending_micro_steps)
         self._spikes = GradNormSpikes(config)
@@ -398,7 +398,7 @@ class GRPOMonitor:
             if self.config.strict:
                 raise
             self._report.error("update", exc, "stitching the micro-steps")
-            inputs, failed = StepInputs(), True
+            inputs = None  # merged as failed, like a rank whose inputs were rejected
         result = self._compute("update", inputs, {}, failed=failed)
         norm = result.metrics.get(_key("grpo_grad_norm_pre_clip"))
         if norm is not None and self._spikes.observe(norm):
@@ -425,7 +425,7 @@ class GRPOMonitor:
         )
         for block, exc in result.errors:
             if getattr(exc, "logged", False):  # the reducer said it once, with why merging is off
-                self._publication.add({_key("grpo_exporter_errors_total", stage="distributed"): 1.0})
+                self._report.count("distributed")
             elif block == "distributed":
                 self._report.error("distributed", exc)
             else:

@@ -27,9 +27,13 @@ class Reporter:
         self._config = config
         self._last_log: dict[str, float] = {}
 
+    def count(self, stage: str) -> None:
+        """Count an exporter error of ``stage`` that was already said elsewhere."""
+        self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage=stage): 1.0})
+
     def error(self, stage: str, exc: BaseException, where: str = "") -> None:
         """Count an exporter error of ``stage`` and log it (at most once a minute per stage)."""
-        self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage=stage): 1.0})
+        self.count(stage)
         if self.due(f"error:{stage}"):
             log.warning(
                 "grpo-exporter: %s failed in stage %r%s (training continues; counted in "
