@@ -67,9 +67,8 @@ class BasicAuth:
     """HTTP basic auth in front of a WSGI app, against one user and a PBKDF2 hash."""
 
     def __init__(self, app: Callable[..., Iterable[bytes]], user: str, password_hash: str) -> None:
-        parse_password_hash(password_hash)  # validated at configuration time too; never a 500 per scrape
+        iterations = parse_password_hash(password_hash)[0]  # validated at configuration too: never a 500 a scrape
         self.app, self.user, self.password_hash = app, user, password_hash
-        iterations = parse_password_hash(password_hash)[0]
         self._dummy = hash_password("not the password", iterations)  # same cost for an unknown user
         self._verified: OrderedDict[bytes, None] = OrderedDict()
         self._slow = threading.Lock()  # at most one key derivation at a time
