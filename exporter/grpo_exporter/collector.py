@@ -31,12 +31,11 @@ class CatalogCollector(Collector):
         self._publication = publication
         self._run = run
         self._on_error = on_error
-        self.scrapes = 0  # collections served: close() waits for one more after marking the run finished
+        self.scrapes = 0  # snapshots rendered: close() waits for one more after marking the run finished
         if registry is not None:
             registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
-        self.scrapes += 1
         families: dict[str, Metric] = {}
         for key, value in sorted(self._publication.snapshot().items()):
             try:
@@ -51,6 +50,7 @@ class CatalogCollector(Collector):
             except Exception as exc:  # a scrape never raises: skip the sample, report it
                 if self._on_error is not None:
                     self._on_error(exc)
+        self.scrapes += 1  # counted once the snapshot is rendered: close() waits for a scrape that saw the end
         yield from (families[name] for name in sorted(families, key=_ORDER.__getitem__))
 
 

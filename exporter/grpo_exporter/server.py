@@ -245,11 +245,15 @@ class MetricsServer:
         return f"{self.scheme}://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        """Stop accepting, close every client connection, and return (within ~2 s whatever the clients do)."""
+        """Stop accepting, let answers in flight finish (briefly), close every client connection that is
+        left, and return (within ~2 s whatever the clients do)."""
+        deadline = time.monotonic() + CLOSE_WITHIN_S * 0.5
         self._httpd.closing = True
         stopper = threading.Thread(target=BaseServer.shutdown, args=(self._httpd,), daemon=True)
         stopper.start()
         stopper.join(timeout=CLOSE_WITHIN_S / 2)
+        while self._httpd.open_connections and time.monotonic() < deadline:  # e.g. the scrape close() waited for
+            time.sleep(0.01)
         self._httpd.drop_connections()
         self._httpd.server_close()
-        self._thread.join(timeout=CLOSE_WITHIN_S / 2)
+        self._thread.join(timeout=max(0.0, deadline + CLOSE_WITHIN_S * 0.2 - time.monotonic()))
