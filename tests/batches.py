@@ -99,7 +99,9 @@ def make_batch(
         "rewards": rewards,
         "correct": correct,
         "truncated": lengths == width,
-        "prompt_solve_rate": stored(group_p[group_index], torch.float32),
+        "zero_variance_prob": stored(
+            (group_p**group_size + (1 - group_p) ** group_size)[group_index], torch.float32
+        ),
         "completion_lengths": lengths.astype(np.int64),
         "completion_ids": ids.astype(np.int64),
         "loss_mask": loss_mask,

@@ -212,6 +212,10 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
     out['grpo_out_of_range_unclipped_tokens_total{bound="lower"}'] = float(
         sum(1 for c in pos if c in ratio and ratio[c] < lo)
     )
+    # the upper clip is reachable only where p_old < 1/(1+eps_high): exp(old) * (1+eps_high) < 1
+    out["grpo_upper_clip_reachable_tokens_total"] = float(
+        sum(1 for c in pos if math.exp(a["old_logprobs"][c]) * hi < 1.0)
+    )
     pos_n, neg_n = len(pos), len(neg)  # the update_tokens_total denominators
     if pos_n:
         out['grpo_clipped_tokens_ratio{bound="upper"}'] = upper / pos_n
@@ -231,8 +235,7 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
     out["grpo_zero_variance_groups_ratio"] = sum(counts.values()) / len(members)
     expected = []
     for idx in members:
-        p = float(np.mean([a["prompt_solve_rate"][i] for i in idx]))
-        expected.append(p ** len(idx) + (1 - p) ** len(idx))
+        expected.append(float(np.mean([a["zero_variance_prob"][i] for i in idx])))
     out["grpo_zero_variance_groups_expected_ratio"] = float(np.mean(expected))
 
     rates = []

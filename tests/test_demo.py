@@ -41,11 +41,13 @@ def run_scenario(name: str, steps_before: int = 3) -> dict[str, float]:
 
 def test_every_scenario_is_documented():
     assert set(SCENARIOS) == {
-        "healthy", "engine-desync", "engine-precision", "mask-bug", "exp-before-clamp", "grad-accum-scaling",
-        "advantage-bug", "reward-hack", "entropy-collapse", "stale-rollouts", "truncation", "verifier-broken",
+        "healthy", "healthy-reverse", "engine-desync", "engine-precision", "mask-bug", "exp-before-clamp",
+        "grad-accum-scaling", "advantage-bug", "reward-hack", "entropy-collapse", "stale-rollouts", "truncation",
+        "verifier-broken",
     }
     for s in SCENARIOS.values():
-        assert s.name == "healthy" or (s.expected_alerts and s.layer), s.name
+        assert s.name.startswith("healthy") or (s.expected_alerts and s.layer), s.name
+        assert not s.name.startswith("healthy") or not s.expected_alerts, s.name
 
 
 def test_healthy_run_has_no_layer_one_fault_and_learns():
@@ -71,3 +73,35 @@ def test_healthy_run_has_no_layer_one_fault_and_learns():
 )
 def test_fault_shows_in_the_exporter_metrics(name, check):
     assert check(run_scenario(name))
+
+
+def test_the_reverse_task_has_one_right_answer():
+    task = SCENARIOS["healthy-reverse"].config().task
+    gen = torch.Generator().manual_seed(0)
+    prompts, _ = task.prompts(64, gen)
+    answer = task.answers(prompts, gen)
+    lengths = torch.full((64,), task.answer_length)
+    assert task.score(prompts, answer, lengths).all()
+    body = prompts[:, 1 : 1 + task.length]
+    other = torch.cat([body, answer[:, -1:]], dim=1)  # the same symbols in prompt order: a permutation
+    palindrome = (body == body.flip(1)).all(dim=1)
+    assert not task.score(prompts, other, lengths)[~palindrome].any()
+    assert SCENARIOS["healthy"].config().task.score(prompts, other, lengths).all()  # the permutation task takes it
+
+
+def test_the_reverse_task_is_learned_into_all_correct_groups():
+    """The second task family: from the warm start, GRPO drives the reverse task to mostly all-correct groups
+    with identical completions (the regime the rules must not read as collapse; tests/test_e2e.py checks no
+    alert fires in Prometheus)."""
+    torch.set_num_threads(1)
+    cfg = SCENARIOS["healthy-reverse"].config(0)
+    with GRPOMonitor(run="reverse", group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=None, guard="off",
+                     log_ratio_clamp=cfg.log_ratio_clamp, edit_distance_groups=0) as mon:
+        trainer = Trainer(cfg, mon)
+        trainer.restore(warm_snapshot(cfg))
+        reports = [trainer.step(step) for step in range(160)]
+        m = mon.metrics()
+    assert sum(r.correct for r in reports[-20:]) / 20 > 0.9
+    assert m['grpo_zero_variance_groups_total{outcome="all_correct"}'] > 3 * m[
+        'grpo_zero_variance_groups_total{outcome="all_incorrect"}']
+    assert m["grpo_unique_completions_ratio"] < 0.3  # converged toward one completion per group

@@ -80,7 +80,8 @@ def ranks(tmp_path_factory) -> list[dict]:
 def expected() -> dict[str, float]:
     x = make_batch(5).inputs()
     cfg = MonitorConfig(run="single", port=None, **SETTINGS)
-    rollout = StepInputs(**rollout_kwargs(x), prompt_solve_rate=torch.full((48,), 0.5))
+    # before any batch every prompt has the Beta(1, 1) prior around 0.5: P(k = 0 or k = G) = 2 / (G + 1)
+    rollout = StepInputs(**rollout_kwargs(x), zero_variance_prob=torch.full((48,), 2 / 9, dtype=torch.float64))
     update = StepInputs(**update_kwargs(x))
     return expected_step(rollout, update, cfg)
 

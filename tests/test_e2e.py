@@ -6,8 +6,9 @@ receiver; each run has its own ``run`` label and exporter port.
   for a run before its fault is injected;
 * while a layer-1 alert fires for a run, no page of layers 2-4 for that run is delivered (the inhibition),
   also for a run where a layer-3 alert does fire in Prometheus behind the layer-1 one;
-* the healthy scenario, with three seeds for HEALTHY_STEPS steps each, delivers no page at all (nothing even
-  fires in Prometheus), and no exporter is ever seen down.
+* the healthy scenarios, on the permutation task (many right answers) and on the reverse task (one right
+  answer that the policy learns: convergence, mostly all-correct groups), three seeds each for HEALTHY_STEPS
+  steps, deliver no page at all (nothing even fires in Prometheus), and no exporter is ever seen down.
 
 Runs go through a pool of CONCURRENT trainers (one process: the tiny steps are bound by the GIL, ~15 steps/s
 in all), longest first; the whole suite takes ~2.5 min on 2 cores.
@@ -26,11 +27,13 @@ import torch
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.scenarios import SCENARIOS, STEPS_PER_SECOND
 from grpo_exporter.demo.stack import Page, Stack
-from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
+from grpo_exporter.demo.trainer import Trainer, warm_snapshot
 from services import prometheus_query
 
 HEALTHY_SEEDS = (0, 1, 2)
-HEALTHY_STEPS = 150
+# the permutation task (many right answers) and the reverse task (one right answer, learned: groups converge
+# to identical correct completions, mostly all-correct): three seeds each, no alert may fire
+HEALTHY_STEPS = {"healthy": 150, "healthy-reverse": 300}
 PAGE_WITHIN_S = 60.0  # after injection, for every fault (50 min at production time scale)
 QUIET_AFTER_S = 8.0  # training goes on after the page: an inhibited page would have arrived by then
 CONCURRENT = 7
@@ -58,7 +61,7 @@ END_VISIBLE_S = 13.0
 
 
 def _monitor(run: Run) -> GRPOMonitor:
-    cfg = DemoConfig(seed=run.seed)
+    cfg = SCENARIOS[run.scenario].config(run.seed)
     return GRPOMonitor(run=run.label, group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=0, guard="off",
                        log_ratio_clamp=cfg.log_ratio_clamp, edit_distance_groups=0, close_linger_s=10.0)
 
@@ -67,12 +70,12 @@ def _train(run: Run, mon: GRPOMonitor, stack: Stack, warm: dict[str, object]) ->
     scenario = SCENARIOS[run.scenario]
     expected = scenario.expected_alerts[0] if scenario.expected_alerts else None
     try:
-        trainer = Trainer(DemoConfig(seed=run.seed), mon)
+        trainer = Trainer(scenario.config(run.seed), mon)
         trainer.restore(warm)
         quiet_until = None
         while True:
             start = time.monotonic()
-            if expected is None and run.steps == HEALTHY_STEPS:
+            if expected is None and run.steps == HEALTHY_STEPS[run.scenario]:
                 break
             if expected is not None and run.steps == scenario.inject_at:
                 for name in (run.scenario, *run.also):
@@ -101,15 +104,17 @@ def _train(run: Run, mon: GRPOMonitor, stack: Stack, warm: dict[str, object]) ->
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, str]], set[str]]:
     torch.set_num_threads(1)
-    runs = [Run("healthy", seed) for seed in HEALTHY_SEEDS]
+    runs = [Run(name, seed) for name in HEALTHY_STEPS for seed in HEALTHY_SEEDS]
     faults = sorted((s for s in SCENARIOS.values() if s.expected_alerts), key=lambda s: -s.inject_at)
     runs += [Run(s.name, s.seed) for s in faults]
     # a layer-1 fault over a layer-3 one: GRPORolloutsStale fires in Prometheus ~16 s after injection and must
     # reach nobody while GRPOLossMaskMismatch fires for the same run
     runs.append(Run("mask-bug", SCENARIOS["mask-bug"].seed, also=("stale-rollouts",), train_after_s=35.0))
-    warm: dict[int, dict[str, object]] = {}
-    for seed in sorted({r.seed for r in runs}):  # a warm start is deterministic per seed: shared by its runs
-        warm[seed] = warm_snapshot(DemoConfig(seed=seed))
+    warm: dict[tuple[str, int], dict[str, object]] = {}
+    for task, seed in sorted({(SCENARIOS[r.scenario].task, r.seed) for r in runs}):
+        # a warm start is deterministic per task and seed: shared by its runs
+        scenario = next(s for s in SCENARIOS.values() if s.task == task)
+        warm[task, seed] = warm_snapshot(scenario.config(seed))
     with contextlib.ExitStack() as exits:
         # every exporter is up, and scraped, from the start (a run waiting for its turn publishes only its
         # info), so "up" is never absent while runs come and go
@@ -118,7 +123,7 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, 
                                           targets=tuple(mon.port or 0 for mon in monitors)))
         with ThreadPoolExecutor(CONCURRENT) as pool:
             for run, mon in zip(runs, monitors, strict=True):
-                pool.submit(_train, run, mon, stack, warm[run.seed])
+                pool.submit(_train, run, mon, stack, warm[SCENARIOS[run.scenario].task, run.seed])
         pages = stack.pages
         fired = _fired_in_prometheus(stack.prometheus_url)
         liveness = {f[1] for f in fired if f[1] in ("GRPOExporterDown", "GRPOTrainingStalled")}
@@ -176,10 +181,11 @@ def test_layer_one_mutes_a_downstream_alert_that_fires(fleet):
 
 
 @pytest.mark.parametrize("seed", HEALTHY_SEEDS)
-def test_healthy_run_delivers_no_page(fleet, seed):
+@pytest.mark.parametrize("task", list(HEALTHY_STEPS))
+def test_healthy_run_delivers_no_page(fleet, task, seed):
     runs, pages, fired, _ = fleet
-    run = next(r for r in runs if r.scenario == "healthy" and r.seed == seed)
-    assert run.steps == HEALTHY_STEPS
+    run = next(r for r in runs if r.scenario == task and r.seed == seed)
+    assert run.steps == HEALTHY_STEPS[task]
     assert [(p.alert, p.status) for p in pages if p.run == run.label] == []
     assert [f for f in fired if f[0] == run.label] == [], "nothing even fired in Prometheus"
 

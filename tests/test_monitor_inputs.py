@@ -161,12 +161,14 @@ def test_the_solve_rate_table_follows_the_batches_device():
     rates = SolveRates(slots=64, prior=0.5, halflife=4.0)
     cpu = StepInputs(correct=torch.ones(4, dtype=torch.bool))
     rates.slots_of(cpu, torch.arange(4))
-    assert rates.table is not None
-    assert rates.table.device.type == "cpu"
+    assert rates.hits is not None
+    assert rates.hits.device.type == "cpu"
     meta = StepInputs(correct=torch.ones(4, dtype=torch.bool, device="meta"))
     rates.slots_of(meta, torch.arange(4, device="meta"))  # another device: the table moves, nothing fails
-    assert rates.table.device.type == "meta"
-    assert rates.overall.device.type == "meta"
+    assert rates.hits.device.type == "meta"
+    assert rates.trials is not None
+    assert rates.trials.device.type == "meta"
+    assert rates.mean.device.type == "meta"
 
 
 def test_a_step_that_never_ends_is_bounded_and_holds_no_graph():
@@ -330,3 +332,38 @@ def test_the_runs_own_clean_engine_gap_is_measured_and_frozen():
             assert (clean is None) == (step < 19)
         assert clean == pytest.approx(1e-7, rel=0.1)  # fp32 differences of log-probs near -0.5 (seed 4.1)
         assert registry_value(mon, "grpo_engine_logprob_gap_mean_nats") == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_an_onpolicy_ratio_that_leaves_the_runs_own_noise_is_published_with_its_baseline():
+    """Seed: the first update's ratio equals 1. A trainer that recomputes old log-probs on its own path has a
+    noise of its own (here 1e-6 nats); 20 on-policy updates freeze it, and a bf16 path later (|log r| 0.03,
+    inside the clip band: no token outside [0.8, 1.28]) is 10^4 times it (GRPOOnPolicyRatioDrift pages on it,
+    rules/tests/layer1.test.yml)."""
+    with monitor() as mon:
+        x = tokens(8)
+        for step in range(30):
+            noise = 1e-6 if step < 25 else 0.03
+            sign = torch.where(torch.arange(4) % 2 == 0, 1.0, -1.0)
+            mon.observe_update(step, **(x | {"logprobs": x["old_logprobs"] + noise * sign}), on_policy=True)
+            mon.end_step()
+            clean = registry_value(mon, "grpo_onpolicy_log_ratio_clean_baseline_nats")
+            assert (clean is None) == (step < 19)
+        assert clean == pytest.approx(1e-6, rel=0.2)
+        assert registry_value(mon, "grpo_onpolicy_log_ratio_abs_max_nats") == pytest.approx(0.03, rel=1e-3)
+        assert registry_value(mon, "grpo_onpolicy_outside_clip_ratio") == 0  # the 1% line sees nothing
+
+
+def test_run_anchors_freeze_the_early_window_of_each_anchored_sample():
+    """grpo_run_anchor: the mean of the first anchor_steps values, frozen, so a slow decline stays visible
+    against it (a trailing baseline follows the decline)."""
+    with monitor(anchor_steps=5) as mon:
+        for step in range(12):
+            entropy = torch.full((8, 4), 2.0 - 0.1 * step)
+            mon.observe_update(step, **tokens(8), entropy=entropy)
+            mon.end_step()
+            anchor = registry_value(mon, 'grpo_run_anchor{metric="grpo_entropy_mean_nats",labels=""}')
+            assert (anchor is None) == (step < 4)
+        assert anchor == pytest.approx(2.0 - 0.1 * 2)  # the mean of steps 0..4
+        assert registry_value(mon, "grpo_entropy_mean_nats") == pytest.approx(2.0 - 1.1)
+        ess = registry_value(mon, 'grpo_run_anchor{metric="grpo_ess_ratio",labels="level=\'token\'"}')
+        assert ess == pytest.approx(1.0)

@@ -115,12 +115,25 @@ def test_four_sign_side_cases_of_the_ppo_clip(advantage, ratio, truncated, bound
     assert (logp.grad.abs().item() == 0.0) is truncated
 
     lr = gradient.log_ratio(logp.detach(), old, torch.ones(1, 1, dtype=torch.bool))
-    counts = samples.clip_counts(lr, adv, 0.2, 0.2)
+    counts = samples.clip_counts(lr, adv, old, 0.2, 0.2)
     clipped = {"upper": counts.upper.item(), "lower": counts.lower.item()}
     unclipped = {"upper": counts.upper_unclipped.item(), "lower": counts.lower_unclipped.item()}
     assert clipped[bound] == int(truncated)
     assert unclipped[bound] == int(not truncated)
     assert sum(clipped.values()) + sum(unclipped.values()) == 1
+
+
+def test_the_upper_clip_is_unreachable_for_tokens_the_policy_already_owns():
+    """r = p_new / p_old <= 1 / p_old: with eps_high = 0.2 a positive token at p_old >= 1/1.2 ~ 0.833 can never be
+    clipped above, whatever the update (a solved task's regime); only tokens below it count as reachable."""
+    p_old = torch.tensor([[0.5, 0.8, 0.83, 0.84, 0.9, 0.99]])
+    old = p_old.log()
+    best = torch.zeros_like(old)  # the most any update can do: p_new = 1
+    lr = gradient.log_ratio(best, old, torch.ones_like(old, dtype=torch.bool))
+    counts = samples.clip_counts(lr, torch.ones_like(old), old, 0.2, 0.2)
+    assert counts.reachable.item() == 3  # 0.5, 0.8, 0.83 < 1/1.2
+    assert counts.upper.item() == 3  # exactly those can exceed 1.2 even at p_new = 1
+    assert (lr.ratio[p_old >= 1 / 1.2] <= 1.2).all()
 
 
 def test_log_space_asymmetry_of_the_default_clip():
@@ -145,9 +158,9 @@ def test_expected_zero_variance_ratio_matches_simulation():
     rng = np.random.default_rng(7)
     for g in (4, 8, 32):
         p = rng.choice([0.05, 0.3, 0.5, 0.8, 0.97], size=64)
-        solve_rate = torch.from_numpy(np.repeat(p, g)).float()
+        prob = samples.zero_variance_probability(torch.from_numpy(np.repeat(p, g)), g)
         groups = contiguous_groups(64 * g, g)
-        expected = samples.expected_zero_variance_ratio(solve_rate, groups).value.item()
+        expected = samples.expected_zero_variance_ratio(prob, groups).value.item()
         shares = []
         for _ in range(400):
             correct = torch.from_numpy(rng.random(64 * g) < np.repeat(p, g))
@@ -161,7 +174,8 @@ def test_fifty_percent_zero_variance_line_is_wrong():
     """Same prompts at p=0.5: G=4 gives 12.5% expected, G=32 gives ~0: a fixed line cannot serve both."""
     for g, want in ((4, 0.125), (32, 2 * 0.5**32)):
         groups = contiguous_groups(g, g)
-        got = samples.expected_zero_variance_ratio(torch.full((g,), 0.5), groups).value.item()
+        prob = samples.zero_variance_probability(torch.full((g,), 0.5), g)
+        got = samples.expected_zero_variance_ratio(prob, groups).value.item()
         assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
 
 

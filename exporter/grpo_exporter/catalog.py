@@ -280,6 +280,13 @@ CATALOG: tuple[Metric, ...] = (
         G, "nats", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN), merge=Merge.MAX,
     ),
     Metric(
+        "grpo_onpolicy_log_ratio_clean_baseline_nats", GA,
+        "The run's own recomputation noise: the mean of grpo_onpolicy_log_ratio_abs_max_nats over its first "
+        "anchor_steps (20) on-policy updates, frozen, in nats; absent before. An on-policy max |log r| many "
+        "times it is another probability path even inside the clip band (seed: the first update's ratio is 1).",
+        G, "nats", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN), source=Source.MONITOR,
+    ),
+    Metric(
         "grpo_nonfinite_values_total", C,
         "Non-finite (NaN or +-Inf) values seen, per tensor; token tensors are checked on loss tokens only, "
         "so a -inf padding sentinel is not counted; a tensor handed to two observe calls is checked in both. "
@@ -441,6 +448,13 @@ CATALOG: tuple[Metric, ...] = (
         inputs=("logprobs", "old_logprobs", "advantages", *_TOKEN),
     ),
     Metric(
+        "grpo_upper_clip_reachable_tokens_total", C,
+        "Positive-advantage loss tokens whose old probability leaves room for the upper clip: p_old < "
+        "1/(1+eps_high) (a token at p_old ~1 can never reach r > 1+eps_high, as in a solved task). The "
+        "population GRPOLowerClipDominant needs before it reads a missing upper clip as asymmetry.",
+        S, "tokens", inputs=("old_logprobs", "advantages", *_TOKEN),
+    ),
+    Metric(
         "grpo_clipped_tokens_ratio", GA,
         "Per-step truly-clipped fraction by bound, normalised by the tokens of the gating advantage sign. "
         "Lower dominant while upper ~0 is a collapse precursor.",
@@ -478,9 +492,10 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_zero_variance_groups_expected_ratio", GA,
-        "Predicted zero-variance share E[p^G + (1-p)^G] over the batch's prompts, p each prompt's prior "
-        "solve-rate estimate. The observed share is abnormal only well above this, not above a fixed 50%.",
-        S, "ratio", inputs=("prompt_solve_rate",), merge=Merge.RATIO,
+        "Predicted zero-variance share E[p^G + (1-p)^G] over the batch's prompts, the expectation taken over "
+        "each prompt's Beta posterior of p from its own history (an unseen prompt: over the Beta fitted to the "
+        "solve rates seen lately). The observed share is abnormal only well above this, not above a fixed 50%.",
+        S, "ratio", inputs=("zero_variance_prob",), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_zero_advantage_tokens_ratio", GA,
@@ -569,6 +584,14 @@ CATALOG: tuple[Metric, ...] = (
         "Update micro-steps dropped because more than max_pending_micro_steps were given in one step (a step "
         "that never ends: call end_step() or clip_grad_norm_ once per optimizer step).",
         L, "steps", source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_run_anchor", GA,
+        "The run's own early window, frozen: the mean of a metric's first anchor_steps (20) values (entropy, "
+        "pass@k, rewards, ESS, in-group diversity), published once complete, for rules that must not follow "
+        "a slow drift or absorb a persistent fault into a trailing baseline. Labels as grpo_reference_baseline.",
+        L, labels=(Label("metric", bound="anchored families"), Label("labels", bound="their sample labels")),
+        source=Source.MONITOR,
     ),
     Metric(
         "grpo_reference_baseline", GA,

@@ -27,6 +27,8 @@ def _rules(args: argparse.Namespace) -> int:
     from grpo_exporter.mixin.render import alertmanager_output, rules_outputs, write
 
     config = MixinConfig.load(args.config)
+    if args.step_seconds is not None:
+        config = MixinConfig.model_validate(config.model_dump() | {"step_seconds": args.step_seconds})
     # everything goes under a path the user named: with --out, alertmanager.yml too (unless placed elsewhere)
     rules_dir = Path(args.out or "rules")
     alertmanager_dir = Path(args.alertmanager_out or (args.out or "deploy/alertmanager"))
@@ -117,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "for alertmanager.yml: the repository layout)")
     rules.add_argument(
         "--alertmanager-out", help="folder of alertmanager.yml (default: --out, else deploy/alertmanager)"
+    )
+    rules.add_argument(
+        "--step-seconds", type=float, help="your run's typical seconds per training step (overrides the config's "
+        "step_seconds; every window, baseline and `for` is sized in steps from it)"
     )
     rules.set_defaults(run=_rules)
     boards = commands.add_parser("dashboards", help="generate the Grafana dashboards (JSON)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from grpo_exporter.anchors import ANCHORED_FAMILIES
 from grpo_exporter.catalog import CATALOG, Layer, Metric, MetricType
 from grpo_exporter.monitor_config import MonitorConfig
 
@@ -57,6 +58,8 @@ def series_per_run(cfg: MonitorConfig) -> dict[str, int]:
         else:
             per = 1
         counts[m.name] = combos * per
+    # one frozen anchor per sample of each anchored family
+    counts["grpo_run_anchor"] = sum(counts[name] for name in ANCHORED_FAMILIES)
     return counts
 
 
@@ -75,7 +78,8 @@ def _calls() -> list[str]:
         "",
         "`clip_grad_norm_` supplies `grads`/`grad_norm_pre_clip`, `max_grad_norm` and, from the second call on,",
         "`params_before`/`params_after` (a bounded sample of the parameters around the previous optimizer step).",
-        "`prompt_ids` feeds the per-prompt solve-rate history behind `prompt_solve_rate`.",
+        "`prompt_ids` feeds the per-prompt solve-rate history behind the predicted zero-variance share",
+        "(a Beta-binomial per prompt, unseen prompts averaged over the observed distribution of solve rates).",
         "",
     ]
     return lines

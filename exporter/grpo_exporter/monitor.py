@@ -33,11 +33,12 @@ from prometheus_client.registry import CollectorRegistry
 from torch import Tensor
 
 from grpo_exporter import catalog, distributed, guard
+from grpo_exporter.anchors import FrozenMean, RunAnchors
 from grpo_exporter.background import EditDistanceWorker, edit_distance_carry
 from grpo_exporter.collector import CatalogCollector
 from grpo_exporter.components import ComponentNames
 from grpo_exporter.functional.diversity import retrieval_accuracy
-from grpo_exporter.inputs import StepInputs
+from grpo_exporter.inputs import InputError, StepInputs
 from grpo_exporter.layout import Layout
 from grpo_exporter.monitor_config import MonitorConfig
 from grpo_exporter.param_sample import sample_parameters
@@ -46,7 +47,7 @@ from grpo_exporter.reporting import Reporter
 from grpo_exporter.run_info import static_values
 from grpo_exporter.server import MetricsServer
 from grpo_exporter.solve_rates import SolveRates
-from grpo_exporter.spikes import CleanGap, GradNormSpikes
+from grpo_exporter.spikes import GradNormSpikes
 from grpo_exporter.step import (
     MASK_AUDIT_FAMILIES,
     ROLLOUT_BLOCKS,
@@ -63,7 +64,7 @@ _STAGE_BLOCKS = {"rollout": ROLLOUT_BLOCKS, "update": UPDATE_BLOCKS}
 # the loss-mask audit of the rollout is published only when the update does not audit its own mask
 _AUDIT = frozenset(MASK_AUDIT_FAMILIES)
 UPDATE_FIELDS = frozenset(f.name for f in dataclasses.fields(StepInputs)) - {
-    "value_errors", "prompt_solve_rate", "params_before", "params_after", "step", "reward_components",
+    "value_errors", "zero_variance_prob", "params_before", "params_after", "step", "reward_components",
 }
 
 
@@ -97,7 +98,7 @@ class GRPOMonitor:
             config = MonitorConfig.load(config_file, **({"run": run} if run is not None else {}), **settings)
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._publication = Publication()
+        self._publication = Publication(RunAnchors(config.anchor_steps))
         self._report = Reporter(self._publication, config)
         self._collector = CatalogCollector(
             self._publication, config.run, self.registry, on_error=lambda exc: self._report.error("scrape", exc)
@@ -112,7 +113,8 @@ class GRPOMonitor:
         self._solve_rates = SolveRates(config.solve_rate_slots, config.solve_rate_prior, config.solve_rate_halflife)
         self._stitcher = StepStitcher(config.max_pending_micro_steps)
         self._spikes = GradNormSpikes(config)
-        self._clean_gap = CleanGap(config)
+        self._clean_gap = FrozenMean(config.gap_baseline_steps)
+        self._onpolicy_noise = FrozenMean(config.anchor_steps)
         self._last_step: int | None = None
         self._held_audit: dict[str, float] | None = None
         self._param_snapshot: list[Tensor] | None = None
@@ -179,13 +181,20 @@ class GRPOMonitor:
                 )
                 slots = self._solve_rates.slots_of(inputs, prompt_ids)
                 if slots is not None:
-                    inputs = dataclasses.replace(inputs, prompt_solve_rate=self._solve_rates.prior(slots))
+                    groups = None
+                    with contextlib.suppress(InputError):  # a grouping error is the metric blocks' to count
+                        groups = inputs.groups(self.config.group_size)
+                    if groups is not None:
+                        inputs = dataclasses.replace(
+                            inputs, zero_variance_prob=self._solve_rates.predict(slots, groups)
+                        )
                 carry = edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
             result = self._compute("rollout", inputs, carry or {})
             if slots is not None and inputs is not None and inputs.correct is not None:
                 with contextlib.suppress(Exception):  # a grouping error: counted by the metric blocks already
                     groups = inputs.groups(self.config.group_size)
-                    self._solve_rates.update(slots, inputs.prompt_solve_rate, inputs.correct, groups)
+                    if groups is not None:
+                        self._solve_rates.update(slots, inputs.correct, groups)
             if inputs is not None and inputs.completion_ids is not None:
                 self._edit_worker.submit(result.carried, inputs.completion_ids.shape[1])
             audit = {k: v for k, v in result.metrics.items() if catalog.family_of(k.sample).name in _AUDIT}
@@ -403,6 +412,10 @@ class GRPOMonitor:
         norm = result.metrics.get(_key("grpo_grad_norm_pre_clip"))
         if norm is not None and self._spikes.observe(norm):
             self._publication.add({_key("grpo_grad_norm_spike_steps_total"): 1.0})
+        on_policy = result.metrics.get(_key("grpo_onpolicy_log_ratio_abs_max_nats"))
+        noise = self._onpolicy_noise.observe(on_policy) if on_policy is not None else None
+        if noise is not None:
+            self._publication.merge({_key("grpo_onpolicy_log_ratio_clean_baseline_nats"): noise})
         staleness = result.metrics.get(_key("grpo_rollout_staleness_versions"))
         if staleness is not None and staleness > self.config.staleness_max_versions:
             self._publication.add({_key("grpo_stale_update_steps_total"): 1.0})

@@ -9,7 +9,8 @@ Counter samples and the ``_sum``/``_count``/``_bucket`` samples of summaries and
 each step's increment is added. Gauges and summary quantiles are *replaced* family by family: a family that
 a computation produced (present or absent) takes exactly its new values, so an absent value is dropped rather
 than left stale; a family whose inputs were not given this time keeps its last values ("the last on-policy
-update", "the last retrieval evaluation").
+update", "the last retrieval evaluation"). Every replaced value passes the run's anchors (the first values of the
+anchored families, :mod:`grpo_exporter.anchors`) on its way in, whichever thread writes it.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ import threading
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from grpo_exporter.catalog import family_of, format_quantile, is_additive, metric, sample_key
+from grpo_exporter.anchors import RunAnchors
+from grpo_exporter.catalog import SampleKey, family_of, format_quantile, is_additive, metric, sample_key
+
+_ANCHOR = "grpo_run_anchor"
 
 
 class Publication:
-    def __init__(self) -> None:
+    def __init__(self, anchors: RunAnchors | None = None) -> None:
+        self._anchors = anchors
         self._lock = threading.Lock()
         self.writing = threading.RLock()  # the training thread and the edit-distance worker both write
         self._additive: dict[str, float] = {}
@@ -41,11 +46,15 @@ class Publication:
         in ``metrics``) by the values given for it."""
         self.add({k: v for k, v in metrics.items() if is_additive(k)})
         fresh: dict[str, dict[str, float]] = {name: {} for name in families}
+        gauges: dict[SampleKey, float] = {}
         for key, value in metrics.items():
             if not is_additive(key):
                 key = sample_key(key)
                 fresh.setdefault(family_of(key.sample).name, {})[key] = value
+                gauges[key] = value
         self._replaced.update(fresh)
+        if self._anchors is not None and self._anchors.observe(gauges):
+            self._replaced[_ANCHOR] = dict(self._anchors.samples)
 
     def publish(self) -> None:
         """Make the current state visible to scrapers (one reference swap under the lock)."""

@@ -1,30 +1,45 @@
-"""Per-prompt solve-rate history: the p behind the zero-variance prediction E[p^G+(1-p)^G] (seed 第 3 篇 §1).
+"""Per-prompt solve-rate history: the prediction behind the zero-variance share (seed 第 3 篇 §1).
 
-A fixed-size table on the tensors' device, indexed by ``prompt_id`` modulo its size, updated in place with
-no host sync. The table follows the batches from device to device (a rollout on another device moves it
-there once), so no rollout ever fails for where its tensors live.
+A group of G samples of a prompt with solve rate p is all-correct or all-wrong with probability p^G + (1-p)^G.
+p is never known, and that function is convex: plugging in a *mean* p (of the batch, or of a prompt's noisy
+history) predicts far fewer zero-variance groups than prompts of spread difficulty give (the seed's averaging
+trap: p ~ Beta(0.3, 0.3), G = 16 gives 0.43, p = 0.5 gives 3e-5). So each prompt's p is a distribution:
+
+* the population: a Beta(a0, b0) fitted by moments to the groups seen lately (the mean of k/n and the unbiased
+  mean of k(k-1)/(n(n-1)) estimate E[p] and E[p^2]); an unseen prompt is predicted by averaging over it;
+* a prompt seen before: the Beta posterior Beta(a0 + hits, b0 + misses) from its own discounted history.
+
+The prediction is the Beta-binomial probability of k = 0 or k = G. Tables live on the tensors' device,
+indexed by ``prompt_id`` modulo their size, updated in place with no host sync; they follow the batches from
+device to device (a rollout on another device moves them there once).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups
+from grpo_exporter.functional.samples import beta_binomial_zero_variance
 from grpo_exporter.inputs import InputError, StepInputs, describe
+
+_MAX_CONCENTRATION = 1e4  # a0 + b0 when the population has (almost) no spread: p known to ~1%
+_MIN_SHAPE = 1e-3
 
 
 class SolveRates:
-    """Exponentially weighted solve rate per prompt slot, and the running solve rate of recent batches
-    (the estimate of a prompt never seen)."""
+    """Discounted hits and trials per prompt slot, and the discounted moments of the population's solve rates."""
 
     def __init__(self, slots: int, prior: float, halflife: float) -> None:
         self.slots = slots
         self.keep = 0.5 ** (1.0 / halflife)
-        self.table: Tensor | None = None
-        self.overall: Tensor = torch.tensor(prior, dtype=torch.float64)
+        self.hits: Tensor | None = None
+        self.trials: Tensor | None = None
+        # before any batch: a Beta of concentration 2 around the configured prior (a0 = 2p, b0 = 2(1-p)),
+        # whose second moment is a0 (a0 + 1) / ((a0 + b0)(a0 + b0 + 1))
+        a0 = 2.0 * prior
+        self.mean = torch.tensor(prior, dtype=torch.float64)
+        self.second = torch.tensor(a0 * (a0 + 1.0) / 6.0, dtype=torch.float64)
 
     def slots_of(self, inputs: StepInputs, prompt_ids: Tensor | None) -> Tensor | None:
         """This batch's table slots (None without ``prompt_ids`` and ``correct``)."""
@@ -40,26 +55,45 @@ class SolveRates:
         device = inputs.device
         if prompt_ids.device != device:
             raise InputError("prompt_ids", f"device {device} like `correct`", f"device {prompt_ids.device}")
-        if self.table is None:
-            self.table = torch.full((self.slots,), math.nan, device=device)
-        elif self.table.device != device:
-            self.table = self.table.to(device)
-        self.overall = self.overall.to(device)
+        if self.hits is None or self.trials is None:
+            self.hits = torch.zeros(self.slots, dtype=torch.float64, device=device)
+            self.trials = torch.zeros(self.slots, dtype=torch.float64, device=device)
+        elif self.hits.device != device:
+            self.hits, self.trials = self.hits.to(device), self.trials.to(device)
+        self.mean, self.second = self.mean.to(device), self.second.to(device)
         return prompt_ids.long().remainder(self.slots)
 
-    def prior(self, slots: Tensor) -> Tensor:
-        """Each prompt's estimate *before* this batch: its own history, or the running solve rate when
-        unseen (on the device, no host sync)."""
-        assert self.table is not None
-        estimate = self.table[slots]
-        return torch.where(torch.isnan(estimate), self.overall.to(estimate.dtype), estimate)
+    def population(self) -> tuple[Tensor, Tensor]:
+        """(a0, b0): the Beta with the population's mean and second moment (method of moments), fp64."""
+        m = self.mean.clamp(1e-6, 1.0 - 1e-6)
+        variance = (self.second - m * m).clamp(min=m * (1.0 - m) / (_MAX_CONCENTRATION + 1.0))
+        concentration = (m * (1.0 - m) / variance - 1.0).clamp(min=2.0 * _MIN_SHAPE, max=_MAX_CONCENTRATION)
+        return (m * concentration).clamp(min=_MIN_SHAPE), ((1.0 - m) * concentration).clamp(min=_MIN_SHAPE)
 
-    def update(self, slots: Tensor, prior: Tensor, correct: Tensor, groups: Groups | None) -> None:
-        """Move each prompt's estimate toward its group's solve rate in this batch, and the running rate
-        toward the batch's. Prompts sharing a slot share an estimate."""
-        assert self.table is not None
-        if groups is not None:
-            rate = (groups.count(correct).double() / groups.sizes().clamp(min=1))[groups.index]
-            estimate = self.keep * prior.double() + (1.0 - self.keep) * rate
-            self.table.index_put_((slots,), estimate.to(self.table.dtype))
-        self.overall = self.keep * self.overall + (1.0 - self.keep) * correct.double().mean()
+    def predict(self, slots: Tensor, groups: Groups) -> Tensor:
+        """Per sample: the predicted probability that its group is all-correct or all-wrong, from its
+        prompt's posterior *before* this batch (fp64, on the device, no host sync)."""
+        assert self.hits is not None
+        assert self.trials is not None
+        a0, b0 = self.population()
+        hits, trials = self.hits[slots], self.trials[slots]
+        size = groups.sizes().double()[groups.index]
+        return beta_binomial_zero_variance(a0 + hits, b0 + (trials - hits), size)
+
+    def update(self, slots: Tensor, correct: Tensor, groups: Groups) -> None:
+        """Discount each prompt's history and add this batch's outcomes (prompts sharing a slot share it); move
+        the population moments toward this batch's groups."""
+        assert self.hits is not None
+        assert self.trials is not None
+        hits = groups.count(correct.bool()).double()
+        sizes = groups.sizes().double()
+        # every member of a group carries its group's counts; index_put_ keeps one write per slot
+        self.hits.index_put_((slots,), self.keep * self.hits[slots] + hits[groups.index])
+        self.trials.index_put_((slots,), self.keep * self.trials[slots] + sizes[groups.index])
+        pairs = sizes >= 2
+        n = pairs.sum().clamp(min=1)
+        rate = torch.where(pairs, hits / sizes.clamp(min=1.0), 0.0).sum() / n
+        second = torch.where(pairs, hits * (hits - 1.0) / (sizes * (sizes - 1.0)).clamp(min=1.0), 0.0).sum() / n
+        step = torch.where(pairs.any(), 1.0 - self.keep, 0.0)
+        self.mean = self.mean + step * (rate - self.mean)
+        self.second = self.second + step * (second - self.second)

@@ -1,7 +1,4 @@
-"""Per-step judgements made in the process, where every step is seen: grad-norm spikes, and the run's clean
-engine gap.
-
-Grad-norm spikes, judged per step in the process (seed 第 4 步: a step whose pre-clip norm is 10x the rolling
+"""Grad-norm spikes, judged per step in the process (seed 第 4 步: a step whose pre-clip norm is 10x the rolling
 median). A scrape every 30 s sees one step in many and a step of minutes empties a rate window, so the event is
 counted where every step is seen; the alert pages on the counter's increase."""
 
@@ -32,17 +29,3 @@ class GradNormSpikes:
         spike = len(self.norms) >= self.min_steps and norm > self.factor * statistics.median(self.norms)
         self.norms.append(norm)
         return spike
-
-
-class CleanGap:
-    """The mean of the first ``gap_baseline_steps`` per-rollout mean engine gaps, then frozen."""
-
-    def __init__(self, lines: EventLines) -> None:
-        self.steps = lines.gap_baseline_steps
-        self.seen: list[float] = []
-
-    def observe(self, mean_gap: float) -> float | None:
-        """Take one rollout's mean gap (until frozen); the clean baseline once it exists, else None."""
-        if len(self.seen) < self.steps and math.isfinite(mean_gap):
-            self.seen.append(mean_gap)
-        return statistics.fmean(self.seen) if len(self.seen) >= self.steps else None

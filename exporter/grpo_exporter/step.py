@@ -434,11 +434,17 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     g.summary("grpo_importance_weight", total, finite.sum(), weights, qs)
 
 
-@produces("grpo_clipped_tokens_total", "grpo_out_of_range_unclipped_tokens_total", "grpo_clipped_tokens_ratio")
+@produces(
+    "grpo_clipped_tokens_total",
+    "grpo_out_of_range_unclipped_tokens_total",
+    "grpo_clipped_tokens_ratio",
+    "grpo_upper_clip_reachable_tokens_total",
+)
 def _clipping(g: _Gather, c: _Context) -> None:
-    if c.lr is None or c.token_adv is None:
+    if c.lr is None or c.token_adv is None or c.x.old_logprobs is None:
         return
-    clip = samples.clip_counts(c.lr, c.token_adv, c.cfg.clip_eps_low, c.cfg.clip_eps_high)
+    clip = samples.clip_counts(c.lr, c.token_adv, c.x.old_logprobs, c.cfg.clip_eps_low, c.cfg.clip_eps_high)
+    g.add("grpo_upper_clip_reachable_tokens_total", clip.reachable)
     g.add("grpo_clipped_tokens_total", clip.upper, bound="upper")
     g.add("grpo_clipped_tokens_total", clip.lower, bound="lower")
     g.add("grpo_out_of_range_unclipped_tokens_total", clip.upper_unclipped, bound="upper")
@@ -464,8 +470,8 @@ def _zero_variance(g: _Gather, c: _Context) -> None:
         g.add("grpo_zero_variance_groups_total", zv.all_incorrect, outcome="all_incorrect")
         g.add("grpo_zero_variance_groups_total", zv.unknown, outcome="unknown")
         g.add("grpo_zero_variance_groups_ratio", zv.share)
-    if x.prompt_solve_rate is not None:
-        expected = samples.expected_zero_variance_ratio(x.prompt_solve_rate, groups)
+    if x.zero_variance_prob is not None:
+        expected = samples.expected_zero_variance_ratio(x.zero_variance_prob, groups)
         g.add("grpo_zero_variance_groups_expected_ratio", expected)
 
 

@@ -71,3 +71,16 @@ class EventLines(BaseModel):
         1e-5, gt=0, description="the clean-baseline comparison applies only above this mean gap: an exactly "
         "matching engine (clean gap ~0) must not page on rounding",
     )
+    anchor_steps: int = Field(
+        20, ge=1, description="values (steps) whose mean makes a run anchor: grpo_run_anchor for entropy, pass@k, "
+        "rewards, ESS and diversity, and grpo_onpolicy_log_ratio_clean_baseline_nats (frozen after them; the "
+        "run's own early window, which a slow decline or a persistent fault cannot move)",
+    )
+    onpolicy_noise_factor: float = Field(
+        10.0, gt=1, description="GRPOOnPolicyRatioDrift: an on-policy update's max |log r| above this multiple of "
+        "the run's own recomputation noise (grpo_onpolicy_log_ratio_clean_baseline_nats) and the floor",
+    )
+    onpolicy_noise_floor_nats: float = Field(
+        1e-3, gt=0, description="GRPOOnPolicyRatioDrift applies only above this max |log r|: a trainer that "
+        "recomputes exactly (noise 0) must not page on one rounding step",
+    )

@@ -12,7 +12,7 @@ import torch
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.scenarios import SCENARIOS, STEPS_PER_SECOND
 from grpo_exporter.demo.stack import INSTALL_HINT, Page, Stack, missing_binaries
-from grpo_exporter.demo.trainer import DemoConfig, Trainer
+from grpo_exporter.demo.trainer import Trainer
 
 
 def run_demo(
@@ -44,7 +44,7 @@ def run_demo(
         pages.append(p.line())
         out(p.line())
 
-    cfg = DemoConfig(seed=seed)
+    cfg = s.config(seed)
     # the demo's own stack stops before the exporter closes (below): nobody is left to see the end, so no linger
     with GRPOMonitor(run=f"demo-{scenario}-{seed}", group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=0,
                      log_ratio_clamp=cfg.log_ratio_clamp, guard="warn", close_linger_s=0.0) as mon:
@@ -56,12 +56,12 @@ def run_demo(
                 out(f"alertmanager: {local.alertmanager_url}   pages are printed here as they arrive")
             trainer = Trainer(cfg, mon)
             out(f"warm start: sampled accuracy {trainer.warm_start():.2f}")
-            if scenario != "healthy":
+            if s.expected_alerts:
                 out(f"fault {scenario} at step {inject_at}: {s.what}; expect {', '.join(s.expected_alerts)} "
                     f"[layer {s.layer}]")
             for step in range(steps):
                 start = time.monotonic()
-                if step == inject_at and scenario != "healthy":
+                if step == inject_at and s.expected_alerts:
                     s.inject(trainer)
                     out(f"step {step}: injected {scenario}")
                 r = trainer.step(step)

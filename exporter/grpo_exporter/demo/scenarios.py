@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_exporter.demo.trainer import Trainer
+from grpo_exporter.demo.task import Task
+from grpo_exporter.demo.trainer import DemoConfig, Trainer
 
 STEPS_PER_SECOND = 2.0
 EARLY_STEPS = 16  # 8 s: the exporter is scraped and the run's first samples are in
@@ -30,12 +31,19 @@ class Scenario:
     inject: Callable[[Trainer], None]
     needs_history: bool = False
     seed: int = 3
+    task: str = "permute"  # grpo_exporter.demo.task.TASKS: "reverse" has one right answer, which the policy learns
 
     # seed: the default of the demo and the one the end-to-end suite runs. entropy-collapse and reward-hack take
     # seeds whose policy is still weak at injection. From a policy that already solves most prompts, the
     # collapse lands on correct answers (pass@G holds: by design GRPOEntropyCollapse stays silent, convergence
     # is no page), and the hack costs correctness only on the ~51% of prompts without the paid symbol (seed 3:
     # the 12-step mean falls below 0.7x baseline after 50 steps, against 20 from seed 0).
+
+    def config(self, seed: int | None = None) -> DemoConfig:
+        """The demo's training config for this scenario's task (and ``seed``, default the scenario's)."""
+        default = DemoConfig().task
+        return DemoConfig(seed=self.seed if seed is None else seed,
+                          task=Task(symbols=default.symbols, length=default.length, kind=self.task))
 
     @property
     def inject_at(self) -> int:
@@ -55,6 +63,9 @@ SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
         Scenario("healthy", "no fault", (), "", _set(), seed=0),
+        Scenario("healthy-reverse", "no fault, on a task with one right answer (reverse the symbols) that the "
+                 "policy learns: groups converge to identical correct completions, mostly all-correct", (), "",
+                 _set(), seed=0, task="reverse"),
         Scenario("engine-desync", "the weight sync silently skips the tied embedding",
                  ("GRPOEngineLogprobGapWarning",), "1-gradient", _set(engine_skip=("embed.weight",))),
         Scenario("engine-precision", "the rollout engine computes in bf16",

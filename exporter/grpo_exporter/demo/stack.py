@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from grpo_exporter.demo.scenarios import STEPS_PER_SECOND
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.render import alertmanager_output, rules_outputs
 
@@ -34,13 +35,13 @@ INSTALL_HINT = (
 
 def demo_mixin(**overrides: Any) -> MixinConfig:
     """The rules config of the demo: the production rules and baselines with time shrunk 50x (a 1 h baseline
-    window ending 10 min back becomes 72 s ending 12 s back), Alertmanager's waits shortened to match."""
-    # zero_variance_margin: every demo prompt is new, so no per-prompt history can capture the spread of
-    # difficulty and the prediction from the running solve rate runs low.
+    window ending 10 min back becomes 72 s ending 12 s back), Alertmanager's waits shortened to match. The demo
+    trains at 2 steps/s: 0.5 s per step is 25 s at production time, its ``step_seconds``."""
     # GRPOExporterDown waits 10 s, not 2 s: Prometheus' service discovery publishes targets in batches every
     # 5 s, so at start `up` is absent for ~5 s whatever the scrape interval (a time that does not scale).
-    settings = {"time_scale": 0.02, "group_wait_s": 50, "group_interval_s": 250, "repeat_interval_s": 3600,
-                "zero_variance_margin": 0.25, "for_seconds": {"GRPOExporterDown": 500}} | overrides
+    settings: dict[str, Any] = {"time_scale": 0.02, "group_wait_s": 50, "group_interval_s": 250,
+                                "repeat_interval_s": 3600, "for_seconds": {"GRPOExporterDown": 500}} | overrides
+    settings.setdefault("step_seconds", 1.0 / STEPS_PER_SECOND / settings["time_scale"])
     return MixinConfig(**settings)
 
 

@@ -1,6 +1,9 @@
-"""The verifiable task: answer with the prompt's symbols in *any* order (a permutation), then EOS. Many
-answers are right, so a healthy policy keeps several distinct completions per group (in-group diversity is
-meaningful), and a briefly warmed-up policy solves some samples of a group and not others (mixed groups)."""
+"""The verifiable tasks. ``permute`` (the default): answer with the prompt's symbols in *any* order, then EOS.
+Many answers are right, so a healthy policy keeps several distinct completions per group (in-group diversity
+is meaningful), and a briefly warmed-up policy solves some samples of a group and not others (mixed groups).
+``reverse``: answer with the prompt's symbols reversed, then EOS: exactly one right answer, which the policy
+learns, so a healthy run converges to identical correct completions and mostly all-correct groups (the
+regime in which diversity, clip-side and zero-variance rules must not mistake convergence for collapse)."""
 
 from __future__ import annotations
 
@@ -13,10 +16,14 @@ PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_SYMBOL = 4
 
 
+TASKS = ("permute", "reverse")
+
+
 @dataclass(frozen=True)
 class Task:
     symbols: int = 6
     length: int = 4
+    kind: str = "permute"  # one of TASKS
 
     @property
     def vocab(self) -> int:
@@ -28,7 +35,7 @@ class Task:
 
     @property
     def answer_length(self) -> int:
-        return self.length + 1  # reversed symbols, EOS
+        return self.length + 1  # the symbols, EOS
 
     def prompts(self, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
         """(count, prompt_length) token ids and a stable id per prompt (the symbols in base ``symbols``)."""
@@ -40,15 +47,23 @@ class Task:
         return tokens, ids
 
     def answers(self, prompts: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """(count, answer_length) reference completions: the symbols in a random order, then EOS."""
+        """(count, answer_length) reference completions: the symbols in a random order (``permute``) or
+        reversed (``reverse``), then EOS."""
         body = prompts[:, 1 : 1 + self.length]
-        order = torch.rand(body.shape, generator=generator).argsort(dim=1)
-        return torch.cat([body.gather(1, order), torch.full((prompts.shape[0], 1), EOS)], dim=1)
+        if self.kind == "reverse":
+            answer = body.flip(1)
+        else:
+            answer = body.gather(1, torch.rand(body.shape, generator=generator).argsort(dim=1))
+        return torch.cat([answer, torch.full((prompts.shape[0], 1), EOS)], dim=1)
 
     def score(self, prompts: Tensor, completions: Tensor, lengths: Tensor) -> Tensor:
-        """Correct: a permutation of the prompt's symbols, then EOS, and nothing else."""
+        """Correct: the prompt's symbols in an allowed order, then EOS, and nothing else."""
         n = self.length
         if completions.shape[1] < n + 1:
             return torch.zeros(prompts.shape[0], dtype=torch.bool)
-        same = (completions[:, :n].sort(dim=1).values == prompts[:, 1 : 1 + n].sort(dim=1).values).all(dim=1)
+        body = prompts[:, 1 : 1 + n]
+        if self.kind == "reverse":
+            same = (completions[:, :n] == body.flip(1)).all(dim=1)
+        else:
+            same = (completions[:, :n].sort(dim=1).values == body.sort(dim=1).values).all(dim=1)
         return same & (completions[:, n] == EOS) & (lengths == n + 1)

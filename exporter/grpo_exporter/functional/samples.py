@@ -97,6 +97,7 @@ def advantage_sign_tokens(token_adv: Tensor, loss_mask: Tensor) -> SignCounts:
 
 
 class ClipCounts(NamedTuple):
+    reachable: Tensor
     upper: Tensor
     lower: Tensor
     upper_unclipped: Tensor
@@ -105,19 +106,26 @@ class ClipCounts(NamedTuple):
     lower_ratio: Reading
 
 
-def clip_counts(lr: LogRatio, token_adv: Tensor, eps_low: float, eps_high: float) -> ClipCounts:
+def clip_counts(
+    lr: LogRatio, token_adv: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float
+) -> ClipCounts:
     """Truly clipped tokens by bound, the opposite-sign out-of-range tokens apart, and per-step fractions
     normalised by the tokens of the gating sign (upper / positive-advantage, lower / negative-advantage).
 
     The denominators are the loss tokens with a finite advantage of that sign, exactly the
     ``grpo_update_tokens_total`` counters, so a windowed counter ratio equals the pooled per-step fraction;
     a token whose log ratio is not finite cannot be classified and is never counted as clipped.
+    ``reachable``: the positive-advantage tokens where the upper clip can bind at all, p_old < 1/(1+eps_high)
+    (r = p_new/p_old <= 1/p_old): in a solved task most positive tokens sit at p_old ~1 and a missing upper
+    clip says nothing about asymmetry.
     """
     signed = lr.loss_mask & torch.isfinite(token_adv)
     positive, negative = signed & (token_adv > 0), signed & (token_adv < 0)
     above, below = lr.valid & (lr.ratio > 1.0 + eps_high), lr.valid & (lr.ratio < 1.0 - eps_low)
     upper, lower = (positive & above).sum(), (negative & below).sum()
+    room = torch.where(lr.loss_mask, old_logprobs.float(), 0.0) < -math.log1p(eps_high)
     return ClipCounts(
+        (positive & room).sum(),
         upper,
         lower,
         (negative & above).sum(),
@@ -169,18 +177,32 @@ def zero_variance_groups(rewards: Tensor, groups: Groups, correct: Tensor | None
     return ZeroVariance(n_groups, all_correct, all_incorrect, unknown, fraction(zero.sum(), n_groups))
 
 
-def expected_zero_variance_ratio(prompt_solve_rate: Tensor, groups: Groups) -> Reading:
-    """E[p^G + (1-p)^G] averaged over the batch's groups (seed 第 3 篇 §1).
+def zero_variance_probability(p: Tensor, size: Tensor | float) -> Tensor:
+    """p^G + (1-p)^G: the chance that G independent samples at solve rate p are all correct or all wrong
+    (seed 第 3 篇 §1), fp64."""
+    p = p.double().clamp(0.0, 1.0)
+    return p.pow(size) + (1.0 - p).pow(size)
 
-    p is the group's prior solve-rate estimate (mean of the members' finite ``prompt_solve_rate``), G its
-    size: the chance that G independent samples are all correct or all wrong.
-    """
-    valid = torch.isfinite(prompt_solve_rate)
+
+def beta_binomial_zero_variance(alpha: Tensor, beta: Tensor, size: Tensor) -> Tensor:
+    """E[p^G + (1-p)^G] for p ~ Beta(alpha, beta): B(a+G, b)/B(a, b) + B(a, b+G)/B(a, b), fp64.
+
+    The Beta-binomial probability of k = G or k = 0: the prediction averaged over the solve rates a prompt may
+    have, not taken at their mean (the function is convex; the mean underestimates it)."""
+    a, b, g = alpha.double(), beta.double(), size.double()
+    log_b = torch.lgamma(a) + torch.lgamma(b) - torch.lgamma(a + b)
+    all_correct = torch.lgamma(a + g) + torch.lgamma(b) - torch.lgamma(a + b + g) - log_b
+    all_wrong = torch.lgamma(a) + torch.lgamma(b + g) - torch.lgamma(a + b + g) - log_b
+    return (all_correct.exp() + all_wrong.exp()).clamp(0.0, 1.0)
+
+
+def expected_zero_variance_ratio(zero_variance_prob: Tensor, groups: Groups) -> Reading:
+    """The predicted zero-variance share of the batch's groups (seed 第 3 篇 §1): per group the mean of its
+    members' finite ``zero_variance_prob`` (each sample carries its group's prediction), averaged over groups."""
+    valid = torch.isfinite(zero_variance_prob)
     members = groups.count(valid)
     has = members > 0
-    p = (groups.sum(torch.where(valid, prompt_solve_rate.double(), 0.0)) / members.clamp(min=1)).clamp(0.0, 1.0)
-    g = groups.sizes().double()
-    expected = p.pow(g) + (1.0 - p).pow(g)
+    expected = (groups.sum(torch.where(valid, zero_variance_prob.double(), 0.0)) / members.clamp(min=1)).clamp(0, 1)
     return fraction(torch.where(has, expected, 0.0).sum(), has.sum())
 
 

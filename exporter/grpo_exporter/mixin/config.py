@@ -1,7 +1,9 @@
 """The one config behind the rules, the alerts, the Alertmanager routing and the dashboards.
 
-Each knob says why you would change it and which alert it feeds. Windows and ``for`` durations are in
-seconds and all scale with ``time_scale`` (a demo or an end-to-end test shrinks every window at once).
+Each knob says why you would change it and which alert it feeds. Windows, baselines and ``for`` durations
+are sized in *steps* from ``step_seconds`` (with a floor in seconds each), so a run of 20-second steps and one
+of 10-minute steps both get windows that hold several steps; all scale with ``time_scale`` (a demo or an
+end-to-end test shrinks every window at once).
 Thresholds are the seed's where it gives one; the others are stated as such.
 """
 
@@ -34,32 +36,69 @@ class MixinConfig(StopLines, EventLines):
         "tests shrink time so that a run of minutes exercises every alert.",
     )
 
-    # ---- windows (seconds) ----
+    # ---- cadence and windows ----
+    step_seconds: float = Field(
+        60.0, gt=0, description="the typical seconds of one training step (rollout + update, evaluation and "
+        "checkpoints amortised). Set it to your run's: every window, baseline and `for` below is sized in steps "
+        "from it (a window must hold several steps, or counter ratios read 0/0 and `for` resets). It is a setting, "
+        "not derived live, because a PromQL range is a literal; GRPOStepCadenceSlowerThanConfigured (info) says "
+        "when the observed cadence is slower than this.",
+    )
+    window_steps: int = Field(
+        5, ge=1, description="steps every rate()/increase() window and windowed mean spans (at least "
+        "`rate_window_s`). Feeds every counter-based alert and the windowed means.",
+    )
+    trend_window_steps: int = Field(
+        20, ge=1, description="steps the slow comparisons average over: a value against the run's early window "
+        "(entropy and pass@G for GRPOEntropyCollapse's slow leg, pass@1 for GRPODiversityCollapse). One "
+        "batch's pass@G of 16 groups is a share with a standard error of ~0.08; twenty steps bring it to ~0.02.",
+    )
     rate_window_s: int = Field(
-        300, ge=1, description="window of every rate()/increase() and windowed mean. Longer = smoother, slower; "
-        "it should span several training steps. Feeds every counter-based alert."
+        300, ge=1, description="the shortest rate window whatever the cadence: ten 30-s scrapes, so fast steps "
+        "still average over several scrapes."
     )
-    baseline_window_s: int = Field(
-        3600, ge=1, description="span of the run's own history a rolling baseline is the median of. Feeds "
-        "GRPOGradNormSpike, GRPOESSDrop, GRPORewardCliff, GRPOTruncationSurge, the length and entropy alerts."
+    baseline_steps: int = Field(
+        60, ge=1, description="steps of the run's own history a rolling baseline is the median of (at least "
+        "`baseline_window_s`). Feeds the trailing baselines of the ESS, reward, truncation, length, entropy, "
+        "pass@G and edit-distance alerts.",
     )
-    baseline_offset_s: int = Field(
-        600, ge=0, description="how far back the baseline window ends, so a spike cannot raise its own baseline "
-        "before it is judged against it."
+    baseline_window_s: int = Field(3600, ge=1, description="the shortest rolling-baseline window")
+    baseline_offset_steps: int = Field(
+        10, ge=0, description="how many steps back the baseline window ends (at least `baseline_offset_s`), so "
+        "a change cannot raise its own baseline before it is judged against it."
     )
-    min_baseline_samples: int = Field(
-        20, ge=1, description="a rolling baseline exists only once its window holds this many samples: a median of "
-        "a handful of early points is no baseline (it made early steps look like grad-norm spikes). Feeds every "
-        "baseline-relative alert."
+    baseline_offset_s: int = Field(600, ge=0, description="the shortest baseline offset")
+    min_baseline_steps: int = Field(
+        20, ge=1, description="a rolling baseline exists only once its window holds this many *steps* "
+        "(grpo_steps_total), whatever the scrape interval: a median of a handful of early steps is no baseline. "
+        "Feeds every baseline-relative alert."
+    )
+    stall_steps: int = Field(
+        3, ge=1, description="GRPOTrainingStalled: no new step for this many typical steps (and at least "
+        "`stall_after_s`)."
     )
     stall_after_s: int = Field(
-        900, ge=1, description="GRPOTrainingStalled: no new step for this long. Set above your slowest step "
-        "(evaluation and checkpointing included)."
+        900, ge=1, description="GRPOTrainingStalled: the shortest silence that pages. Set it above your slowest "
+        "step (evaluation and checkpointing included)."
     )
     lifecycle_lookback_s: int = Field(
         21600, ge=1, description="how long a run's last samples are remembered after its process is gone: a run "
         "that died without close() pages GRPOTrainingStalled (and a static target GRPOExporterDown) for this long; "
         "a run that ended with close() (grpo_run_finished 1) pages nothing, and between runs nothing pages."
+    )
+    cadence_tolerance: float = Field(
+        2.0, gt=1, description="GRPOStepCadenceSlowerThanConfigured (info): the mean step interval over the "
+        "last baseline window is above this multiple of `step_seconds` (the windows are then too short)."
+    )
+
+    # ---- populations: a share of too few things means nothing ----
+    min_window_groups: int = Field(
+        64, ge=1, description="GRPOZeroVarianceAbovePrediction and GRPOFewGroupsCarrySignal judge a window only "
+        "when it holds this many groups (the share of 16 groups moves by 0.06 per group)."
+    )
+    min_clip_tokens: int = Field(
+        200, ge=1, description="the clip alerts judge a window only when it holds this many tokens of the sign "
+        "they divide by (a clip share of a few tokens is noise; in a solved task few tokens carry a sign)."
     )
 
     # ---- layer 1 thresholds ----
@@ -78,6 +117,11 @@ class MixinConfig(StopLines, EventLines):
         0.9, gt=0, le=1, description="GRPOGradClippingEveryStep: share of optimizer steps clipped. Seed: clipping "
         "on nearly every step = root cause unsolved."
     )
+    clip_window_steps: int = Field(
+        20, ge=1, description="GRPOGradClippingEveryStep: steps its share is taken over. A healthy run whose "
+        "norms sit near the clip is clipped on many steps in a row; 'every step' needs a long run of them."
+    )
+    # onpolicy_noise_factor, onpolicy_noise_floor_nats, anchor_steps: EventLines (the exporter's anchors)
 
     # ---- layer 2 thresholds ----
     reward_cliff_ratio: float = Field(
@@ -110,13 +154,48 @@ class MixinConfig(StopLines, EventLines):
         "E[p^G+(1-p)^G] by more than this (absolute). The seed: never a fixed 50% line."
     )
     lower_clip_min: float = Field(0.05, gt=0, lt=1, description="GRPOLowerClipDominant: lower clip share above")
-    upper_clip_max: float = Field(0.005, ge=0, lt=1, description="GRPOLowerClipDominant: while upper is below")
+    upper_clip_max: float = Field(
+        0.005, ge=0, lt=1, description="GRPOLowerClipDominant: while the upper clip share of the tokens that "
+        "could reach it (grpo_upper_clip_reachable_tokens_total) is below this"
+    )
+    upper_clip_reachable_min: float = Field(
+        0.2, gt=0, le=1, description="GRPOLowerClipDominant is judged only while this share of positive-advantage "
+        "tokens can reach the upper clip at all (p_old < 1/(1+eps_high)); in a solved task most cannot, and a "
+        "missing upper clip is geometry, not a collapse precursor"
+    )
+    signal_groups_min_ratio: float = Field(
+        0.1, gt=0, lt=1, description="GRPOFewGroupsCarrySignal: share of groups with reward variance (the only "
+        "ones with a task gradient) below this over a window, while all-correct groups are not 80% of "
+        "the zero-variance ones (a learned task is success; all-correct beyond its prediction is "
+        "GRPOZeroVarianceAbovePrediction's). Seed: at 六七成 zero-variance groups filtering already costs a lot; "
+        "at 90% the update is decided by a handful of groups"
+    )
     clip_fraction_high: float = Field(0.2, gt=0, lt=1, description="GRPOClipFractionHigh: seed's 20%")
     # staleness_max_versions: EventLines (counted by the exporter)
 
     # ---- layer 4 thresholds ----
     entropy_drop_factor: float = Field(
-        0.5, gt=0, lt=1, description="GRPOEntropyCollapse: entropy below this x its baseline (with pass@G falling)"
+        0.5, gt=0, lt=1, description="GRPOEntropyCollapse: windowed entropy below this x its trailing baseline "
+        "(with pass@G below its trailing baseline), or below this x the run's anchor (with pass@G below the "
+        "best the run has shown by `peak_drop_margin`): a sharp drop, or a slow one over hours"
+    )
+    pass_drop_margin: float = Field(
+        0.05, ge=0, lt=1, description="GRPOEntropyCollapse, fast leg: windowed pass@G this far below its trailing "
+        "baseline is falling; a solved task's pass@G of ~1 dips by one failed group without falling"
+    )
+    peak_drop_margin: float = Field(
+        0.1, ge=0, lt=1, description="GRPOEntropyCollapse, slow leg: pass@G over 20 steps this far below the best "
+        "20-step pass@G of the run (or its early window) is falling. Wider than `pass_drop_margin`: the best of "
+        "many noisy means sits above the truth"
+    )
+    peak_window_s: int = Field(
+        86400, ge=1, description="how far back the run's best 20-step pass@G is remembered (the slow leg of "
+        "GRPOEntropyCollapse compares against it: a run that learned, then declines for hours)"
+    )
+    convergence_gain: float = Field(
+        0.1, ge=0, lt=1, description="GRPODiversityCollapse stays silent while windowed pass@1 is this far above "
+        "the run's early pass@1: identical completions of a task the policy learned (a unique right answer) are "
+        "convergence, not collapse"
     )
     unique_ratio_min: float = Field(
         0.2, gt=0, lt=1, description="GRPODiversityCollapse: distinct completions per group (seed: 16 samples "
@@ -150,6 +229,27 @@ class MixinConfig(StopLines, EventLines):
     group_wait_s: int = Field(30, ge=0, description="Alertmanager group_wait (scaled by time_scale)")
     group_interval_s: int = Field(300, ge=1, description="Alertmanager group_interval (scaled)")
     repeat_interval_s: int = Field(4 * 3600, ge=1, description="Alertmanager repeat_interval (scaled)")
+
+    def steps_s(self, steps: float, floor_s: float = 0.0) -> float:
+        """Seconds of ``steps`` typical steps, at least ``floor_s`` (production time, before time_scale)."""
+        return max(floor_s, steps * self.step_seconds)
+
+    def window(self, steps: int | None = None) -> str:
+        """The rate window: ``steps`` (default window_steps) typical steps, at least rate_window_s."""
+        return self.duration(self.steps_s(self.window_steps if steps is None else steps, self.rate_window_s))
+
+    @property
+    def baseline_window(self) -> str:
+        return self.duration(self.steps_s(self.baseline_steps, self.baseline_window_s))
+
+    @property
+    def baseline_offset(self) -> str:
+        return self.duration(self.steps_s(self.baseline_offset_steps, self.baseline_offset_s))
+
+    @property
+    def stall_s(self) -> float:
+        """GRPOTrainingStalled's silence, scaled: seconds as Prometheus sees them."""
+        return self.steps_s(self.stall_steps, self.stall_after_s) * self.time_scale
 
     def duration(self, seconds: float) -> str:
         """A Prometheus duration for ``seconds`` x ``time_scale`` (at least 1s)."""

@@ -6,14 +6,21 @@ grad-norm family, the seed's triage step 4, which is no 0/1 gate) and ``family``
 family; Alertmanager lets the critical inhibit the warning), and annotations ``summary``,
 ``description`` (the current value and the baseline it was compared with) and ``runbook_url``.
 
-Thresholds are baseline-relative wherever the seed says fixed lines lie: the run's own history (medians
-over a window that ends ``baseline_offset`` ago), a reference run (``grpo_reference_baseline``), or a model
-prediction published by the exporter (E[p^G+(1-p)^G], 1/P).
+Thresholds are baseline-relative wherever the seed says fixed lines lie: the run's own recent history
+(medians over a window that ends ``baseline_offset`` ago), the run's own early window (``grpo_run_anchor``,
+frozen by the exporter, so a slow decline or a persistent fault is never absorbed), a reference run
+(``grpo_reference_baseline``), or a model prediction published by the exporter (E[p^G+(1-p)^G], 1/P).
+
+Every window, baseline and ``for`` is sized in steps from ``step_seconds`` (with a floor in seconds): a
+window that holds no step reads 0/0 and resets ``for``. Per-step events a scrape can miss (grad-norm spikes,
+stale rollouts) are counted in the process and paged on their increase. Each alert judges its signal only
+when the population behind it is big enough (tokens of a sign, groups, steps), and says in its runbook the
+regimes in which it stays silent (docs/runbooks.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from grpo_exporter.catalog import Layer
@@ -35,17 +42,25 @@ class Alert:
     for_s: int
     summary: str
     description: str
+    for_steps: int = 0  # ``for`` is at least this many typical steps: a condition must outlive one batch
+    sticky: bool = False  # keeps firing one window after its condition last held: one episode per event or trend
 
     def rule(self, c: MixinConfig) -> dict[str, Any]:
+        for_s = c.for_seconds.get(self.name, c.steps_s(self.for_steps, self.for_s))
         rule: dict[str, Any] = {
             "alert": self.name,
             "expr": self.expr,
-            "for": c.duration(for_s) if (for_s := c.for_seconds.get(self.name, self.for_s)) else "0s",
+            "for": c.duration(for_s) if for_s else "0s",
         }
-        if self.layer is Layer.GRADIENT and c.severities.get(self.name, self.severity) == "critical":
+        gate = self.layer is Layer.GRADIENT and c.severities.get(self.name, self.severity) == "critical"
+        if gate or self.sticky:
             # a 0/1 gate keeps firing one rate window after its last evidence: a scrape gap cannot flicker it,
-            # and the pages it mutes downstream stay muted while its curves are still suspect
-            rule["keep_firing_for"] = c.duration(c.rate_window_s)
+            # and the pages it mutes downstream stay muted while its curves are still suspect; an event alert
+            # (stale steps between syncs, spikes) fires once per episode, not per event; a trend alert resolves
+            # only after a trend window (20 steps) without its condition, so a slow signal crossing its line
+            # through noise fires once, not per flicker
+            trend = self.sticky and self.for_steps > 2
+            rule["keep_firing_for"] = c.window(c.trend_window_steps if trend else None)
         return rule | {
             "labels": {
                 "severity": c.severities.get(self.name, self.severity),
@@ -72,53 +87,85 @@ def _query(expr: str, fmt: str = "%.3g") -> str:
     )
 
 
-def _rate(c: MixinConfig, metric: str, by: str = BY, **labels: str) -> str:
-    return f"sum by ({by}) (rate({metric}{c.matchers(**labels)}[{c.duration(c.rate_window_s)}]))"
+def _rate(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None, **labels: str) -> str:
+    return f"sum by ({by}) (rate({metric}{c.matchers(**labels)}[{c.window(steps)}]))"
 
 
-def _increase(c: MixinConfig, metric: str, by: str = BY, **labels: str) -> str:
-    return f"sum by ({by}) (increase({metric}{c.matchers(**labels)}[{c.duration(c.rate_window_s)}]))"
+def _increase(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None, **labels: str) -> str:
+    return f"sum by ({by}) (increase({metric}{c.matchers(**labels)}[{c.window(steps)}]))"
+
+
+def _mean(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None, **labels: str) -> str:
+    """The windowed mean of a last-step gauge (one batch is a noisy sample; a window holds several)."""
+    return f"max by ({by}) (avg_over_time({metric}{c.matchers(**labels)}[{c.window(steps)}]))"
 
 
 def _baseline(c: MixinConfig, expr: str, by: str = BY, op: str = "quantile_over_time(0.5, ") -> str:
-    """A rolling baseline over the window ending ``baseline_offset`` ago, once it holds enough samples."""
-    window, offset = c.duration(c.baseline_window_s), c.duration(c.baseline_offset_s)
-    return (f"max by ({by}) ({op}{expr}[{window}] offset {offset})) and on({by}) "
-            f"max by ({by}) (count_over_time({expr}[{window}] offset {offset})) >= {c.min_baseline_samples}")
+    """A rolling baseline over the window ending ``baseline_offset`` ago, once that window holds
+    ``min_baseline_steps`` steps (counted by grpo_steps_total, not by scrapes)."""
+    window, offset = c.baseline_window, c.baseline_offset
+    return (f"max by ({by}) ({op}{expr}[{window}] offset {offset})) and on(job, run) "
+            f"sum by ({BY}) (increase(grpo_steps_total{c.matchers()}[{window}] offset {offset})) "
+            f">= {c.min_baseline_steps}")
+
+
+def _anchor(c: MixinConfig, metric: str, labels: str = "") -> str:
+    """The run's early window of ``metric`` (grpo_run_anchor), else the reference run's value."""
+    sel = {"metric": metric} | ({"labels": labels} if labels else {})
+    return (f"max by ({BY}) (grpo_run_anchor{c.matchers(**sel)}) or on({BY}) "
+            f"max by ({BY}) (grpo_reference_baseline{c.matchers(**sel)})")
 
 
 def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
-    """The ``grpo-recording`` group: windowed fractions from counters, then rolling baselines."""
+    """The ``grpo-recording`` group: windowed fractions from counters and means of gauges, the run's anchors,
+    then rolling baselines."""
     run_info = f"max by (job, run, group_size) (grpo_run_info{c.matchers()})"
+    signed = (f"({_rate(c, 'grpo_update_tokens_total', advantage_sign='positive')}"
+              f" + {_rate(c, 'grpo_update_tokens_total', advantage_sign='negative')})")
     rules: list[dict[str, Any]] = [
         {"record": "run:grpo_engine_logprob_gap_nats:window_mean",
          "expr": f"{_rate(c, 'grpo_engine_logprob_gap_nats_sum')} / {_rate(c, 'grpo_engine_logprob_gap_nats_count')}"},
+        {"record": "run:grpo_onpolicy_log_ratio_abs_max_nats:window_max",
+         "expr": f"max by ({BY}) (max_over_time(grpo_onpolicy_log_ratio_abs_max_nats{c.matchers()}[{c.window()}]))"},
         {"record": "run:grpo_clipped_tokens:window_ratio", "labels": {"bound": "upper"},
          "expr": f"{_rate(c, 'grpo_clipped_tokens_total', bound='upper')}"
-                 f" / {_rate(c, 'grpo_update_tokens_total', advantage_sign='positive')}"},
+                 f" / {_rate(c, 'grpo_upper_clip_reachable_tokens_total')}"},
         {"record": "run:grpo_clipped_tokens:window_ratio", "labels": {"bound": "lower"},
          "expr": f"{_rate(c, 'grpo_clipped_tokens_total', bound='lower')}"
                  f" / {_rate(c, 'grpo_update_tokens_total', advantage_sign='negative')}"},
+        # the share of positive tokens that could reach the upper clip at all (p_old < 1/(1+eps_high))
+        {"record": "run:grpo_upper_clip_reachable_tokens:window_ratio",
+         "expr": f"{_rate(c, 'grpo_upper_clip_reachable_tokens_total')}"
+                 f" / {_rate(c, 'grpo_update_tokens_total', advantage_sign='positive')}"},
+        {"record": "run:grpo_update_tokens:window_increase",
+         "expr": _increase(c, "grpo_update_tokens_total", by="job, run, advantage_sign")},
         # over signed tokens only: a zero-advantage token can never be clipped (100% must read 100%)
         {"record": "run:grpo_tokens_outside_clip:window_ratio",
          "expr": f"({_rate(c, 'grpo_clipped_tokens_total')} + {_rate(c, 'grpo_out_of_range_unclipped_tokens_total')})"
-                 f" / ({_rate(c, 'grpo_update_tokens_total', advantage_sign='positive')}"
-                 f" + {_rate(c, 'grpo_update_tokens_total', advantage_sign='negative')})"},
+                 f" / {signed}"},
         {"record": "run:grpo_onpolicy_outside_clip_tokens:window_ratio",
          "expr": f"{_rate(c, 'grpo_onpolicy_outside_clip_tokens_total')}"
                  f" / {_rate(c, 'grpo_onpolicy_checked_tokens_total')}"},
         {"record": "run:grpo_log_ratio_clamp_hit_tokens:window_ratio",
          "expr": f"{_rate(c, 'grpo_log_ratio_clamp_hit_tokens_total')} / {_rate(c, 'grpo_importance_weight_count')}"},
         {"record": "run:grpo_grad_clip_active_steps:window_ratio",
-         "expr": f"{_rate(c, 'grpo_grad_clip_active_steps_total')} / {_rate(c, 'grpo_optimizer_steps_total')}"},
+         "expr": f"{_rate(c, 'grpo_grad_clip_active_steps_total', steps=c.clip_window_steps)}"
+                 f" / {_rate(c, 'grpo_optimizer_steps_total', steps=c.clip_window_steps)}"},
+        {"record": "run:grpo_groups:window_increase", "expr": _increase(c, "grpo_groups_total")},
+        {"record": "run:grpo_steps:window_increase", "expr": _increase(c, "grpo_steps_total")},
         {"record": "run:grpo_zero_variance_groups:window_ratio",
          "expr": f"{_rate(c, 'grpo_zero_variance_groups_total')} / {_rate(c, 'grpo_groups_total')}"},
+        {"record": "run:grpo_zero_variance_groups:window_ratio_by_outcome",
+         "expr": f"{_rate(c, 'grpo_zero_variance_groups_total', by='job, run, outcome')}"
+                 f" / on(job, run) group_left() {_rate(c, 'grpo_groups_total')}"},
         {"record": "run:grpo_zero_variance_groups_expected:window_mean",
-         "expr": f"max by ({BY}) (avg_over_time(grpo_zero_variance_groups_expected_ratio{c.matchers()}"
-                 f"[{c.duration(c.rate_window_s)}]))"},
-        {"record": "run:grpo_reward_mean:window_mean",
-         "expr": f"max by (job, run, component) (avg_over_time(grpo_reward_mean{c.matchers()}"
-                 f"[{c.duration(c.rate_window_s)}]))"},
+         "expr": _mean(c, "grpo_zero_variance_groups_expected_ratio")},
+        {"record": "run:grpo_reward_mean:window_mean", "expr": _mean(c, "grpo_reward_mean", by="job, run, component")},
+        {"record": "run:grpo_ess_ratio:window_mean", "expr": _mean(c, "grpo_ess_ratio", by="job, run, level")},
+        {"record": "run:grpo_entropy_mean_nats:window_mean", "expr": _mean(c, "grpo_entropy_mean_nats")},
+        {"record": "run:grpo_unique_completions_ratio:window_mean", "expr": _mean(c, "grpo_unique_completions_ratio")},
+        {"record": "run:grpo_edit_distance_median_ratio:window_mean",
+         "expr": _mean(c, "grpo_edit_distance_median_ratio")},
         {"record": "run:grpo_truncated_completions:window_ratio",
          "expr": f"{_rate(c, 'grpo_truncated_completions_total')} / {_rate(c, 'grpo_completions_total')}"},
         {"record": "run:grpo_completion_length_tokens:window_mean",
@@ -127,6 +174,34 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_pass_at_group_size:ratio",
          "expr": f"max by ({BY}) (grpo_pass_at_k_ratio{c.matchers()} * on(job, run, k) group_left()"
                  f' label_replace({run_info}, "k", "$1", "group_size", "(.*)"))'},
+        {"record": "run:grpo_pass_at_group_size:window_mean",
+         "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.window()}]))"},
+        # trend means: the slow comparisons against the run's early window average over trend_window_steps
+        {"record": "run:grpo_entropy_mean_nats:trend_mean",
+         "expr": _mean(c, "grpo_entropy_mean_nats", steps=c.trend_window_steps)},
+        {"record": "run:grpo_pass_at_group_size:trend_mean",
+         "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.window(c.trend_window_steps)}]))"},
+        {"record": "run:grpo_pass_at_1:trend_mean",
+         "expr": _mean(c, "grpo_pass_at_k_ratio", steps=c.trend_window_steps, k="1")},
+        {"record": "run:grpo_step_interval_seconds:mean",
+         # the span of step timestamps over the steps taken in it: exact for a run younger than the window
+         # (rate() would divide by the whole window), undefined (no sample) before a second step
+         "expr": f"max by ({BY}) (max_over_time(grpo_last_step_timestamp_seconds{c.matchers()}[{c.baseline_window}]) "
+                 f"- min_over_time(grpo_last_step_timestamp_seconds{c.matchers()}[{c.baseline_window}])) / "
+                 f"max by ({BY}) (max_over_time(grpo_steps_total{c.matchers()}[{c.baseline_window}]) "
+                 f"- min_over_time(grpo_steps_total{c.matchers()}[{c.baseline_window}]))"},
+        # the run's early window (frozen by the exporter), else the reference run's
+        {"record": "run:grpo_entropy_mean_nats:anchor", "expr": _anchor(c, "grpo_entropy_mean_nats")},
+        {"record": "run:grpo_pass_at_group_size:anchor",
+         "expr": f"max by ({BY}) (grpo_run_anchor{c.matchers(metric='grpo_pass_at_k_ratio')} * on(job, run, labels) "
+                 f"group_left() label_replace({run_info}, \"labels\", \"k='$1'\", \"group_size\", \"(.*)\")) "
+                 f"or on({BY}) max by ({BY}) (grpo_reference_baseline{c.matchers(metric='grpo_pass_at_k_ratio')})"},
+        {"record": "run:grpo_pass_at_1:anchor", "expr": _anchor(c, "grpo_pass_at_k_ratio", "k='1'")},
+        # the best the run has shown (its 20-step pass@G, over peak_window_s, or its early window)
+        {"record": "run:grpo_pass_at_group_size:peak",
+         "expr": f"max by ({BY}) (max_over_time(run:grpo_pass_at_group_size:trend_mean[{c.duration(c.peak_window_s)}]))"
+                 " > on(job, run) run:grpo_pass_at_group_size:anchor or on(job, run) run:grpo_pass_at_group_size:anchor"},
+        {"record": "run:grpo_edit_distance_median_ratio:anchor", "expr": _anchor(c, "grpo_edit_distance_median_ratio")},
         # rolling baselines: the run's own history, ending baseline_offset ago
         {"record": "run:grpo_grad_norm_pre_clip:baseline_median",
          "expr": _baseline(c, f"grpo_grad_norm_pre_clip{c.matchers()}")},
@@ -163,12 +238,25 @@ def alerts(c: MixinConfig) -> list[Alert]:
 
 
 def _alerts(c: MixinConfig) -> list[Alert]:
-    w = c.duration(c.rate_window_s)
+    # a trend must outlive the window: one odd batch moves a windowed mean for exactly one window, so a
+    # `for` one step longer than the window can never be met by a single batch
+    trend = c.window_steps + 1
+    found = _alert_list(c, trend)
+    # a windowed mean is judged only when the window holds several steps: rules generated for a shorter step
+    # than the run's go silent instead of paging on one batch (GRPOStepCadenceSlowerThanConfigured says why)
+    enough = f"and on(job, run) run:grpo_steps:window_increase >= {max(2, c.window_steps // 2)}"
+    return [replace(a, expr=f"({a.expr}) {enough}") if a.for_steps == trend else a for a in found]
+
+
+def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
+    w = c.window()
     gap = "run:grpo_engine_logprob_gap_nats:window_mean"
     ref = "grpo_reference_baseline"
     growth = "run:grpo_completion_length_tokens:growth_ratio"
     lookback = c.duration(c.lifecycle_lookback_s)
+    finished = f"(max by ({BY}) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}])) == 1)"
     g1, g2, g3, g4, g0 = Layer.GRADIENT, Layer.REWARD, Layer.SAMPLES, Layer.DIVERSITY, Layer.LIVENESS
+    groups_enough = f"and on(job, run) run:grpo_groups:window_increase >= {c.min_window_groups}"
     return [
         # ---- liveness ----
         Alert(
@@ -182,13 +270,24 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         Alert(
             "GRPOTrainingStalled", g0, "stalled", "critical",
             f"time() - max by ({BY}) (last_over_time(grpo_last_step_timestamp_seconds{c.matchers()}[{lookback}])) "
-            f"> {c.stall_after_s * c.time_scale:g} unless on({BY}) "
-            f"(max by ({BY}) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}])) == 1)",
+            f"> {c.stall_s:g} unless on({BY}) {finished}",
             60,
             "Training has not reported a new step, and the run did not end normally.",
-            "Run {{ $labels.run }} has reported no step for " + _value("%.0f") + f"s (threshold "
-            f"{c.stall_after_s * c.time_scale:g}s; its process may be hung or gone); last step "
+            "Run {{ $labels.run }} has reported no step for " + _value("%.0f") + f"s (threshold {c.stall_s:g}s: "
+            f"{c.stall_steps} typical steps of {c.step_seconds:g}s, at least {c.stall_after_s}s; its process may "
+            "be hung or gone); last step "
             + _query(f"max(last_over_time(grpo_last_step{{run=%q}}[{lookback}]))", "%.0f") + ".",
+        ),
+        Alert(
+            "GRPOStepCadenceSlowerThanConfigured", g0, "cadence", "info",
+            f"run:grpo_step_interval_seconds:mean > {c.cadence_tolerance * c.step_seconds * c.time_scale:g} "
+            f"and on({BY}) (time() - max by ({BY}) (grpo_last_step_timestamp_seconds{c.matchers()}) < {c.stall_s:g})",
+            3600,
+            "Steps are much slower than the rules' step_seconds: their windows may hold too few steps.",
+            "Run {{ $labels.run }} takes " + _value("%.0f") + f"s per step on average over {c.baseline_window}, "
+            f"more than {c.cadence_tolerance:g}x the configured step_seconds ({c.step_seconds:g}s, scaled). "
+            "Regenerate the rules with `grpo-exporter rules --step-seconds S` (or step_seconds in the config) near the "
+            "observed value.",
         ),
         # ---- layer 1: does the gradient match what I think? ----
         Alert(
@@ -198,11 +297,12 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             "Mean |rollout_logprobs - old_logprobs| on loss tokens of run {{ $labels.run }} is "
             + _value("%.4g") + f" nats over {w}, at or above the stop line {c.engine_gap_stop_nats:g} "
             f"(healthy < {c.engine_gap_healthy_nats:g}); reference run: "
-            + _query(f'max({ref}{{run=%q,metric=\\"grpo_engine_logprob_gap_mean_nats\\"}})', "%.4g") + ".",
+            + _query(f'max({ref}{{run=%q,metric=\\"grpo_engine_logprob_gap_mean_nats\\"}})', "%.4g") + " nats.",
+            for_steps=1,
         ),
         Alert(
             "GRPOEngineLogprobGapWarning", g1, "engine_logprob_gap", "warning",
-            f"{gap} >= {c.engine_gap_healthy_nats:g} or {gap} > on(job, run) ({c.engine_gap_baseline_factor:g} * "
+            f"{gap} > {c.engine_gap_healthy_nats:g} or {gap} > on(job, run) ({c.engine_gap_baseline_factor:g} * "
             f'max by ({BY}) ({ref}{c.matchers(metric="grpo_engine_logprob_gap_mean_nats")}))'
             f" or ({gap} > on(job, run) ({c.gap_clean_factor:g} * max by ({BY}) "
             f"(grpo_engine_logprob_gap_clean_baseline_nats{c.matchers()})) and {gap} > {c.gap_floor_nats:g})", 600,
@@ -212,6 +312,7 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             + _query(f'max({ref}{{run=%q,metric=\\"grpo_engine_logprob_gap_mean_nats\\"}})', "%.4g")
             + f" nats, or above {c.gap_clean_factor:g}x the run's own clean gap "
             + _query("max(grpo_engine_logprob_gap_clean_baseline_nats{run=%q})", "%.3g") + " nats.",
+            for_steps=2,
         ),
         Alert(
             "GRPORatioClippedBeforeUpdate", g1, "onpolicy_ratio", "critical",
@@ -220,6 +321,20 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             "On on-policy updates of run {{ $labels.run }}, " + _value("%.3g") + " of loss tokens already lie "
             f"outside the clip range (threshold {c.onpolicy_clip_stop_ratio:g}): the weights did not move, so "
             "the probability path differs. Stop and fix it before reading any other curve.",
+            for_steps=1,
+        ),
+        Alert(
+            "GRPOOnPolicyRatioDrift", g1, "onpolicy_ratio", "warning",
+            f"run:grpo_onpolicy_log_ratio_abs_max_nats:window_max > on(job, run) ({c.onpolicy_noise_factor:g} * "
+            f"max by ({BY}) (grpo_onpolicy_log_ratio_clean_baseline_nats{c.matchers()})) "
+            f"and run:grpo_onpolicy_log_ratio_abs_max_nats:window_max > {c.onpolicy_noise_floor_nats:g}", 0,
+            "On-policy log ratios left the run's own recomputation noise: another probability path.",
+            "The max |log r| of on-policy updates of run {{ $labels.run }} reached " + _value("%.3g") + f" nats "
+            f"over {w}, above {c.onpolicy_noise_factor:g}x the run's own early noise "
+            + _query("max(grpo_onpolicy_log_ratio_clean_baseline_nats{run=%q})", "%.3g")
+            + f" nats (and {c.onpolicy_noise_floor_nats:g}), even if inside the clip band: the weights did not "
+            "move, so trainer and behaviour policy no longer compute the same probabilities.",
+            for_steps=2,
         ),
         Alert(
             "GRPONonFiniteValues", g1, "nonfinite", "critical",
@@ -242,6 +357,7 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             "The numerical log-ratio clamp (the fuse before exp) is hit often.",
             "Run {{ $labels.run }}: " + _value("%.3g") + f" of loss tokens hit the log-ratio clamp over {w} "
             f"(threshold {c.fuse_hit_ratio:g}; should be ~0).",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPOGradNormSpike", OPTIMIZER, "grad_norm", "warning",
@@ -251,13 +367,17 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             f"above {c.grad_spike_factor:g}x the median of the previous {c.grad_spike_window_steps} non-zero "
             "norms (counted in the process, so no step between scrapes is missed); rolling median now "
             + _query("max(run:grpo_grad_norm_pre_clip:baseline_median{run=%q})") + ".",
+            sticky=True,
         ),
         Alert(
             "GRPOGradClippingEveryStep", OPTIMIZER, "grad_clip", "warning",
-            f"run:grpo_grad_clip_active_steps:window_ratio > {c.grad_clip_active_ratio:g}", 900,
+            f"run:grpo_grad_clip_active_steps:window_ratio > {c.grad_clip_active_ratio:g} and on(job, run) "
+            f"{_increase(c, 'grpo_optimizer_steps_total', steps=c.clip_window_steps)} >= {c.clip_window_steps // 2}",
+            900,
             "Gradient clipping is active on nearly every step.",
-            "Run {{ $labels.run }}: " + _value("%.2f") + f" of optimizer steps were clipped over {w} "
-            f"(threshold {c.grad_clip_active_ratio:g}): the update depends on the fuse.",
+            "Run {{ $labels.run }}: " + _value("%.2f") + f" of optimizer steps were clipped over the last "
+            f"{c.clip_window_steps} steps (threshold {c.grad_clip_active_ratio:g}): the update depends on the fuse.",
+            for_steps=5,
         ),
         # ---- layer 2: does the reward measure what I think? ----
         Alert(
@@ -270,14 +390,16 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPORewardCliff", g2, "reward_cliff", "critical",
-            f'max by ({BY}) (grpo_reward_mean{c.matchers(component="total")}) < on(job, run) '
+            # the windowed mean: one noisy batch at a step of ten minutes is no cliff
+            f'max by ({BY}) (run:grpo_reward_mean:window_mean{{component="total"}}) < on(job, run) '
             f'({c.reward_cliff_ratio:g} * run:grpo_reward_mean:baseline_median{{component="total"}}) '
             f'and on(job, run) run:grpo_reward_mean:baseline_median{{component="total"}} > {c.reward_cliff_min_baseline:g}',
             300,
             "Total reward fell off a cliff against its own baseline.",
-            "Mean total reward of run {{ $labels.run }} is " + _value("%.3g") + ", below "
+            "Mean total reward of run {{ $labels.run }} over " + w + " is " + _value("%.3g") + ", below "
             f"{c.reward_cliff_ratio:g}x its baseline "
             + _query('max(run:grpo_reward_mean:baseline_median{run=%q,component=\\"total\\"})') + ".",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPORewardHackSuspected", g2, "reward_hack", "warning",
@@ -292,6 +414,7 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             + _query(f'max(run:grpo_reward_mean:baseline_median{{run=%q,component=\\"{c.correctness_component}\\"}})')
             + " while the total reward holds at "
             + _query('max(run:grpo_reward_mean:window_mean{run=%q,component=\\"total\\"})') + ".",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPOTruncationSurge", g2, "truncation", "warning",
@@ -301,6 +424,7 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             "Many more completions hit the maximum length than usual.",
             "Run {{ $labels.run }}: " + _value("%.3g") + " of completions truncated over " + w + ", against a "
             "baseline of " + _query("max(run:grpo_truncated_completions:baseline_ratio{run=%q})") + ".",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPOLengthGrowthIncorrectOnly", g2, "length_incorrect", "warning",
@@ -311,6 +435,7 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             "baseline while correct ones grow "
             + _query('max(run:grpo_completion_length_tokens:growth_ratio{run=%q,outcome=\\"correct\\"})', "%.2f")
             + "x.",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPOLengthHack", g2, "length_hack", "warning",
@@ -322,40 +447,77 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             "baseline, faster than incorrect ones ("
             + _query('max(run:grpo_completion_length_tokens:growth_ratio{run=%q,outcome=\\"incorrect\\"})', "%.2f")
             + "x).",
+            for_steps=trend, sticky=True,
         ),
         # ---- layer 3: how many samples decide this update? ----
         Alert(
             "GRPOESSDrop", g3, "ess", "warning",
-            f'max by ({BY}) (grpo_ess_ratio{c.matchers(level="token")}) < on(job, run) ({c.ess_drop_factor:g} * '
+            f'max by ({BY}) (run:grpo_ess_ratio:window_mean{{level="token"}}) < on(job, run) ({c.ess_drop_factor:g} * '
             f'max by ({BY}) (run:grpo_ess_ratio:baseline_median{{level="token"}}))', 300,
             "The effective sample size ratio fell: a few samples decide the update.",
-            "Token ESS ratio of run {{ $labels.run }} is " + _value("%.3g") + f", below {c.ess_drop_factor:g}x "
-            "its baseline " + _query('max(run:grpo_ess_ratio:baseline_median{run=%q,level=\\"token\\"})') + ".",
+            "Token ESS ratio of run {{ $labels.run }} over " + w + " is " + _value("%.3g") + f", below "
+            f"{c.ess_drop_factor:g}x its baseline "
+            + _query('max(run:grpo_ess_ratio:baseline_median{run=%q,level=\\"token\\"})') + ".",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPOZeroVarianceAbovePrediction", g3, "zero_variance", "warning",
             "run:grpo_zero_variance_groups:window_ratio > on(job, run) "
-            f"(run:grpo_zero_variance_groups_expected:window_mean + {c.zero_variance_margin:g})", 900,
+            f"(run:grpo_zero_variance_groups_expected:window_mean + {c.zero_variance_margin:g}) {groups_enough}",
+            900,
             "More groups without reward variance than the difficulty predicts.",
             "Run {{ $labels.run }}: " + _value("%.3g") + f" of groups have zero reward variance over {w}, "
             "against a predicted E[p^G+(1-p)^G] of "
-            + _query("max(run:grpo_zero_variance_groups_expected:window_mean{run=%q})") + ".",
+            + _query("max(run:grpo_zero_variance_groups_expected:window_mean{run=%q})") + " (all-correct "
+            + _query('max(run:grpo_zero_variance_groups:window_ratio_by_outcome{run=%q,outcome=\\"all_correct\\"})')
+            + ", all-incorrect "
+            + _query('max(run:grpo_zero_variance_groups:window_ratio_by_outcome{run=%q,outcome=\\"all_incorrect\\"})')
+            + ").",
+            for_steps=trend, sticky=True,
+        ),
+        Alert(
+            "GRPOFewGroupsCarrySignal", g3, "signal_groups", "warning",
+            f"1 - run:grpo_zero_variance_groups:window_ratio < {c.signal_groups_min_ratio:g} {groups_enough} "
+            # a learned task (all-correct groups dominate, as its prediction says) is success, not starvation:
+            # that regime is GRPOZeroVarianceAbovePrediction's only when beyond the prediction
+            "and on(job, run) (max by (job, run) (run:grpo_zero_variance_groups:window_ratio_by_outcome"
+            '{outcome="all_correct"}) < 0.8 * run:grpo_zero_variance_groups:window_ratio)', 900,
+            "Almost no group carries a task gradient, and not because the task is learned: a handful of samples "
+            "decides every update.",
+            "Run {{ $labels.run }}: only " + _value("%.3g") + f" of groups had reward variance over {w} "
+            f"(line {c.signal_groups_min_ratio:g}); all-incorrect "
+            + _query('max(run:grpo_zero_variance_groups:window_ratio_by_outcome{run=%q,outcome=\\"all_incorrect\\"})')
+            + ", all-correct "
+            + _query('max(run:grpo_zero_variance_groups:window_ratio_by_outcome{run=%q,outcome=\\"all_correct\\"})')
+            + ". Check the verifier for false negatives first, then the base model's ability (SFT, curriculum, "
+            "intermediate difficulty); do not switch on filtering before. Groups that repeat one completion "
+            "(GRPODiversityCollapse, low entropy) mean a collapsed policy instead: read layer 4.",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPOLowerClipDominant", g3, "clip_sides", "warning",
             f'max by ({BY}) (run:grpo_clipped_tokens:window_ratio{{bound="lower"}}) > {c.lower_clip_min:g} and on(job, run) '
-            f'max by ({BY}) (run:grpo_clipped_tokens:window_ratio{{bound="upper"}}) < {c.upper_clip_max:g}', 900,
+            f'max by ({BY}) (run:grpo_clipped_tokens:window_ratio{{bound="upper"}}) < {c.upper_clip_max:g} '
+            f"and on(job, run) run:grpo_upper_clip_reachable_tokens:window_ratio >= {c.upper_clip_reachable_min:g} "
+            f'and on(job, run) max by ({BY}) (run:grpo_update_tokens:window_increase{{advantage_sign="negative"}}) '
+            f">= {c.min_clip_tokens}", 900,
             "The lower clip bound cuts many tokens while the upper bound cuts almost none: collapse precursor.",
             "Run {{ $labels.run }}: lower-bound clip fraction " + _value("%.3g") + " of negative-advantage tokens, "
             "upper " + _query('max(run:grpo_clipped_tokens:window_ratio{run=%q,bound=\\"upper\\"})')
-            + f" of positive-advantage tokens (thresholds {c.lower_clip_min:g} / {c.upper_clip_max:g}).",
+            + " of the positive-advantage tokens that could reach it ("
+            + _query("max(run:grpo_upper_clip_reachable_tokens:window_ratio{run=%q})")
+            + f" of them; thresholds {c.lower_clip_min:g} / {c.upper_clip_max:g}).",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPOClipFractionHigh", g3, "clip_total", "warning",
-            f"run:grpo_tokens_outside_clip:window_ratio > {c.clip_fraction_high:g}", 600,
+            f"run:grpo_tokens_outside_clip:window_ratio > {c.clip_fraction_high:g} and on(job, run) "
+            f"sum by ({BY}) (run:grpo_update_tokens:window_increase{{advantage_sign!=\"zero\"}}) >= {c.min_clip_tokens}",
+            600,
             "Many tokens lie outside the clip range: updates too large or data too stale.",
-            "Run {{ $labels.run }}: " + _value("%.3g") + f" of update tokens are outside the clip range over {w} "
-            f"(threshold {c.clip_fraction_high:g}).",
+            "Run {{ $labels.run }}: " + _value("%.3g") + f" of signed update tokens are outside the clip range "
+            f"over {w} (threshold {c.clip_fraction_high:g}).",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPORolloutsStale", g3, "staleness", "warning",
@@ -364,37 +526,57 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             "Run {{ $labels.run }}: " + _value("%.0f") + f" update steps over {w} trained on rollouts more than "
             f"{c.staleness_max_versions} policy versions old (counted on every step by the exporter; last scraped "
             "staleness " + _query("max(grpo_rollout_staleness_versions{run=%q})", "%.0f") + ").",
+            for_steps=2, sticky=True,
         ),
         # ---- layer 4: does the policy still read the question? ----
         Alert(
             "GRPOEntropyCollapse", g4, "entropy", "warning",
-            f"max by ({BY}) (grpo_entropy_mean_nats{c.matchers()}) < on(job, run) ({c.entropy_drop_factor:g} * "
-            "run:grpo_entropy_mean_nats:baseline_median) and on(job, run) run:grpo_pass_at_group_size:ratio "
-            "< on(job, run) run:grpo_pass_at_group_size:baseline_median", 900,
+            f"(run:grpo_entropy_mean_nats:window_mean < on(job, run) ({c.entropy_drop_factor:g} * "
+            "run:grpo_entropy_mean_nats:baseline_median) and on(job, run) run:grpo_pass_at_group_size:window_mean "
+            f"< on(job, run) (run:grpo_pass_at_group_size:baseline_median - {c.pass_drop_margin:g})) or on(job, run) "
+            f"(run:grpo_entropy_mean_nats:trend_mean < on(job, run) ({c.entropy_drop_factor:g} * "
+            "run:grpo_entropy_mean_nats:anchor) and on(job, run) run:grpo_pass_at_group_size:trend_mean "
+            f"< on(job, run) (run:grpo_pass_at_group_size:peak - {c.peak_drop_margin:g}))", 900,
             "Entropy collapses while pass@G falls.",
-            "Mean token entropy of run {{ $labels.run }} is " + _value("%.3g") + f" nats, below "
-            f"{c.entropy_drop_factor:g}x its baseline "
-            + _query("max(run:grpo_entropy_mean_nats:baseline_median{run=%q})") + ", while pass@G is "
-            + _query("max(run:grpo_pass_at_group_size:ratio{run=%q})") + " against its baseline "
-            + _query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + ".",
+            "Mean token entropy of run {{ $labels.run }} is " + _value() + f" nats (over {w} against its "
+            "trailing baseline " + _query("max(run:grpo_entropy_mean_nats:baseline_median{run=%q})")
+            + f", or over {c.window(c.trend_window_steps)} against its early window "
+            + _query("max(run:grpo_entropy_mean_nats:anchor{run=%q})")
+            + f"; line {c.entropy_drop_factor:g}x), while pass@G is "
+            + _query("max(run:grpo_pass_at_group_size:window_mean{run=%q})") + " (over "
+            + c.window(c.trend_window_steps) + ": "
+            + _query("max(run:grpo_pass_at_group_size:trend_mean{run=%q})") + ") against "
+            + _query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + " lately and "
+            + _query("max(run:grpo_pass_at_group_size:peak{run=%q})") + " at its best.",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPODiversityCollapse", g4, "diversity", "warning",
-            f"max by ({BY}) (grpo_unique_completions_ratio{c.matchers()}) < {c.unique_ratio_min:g} or "
-            f"max by ({BY}) (grpo_edit_distance_median_ratio{c.matchers()}) < on(job, run) "
-            f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:baseline_median)", 900,
-            "Completions of the same prompt became (nearly) identical.",
-            "Run {{ $labels.run }}: in-group diversity " + _value("%.3g") + f" (distinct share below "
+            f"(run:grpo_unique_completions_ratio:window_mean < {c.unique_ratio_min:g} or "
+            "run:grpo_edit_distance_median_ratio:window_mean < on(job, run) "
+            f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:baseline_median) or "
+            "run:grpo_edit_distance_median_ratio:window_mean < on(job, run) "
+            f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:anchor)) "
+            # convergence on a learned answer is no collapse: silent while correctness rose
+            "unless on(job, run) (run:grpo_pass_at_1:trend_mean >= on(job, run) "
+            f"(run:grpo_pass_at_1:anchor + {c.convergence_gain:g}))", 900,
+            "Completions of the same prompt became (nearly) identical while correctness did not rise.",
+            "Run {{ $labels.run }}: in-group diversity " + _value("%.3g") + f" over {w} (distinct share below "
             f"{c.unique_ratio_min:g}, or median edit distance below {c.edit_distance_drop_factor:g}x its baseline "
-            + _query("max(run:grpo_edit_distance_median_ratio:baseline_median{run=%q})") + ").",
+            + _query("max(run:grpo_edit_distance_median_ratio:baseline_median{run=%q})") + " or early window "
+            + _query("max(run:grpo_edit_distance_median_ratio:anchor{run=%q})") + "), while pass@1 is "
+            + _query("max(run:grpo_pass_at_1:trend_mean{run=%q})") + f" over {c.window(c.trend_window_steps)} against "
+            + _query("max(run:grpo_pass_at_1:anchor{run=%q})") + " early.",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPOPassAtGBelowBase", g4, "pass_at_g", "warning",
-            f"run:grpo_pass_at_group_size:ratio < on(job, run) "
+            f"run:grpo_pass_at_group_size:window_mean < on(job, run) "
             f'max by ({BY}) ({ref}{c.matchers(metric="grpo_pass_at_k_ratio")})', 1800,
             "pass@G fell below the base model: the run narrows the policy instead of teaching it.",
-            "pass@G of run {{ $labels.run }} is " + _value("%.3g") + ", below the base model's "
+            "pass@G of run {{ $labels.run }} over " + w + " is " + _value("%.3g") + ", below the base model's "
             + _query(f'max({ref}{{run=%q,metric=\\"grpo_pass_at_k_ratio\\"}})') + ".",
+            for_steps=trend, sticky=True,
         ),
         Alert(
             "GRPORetrievalNearChance", g4, "retrieval", "warning",
@@ -403,6 +585,7 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             "Completions no longer identify their own prompt: template collapse.",
             "Retrieval accuracy of run {{ $labels.run }} is " + _value("%.3g") + f", below "
             f"{c.retrieval_chance_factor:g}x chance " + _query("max(grpo_retrieval_chance_ratio{run=%q})") + ".",
+            for_steps=trend, sticky=True,
         ),
     ]
 

@@ -1,0 +1,280 @@
+"""Production cadence, replayed: a real GRPOMonitor driven step by step by a simulated GRPO run, its scrapes
+every 30 s written as promtool input series, and the production rules judged on them by promtool.
+
+A run here is not the demo: prompts come from a fixed pool of spread difficulty (each prompt's solve rate is
+logistic around the run's mean), several micro-steps make an optimizer step (the first on-policy), grad
+norms are log-normal, completions are ragged. Knobs (:class:`Knobs`) move one property at a time so a
+scenario is a function of the hour: a healthy run, a slow collapse, a clip storm, a one-step spike.
+
+The verdict is read from Prometheus' own ``ALERTS`` series inside promtool: which alerts fired, how many
+separate episodes each had (once, not flapping), and when each first fired against its fault's onset.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from grpo_exporter import GRPOMonitor, MonitorConfig
+from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.render import rules_outputs
+
+SCRAPE_S = 30
+JOB, INSTANCE = "grpo", "trainer:9887"
+EPISODES = (
+    'sum by (alertname) (sum_over_time((count by (alertname) (ALERTS{alertstate="firing"}) unless on(alertname) '
+    'count by (alertname) (ALERTS{alertstate="firing"} offset %ds))[%ds:%ds]))'
+)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One step's properties; the defaults are a healthy mid-training step."""
+
+    solve: float = 0.5  # mean solve rate of the prompt pool
+    entropy: float = 1.0  # mean token entropy, nats
+    clip_share: float = 0.0  # share of off-policy signed tokens pushed beyond the clip band
+    grad_norm: float = 1.0  # median pre-clip grad norm (max_grad_norm 5)
+    staleness: int = 0  # policy versions between the rollout and the update
+    distinct: float = 1.0  # share of a group's completions that are distinct
+    same_answer: float = 0.0  # share of a group's samples that repeat its first sample's outcome (collapse)
+    verifier_zero: bool = False  # the verifier scores this batch 0 (one noisy batch)
+    onpolicy_noise: float = 1e-5  # sd of the on-policy recomputation |log r|
+    engine_gap: float = 1e-4  # sd of rollout vs trainer log-probs
+
+
+Scenario = Callable[[int, float], Knobs]  # (step, hours since the start) -> the step's knobs
+
+
+class SimulatedRun:
+    """Batches of a GRPO run: 16 prompts x 8 samples per step from a pool of 512, ragged completions."""
+
+    def __init__(self, seed: int, prompts: int = 16, group_size: int = 8, width: int = 12) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.prompts, self.group_size, self.width = prompts, group_size, width
+        self.difficulty = self.rng.normal(0.0, 1.5, size=512)  # fixed per prompt: spread solve rates
+
+    def step(self, mon: GRPOMonitor, step: int, k: Knobs) -> None:
+        rng, g, width = self.rng, self.group_size, self.width
+        ids = rng.choice(len(self.difficulty), size=self.prompts, replace=False)
+        logit = math.log(k.solve / (1 - k.solve)) + self.difficulty[ids]
+        p = np.repeat(1 / (1 + np.exp(-logit)), g)
+        n = len(p)
+        correct = rng.random(n) < p
+        first = np.repeat(correct.reshape(-1, g)[:, 0], g)
+        correct = np.where(rng.random(n) < k.same_answer, first, correct)  # the same answer, again and again
+        rewards = np.zeros(n) if k.verifier_zero else correct.astype(float)
+        grouped = rewards.reshape(-1, g)
+        std = grouped.std(axis=1, ddof=1, keepdims=True)
+        adv = np.where(std > 0, (grouped - grouped.mean(axis=1, keepdims=True)) / (std + 1e-4), 0.0).reshape(-1)
+        lengths = rng.integers(4, width + 1, size=n)
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        distinct = max(1, round(k.distinct * g))
+        templates = rng.integers(4, 40, size=(self.prompts, distinct, width))
+        pick = np.concatenate([rng.permutation(np.arange(g) % distinct) for _ in range(self.prompts)])
+        completion_ids = np.where(mask, templates[np.repeat(np.arange(self.prompts), g), pick], 0)
+        old = np.log(rng.uniform(0.3, 0.8, size=(n, width)))
+        rollout = old + rng.normal(0.0, k.engine_gap, size=old.shape)
+        entropy = k.entropy * rng.uniform(0.5, 1.5, size=old.shape)
+        on_rows = n // 4
+        new = old + rng.normal(0.0, 0.03, size=old.shape)
+        pushed = rng.random(old.shape) < k.clip_share
+        new = np.where(pushed, old + 0.35 * np.sign(adv)[:, None], new)
+        new[:on_rows] = old[:on_rows] + rng.normal(0.0, k.onpolicy_noise, size=(on_rows, width))
+
+        t = lambda a, dtype=torch.float32: torch.as_tensor(a, dtype=dtype)  # noqa: E731
+        mon.observe_rollout(
+            step, rewards=t(rewards), correct=t(correct, torch.bool), rollout_logprobs=t(rollout),
+            old_logprobs=t(old), loss_mask=t(mask, torch.bool), completion_lengths=t(lengths, torch.long),
+            completion_ids=t(completion_ids, torch.long), prompt_ids=t(np.repeat(ids, g), torch.long),
+        )
+        pre = k.grad_norm * float(np.exp(rng.normal(0.0, 0.2)))
+        scalars = {"policy_version": step, "rollout_policy_version": step - k.staleness,
+                   "grad_norm_pre_clip": pre, "grad_norm_post_clip": min(pre, 5.0), "max_grad_norm": 5.0}
+        for rows, on_policy in ((slice(0, on_rows), True), (slice(on_rows, n), False)):
+            mon.observe_update(
+                step, logprobs=t(new[rows]), old_logprobs=t(old[rows]), advantages=t(adv[rows]),
+                loss_mask=t(mask[rows], torch.bool), entropy=t(entropy[rows]), on_policy=on_policy,
+                completion_lengths=t(lengths[rows], torch.long), **scalars,
+            )
+        mon.end_step()
+        mon.wait_for_workers()
+
+
+@dataclass
+class Segment:
+    """One run of the replay: ``hours`` of steps every ``cadence_s`` from ``start_s``, ending with close()
+    (a normal end) or not (the process dies)."""
+
+    run: str
+    scenario: Scenario
+    hours: float
+    start_s: float = 0.0
+    closed: bool = True
+    seed: int = 0
+
+
+@dataclass
+class Timeline:
+    """Scrapes every 30 s: series -> value per scrape (None: no sample)."""
+
+    scrapes: int
+    series: dict[str, list[float | None]] = field(default_factory=dict)
+
+    def put(self, index: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.series.setdefault(key, [None] * self.scrapes)[index] = value
+
+
+def _exposed(mon: GRPOMonitor, keep: set[str], clock: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(generate_latest(mon.registry).decode()):
+        for sample in family.samples:
+            if sample.name not in keep:
+                continue
+            value = clock if sample.name == "grpo_last_step_timestamp_seconds" else sample.value
+            labels = {"job": JOB, "instance": INSTANCE, **sample.labels}
+            body = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[f"{sample.name}{{{body}}}"] = value
+    return out
+
+
+def rule_metric_names(mixin: MixinConfig) -> set[str]:
+    """Every metric the rules read (the replay writes only those: promtool's cost is per series)."""
+    text = "\n".join(rules_outputs(mixin).values())
+    return set(re.findall(r"\bgrpo_[a-z0-9_]+", text)) | {"up"}
+
+
+def replay(mixin: MixinConfig, cadence_s: float, segments: list[Segment], total_hours: float) -> Timeline:
+    """Drive a real monitor per segment; every scrape sees the state after the last step before it."""
+    keep = rule_metric_names(mixin)
+    scrapes = int(total_hours * 3600 // SCRAPE_S)
+    timeline = Timeline(scrapes)
+    up = f'up{{instance="{INSTANCE}",job="{JOB}"}}'
+    for seg in segments:
+        sim = SimulatedRun(seg.seed)
+        config = MonitorConfig(run=seg.run, group_size=8, port=None, guard="off", close_linger_s=0.0,
+                               edit_distance_groups=4)
+        mon = GRPOMonitor(config=config)
+        steps = int(seg.hours * 3600 // cadence_s)
+        first = math.ceil(seg.start_s / SCRAPE_S)
+        last_clock = seg.start_s
+        for step in range(steps + 1):
+            clock = seg.start_s + step * cadence_s
+            if step < steps:
+                sim.step(mon, step, seg.scenario(step, step * cadence_s / 3600))
+                last_clock, end = clock, clock + cadence_s
+            elif seg.closed:
+                mon.close()  # grpo_run_finished 1: one more scrape sees it, then the target is gone
+                end = clock + SCRAPE_S
+            else:
+                break  # the process dies: its scrapes fail from here
+            state = _exposed(mon, keep, last_clock)
+            for i in range(max(first, math.ceil(clock / SCRAPE_S)), min(scrapes, math.ceil(end / SCRAPE_S))):
+                timeline.put(i, state | {up: 1.0})
+        last = max(i for i, v in enumerate(timeline.series[up]) if v is not None)
+        nxt = [s.start_s for s in segments if s.start_s > seg.start_s]
+        stop = min(scrapes, math.ceil(min(nxt) / SCRAPE_S)) if nxt else scrapes
+        for i in range(last + 1, stop):
+            timeline.series[up][i] = 0.0  # a static target: the process is gone, its scrapes fail
+    return timeline
+
+
+def _encode(values: list[float | None]) -> str:
+    """promtool expanding notation, run-length encoded; the first missing scrape after a sample is a stale
+    marker (a failed scrape ends the series at once, as in Prometheus)."""
+    out: list[str] = []
+    i, last = 0, None
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        run = j - i
+        if values[i] is None:
+            if last is not None:
+                out.append("stale")
+                run -= 1
+            if run:
+                out.append(f"_x{run}")
+        else:
+            out.append(repr(values[i]) if run == 1 else f"{values[i]!r}+0x{run - 1}")
+        last = values[i]
+        i = j
+    return " ".join(out)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """An alert that must fire exactly once, first within [onset_s + for, onset_s + within_s]."""
+
+    alert: str
+    onset_s: float
+    within_s: float
+
+
+def promtool_test(mixin: MixinConfig, timeline: Timeline, expect: Iterable[Expect], folder: Path,
+                  name: str) -> subprocess.CompletedProcess[str]:
+    """Write the rules and one promtool test over the timeline; run it. Fails unless exactly the expected
+    alerts fired, each in one episode, each first firing no earlier than its ``for`` after its onset and no
+    later than ``within_s`` after it."""
+    expect = list(expect)
+    for file, text in rules_outputs(mixin).items():
+        (folder / file).write_text(text)
+    end = timeline.scrapes * SCRAPE_S
+    fors = {r["alert"]: _seconds(r["for"]) for doc in rules_outputs(mixin).values()
+            for g in yaml.safe_load(doc)["groups"] for r in g["rules"] if "alert" in r}
+    tests: list[dict[str, object]] = [{
+        "expr": EPISODES % (SCRAPE_S, end, SCRAPE_S),
+        "eval_time": f"{end}s",
+        "exp_samples": [{"labels": f'{{alertname="{e.alert}"}}', "value": 1} for e in expect],
+    }]
+    for e in expect:
+        firing = f'ALERTS{{alertname="{e.alert}",alertstate="firing"}}'
+        first = f"min(min_over_time(timestamp({firing})[{end}s:{SCRAPE_S}s]))"
+        low, high = e.onset_s + fors[e.alert], e.onset_s + e.within_s
+        tests.append({
+            "expr": f"({first} >= {low:g} and {first} <= {high:g}) * 0 + 1",
+            "eval_time": f"{end}s",
+            "exp_samples": [{"labels": "{}", "value": 1}],
+        })
+    doc = {
+        "rule_files": sorted(rules_outputs(mixin)),
+        "evaluation_interval": f"{SCRAPE_S}s",
+        "group_eval_order": ["grpo-recording", "grpo-alerts"],
+        "tests": [{
+            "name": name,
+            "interval": f"{SCRAPE_S}s",
+            "input_series": [{"series": k, "values": _encode(v)} for k, v in sorted(timeline.series.items())],
+            "promql_expr_test": tests,
+        }],
+    }
+    path = folder / f"{name}.test.yml"
+    path.write_text(yaml.safe_dump(doc, width=1 << 30, sort_keys=False))
+    return subprocess.run(["promtool", "test", "rules", path.name], cwd=folder, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _seconds(duration: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    return float(sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([smhd])", duration)))
+
+
+def healthy(step: int, hours: float) -> Knobs:
+    """A run that learns: the solve rate climbs from 0.3 to 0.7 over the day, entropy eases 1.0 -> 0.8."""
+    progress = min(1.0, hours / 24)
+    return Knobs(solve=0.3 + 0.4 * progress, entropy=1.0 - 0.2 * progress)
+
+
+def after(onset_h: float, base: Scenario, **fault: object) -> Scenario:
+    """``base``, with ``fault`` knobs from ``onset_h`` hours on."""
+    return lambda step, hours: replace(base(step, hours), **fault) if hours >= onset_h else base(step, hours)

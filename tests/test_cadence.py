@@ -1,0 +1,144 @@
+"""The production rules at production cadence: a real exporter replayed through promtool at steps of 20 s,
+2 min and 10 min with 30 s scrapes (tests/replay.py), the rules generated for that cadence (``step_seconds``).
+
+Every scenario asserts the exact set of alerts that fired over the whole replay, each in exactly one
+episode (no flapping), each first firing no earlier than its ``for`` after the fault's onset and within a
+bound after it. Healthy runs, a normal end, the gap between two runs and one noisy batch must page nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+
+from grpo_exporter.mixin.config import MixinConfig
+from replay import Expect, Knobs, Scenario, Segment, after, healthy, promtool_test, replay
+
+CADENCES = {"20s": 20.0, "2min": 120.0, "10min": 600.0}
+# a fault's alert must first fire within an hour plus this many typical steps of its onset (at least 2 h)
+LATENCY_STEPS = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    segments: tuple[Segment, ...]
+    hours: float
+    expect: tuple[tuple[str, float] | tuple[str, float, float], ...] = ()  # (alert, onset h[, within h])
+
+
+def near_clip(step: int, hours: float) -> Knobs:
+    """Healthy, with pre-clip norms near max_grad_norm: ~30% of steps clipped, never 'every step'."""
+    return replace(healthy(step, hours), grad_norm=4.5)
+
+
+def clean_engine(step: int, hours: float) -> Knobs:
+    """Healthy, with an engine that matches the trainer to float32 rounding (a gap of ~1e-7)."""
+    return replace(near_clip(step, hours), engine_gap=1e-7)
+
+
+def entropy_decline(step: int, hours: float) -> Knobs:
+    """From hour 3, over 8 h: entropy falls 1.0 -> 0.25 and each group's samples come to repeat one answer
+    (distinct completions 8 -> 3 of 8): pass@1 holds at 0.5, pass@G falls towards it."""
+    fall = min(1.0, max(0.0, (hours - 3) / 8))
+    return Knobs(solve=0.5, entropy=1.0 - 0.75 * fall, same_answer=fall, distinct=1.0 - 0.6 * fall)
+
+
+def one_step(at_hours: float, cadence_s: float, **fault: object) -> Scenario:
+    """``fault`` on exactly one step: the first at or after ``at_hours``."""
+    target = round(at_hours * 3600 / cadence_s)
+    return lambda step, hours: replace(near_clip(step, hours), **fault) if step == target else near_clip(step, hours)
+
+
+def cases(cadence_s: float) -> dict[str, Case]:
+    """The scenarios at one cadence. At 20 s steps the rules' floors (1 h baselines, 5 min windows) are reached
+    in ~200 steps, so every phase is 0.4x as long there: the same number of hours would replay 1600 steps."""
+    u = 0.4 if cadence_s < 60 else 1.0
+    decline_onset = 3 + 8 * (2 / 3)  # entropy crosses 0.5x its early window (1.0) at 0.5
+    return {
+        "healthy-end-gap-next-run": Case(
+            (Segment("a", near_clip, 5 * u), Segment("b", healthy, 4 * u, start_s=7 * u * 3600, seed=1)), 12 * u),
+        "noisy-batch": Case((Segment("a", one_step(5 * u, cadence_s, verifier_zero=True), 9 * u),), 10 * u),
+        # repeating one answer also empties the groups of reward variance: layer 3 sees it too, each once
+        "slow-entropy-collapse": Case((Segment("a", entropy_decline, 15.0),), 16.0,
+                                      (("GRPOEntropyCollapse", decline_onset),
+                                       ("GRPOZeroVarianceAbovePrediction", 3.0, 11.0),
+                                       ("GRPOFewGroupsCarrySignal", 3.0, 11.0))),
+        "one-step-grad-spike": Case((Segment("a", one_step(5 * u, cadence_s, grad_norm=100.0), 8 * u),), 9 * u,
+                                    (("GRPOGradNormSpike", 5 * u),)),
+        "clip-storm": Case((Segment("a", after(5 * u, near_clip, clip_share=1.0), 8 * u),), 9 * u,
+                           (("GRPOClipFractionHigh", 5 * u),)),
+        "stale-rollouts": Case((Segment("a", after(5 * u, near_clip, staleness=6), 8 * u),), 9 * u,
+                               (("GRPORolloutsStale", 5 * u),)),
+        # layer 1 below the fixed lines: another probability path, measured against the run's own noise
+        "engine-gap-1000x": Case((Segment("a", after(5 * u, clean_engine, engine_gap=1e-4), 8 * u),), 9 * u,
+                                 (("GRPOEngineLogprobGapWarning", 5 * u),)),
+        "onpolicy-ratio-drift": Case((Segment("a", after(5 * u, near_clip, onpolicy_noise=0.01), 8 * u),), 9 * u,
+                                     (("GRPOOnPolicyRatioDrift", 5 * u),)),
+        "process-dies": Case((Segment("a", near_clip, 5 * u, closed=False),), 7 * u,
+                             (("GRPOTrainingStalled", 5 * u), ("GRPOExporterDown", 5 * u))),
+    }
+
+
+def a_day_at_ten_minutes(step: int, hours: float) -> Knobs:
+    """One run of 24 h at 10-minute steps with every fault of the replay acceptance in turn: a one-step grad
+    spike at 4 h, a clip storm 5-7 h, stale rollouts 9-11 h, one noisy batch at 13 h, then from 14 h a slow
+    collapse (over 8 h entropy x 1.0 -> 0.25 and each group comes to repeat one answer: pass@G falls from its
+    best while pass@1 holds); a normal end at 23.5 h."""
+    k = near_clip(step, hours)
+    if round(hours * 6) == 24:
+        k = replace(k, grad_norm=100.0)
+    if 5 <= hours < 7:
+        k = replace(k, clip_share=1.0)
+    if 9 <= hours < 11:
+        k = replace(k, staleness=6)
+    if round(hours * 6) == 78:
+        k = replace(k, verifier_zero=True)
+    fall = min(1.0, max(0.0, (hours - 14) / 8))
+    return replace(k, entropy=k.entropy * (1 - 0.75 * fall), same_answer=fall, distinct=1.0 - 0.6 * fall)
+
+
+def test_a_day_of_ten_minute_steps_pages_each_fault_once(tmp_path):
+    """The replay acceptance in one run: 144 steps of a real exporter, 30 s scrapes, 24 h; healthy stretches,
+    the noisy batch and the normal end page nothing, each fault pages exactly once."""
+    mixin = MixinConfig(step_seconds=600.0)
+    timeline = replay(mixin, 600.0, [Segment("day", a_day_at_ten_minutes, 23.5)], 24.0)
+    collapse = 18.4  # hours: entropy crosses half of its early window (~0.99)
+    within = 3 * 3600.0  # the 20-step trend mean lags a slow decline by ~1.7 h; `for` adds an hour
+    expect = [Expect("GRPOGradNormSpike", 4 * 3600.0, within), Expect("GRPOClipFractionHigh", 5 * 3600.0, within),
+              Expect("GRPORolloutsStale", 9 * 3600.0, within),
+              Expect("GRPOEntropyCollapse", collapse * 3600, within + 3600),
+              # repeating one answer empties the groups of reward variance: layer 3 pages it too, once each
+              Expect("GRPOZeroVarianceAbovePrediction", 14 * 3600.0, 10 * 3600.0),
+              Expect("GRPOFewGroupsCarrySignal", 14 * 3600.0, 10 * 3600.0)]
+    done = promtool_test(mixin, timeline, expect, tmp_path, "a-day-at-10min")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def _params() -> list[tuple[str, str]]:
+    """Every scenario at every cadence, except the longest ones at 20 s steps (2700 steps of replay: covered
+    at 2 min and 10 min, and the 20 s suite has the short faults)."""
+    return [(cadence, scenario) for cadence, cadence_s in CADENCES.items()
+            for scenario, case in cases(cadence_s).items() if not (cadence_s < 60 and case.hours > 12)]
+
+
+@pytest.mark.parametrize(("cadence", "scenario"), _params())
+def test_rules_at_production_cadence(cadence, scenario, tmp_path):
+    cadence_s = CADENCES[cadence]
+    case = cases(cadence_s)[scenario]
+    mixin = MixinConfig(step_seconds=cadence_s)
+    timeline = replay(mixin, cadence_s, list(case.segments), case.hours)
+    within = max(3600.0, LATENCY_STEPS * cadence_s) + 3600
+    expect = [Expect(e[0], e[1] * 3600, e[2] * 3600 if len(e) > 2 else within) for e in case.expect]
+    done = promtool_test(mixin, timeline, expect, tmp_path, f"{scenario}-{cadence}")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_rules_left_at_a_shorter_step_say_so(tmp_path):
+    """Rules generated for 1-minute steps on a run of 10-minute steps: their windows often hold no step. The
+    healthy run pages nothing, and the info alert says the cadence is slower than configured."""
+    mixin = MixinConfig()
+    timeline = replay(mixin, 600.0, [Segment("a", near_clip, 8.0)], 9.0)
+    expect = [Expect("GRPOStepCadenceSlowerThanConfigured", 0.0, 4 * 3600.0)]
+    done = promtool_test(mixin, timeline, expect, tmp_path, "misconfigured-cadence")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
