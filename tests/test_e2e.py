@@ -5,7 +5,8 @@ receiver; each run has its own ``run`` label and exporter port.
 * every fault pages its expected alert, with its layer, within PAGE_WITHIN_S of injection, and nothing pages
   for a run before its fault is injected;
 * while a layer-1 alert fires for a run, no page of layers 2-4 for that run is delivered (the inhibition),
-  also for a run where a layer-3 alert does fire in Prometheus behind the layer-1 one;
+  also for runs where a layer-1 fault is injected together with a layer-3 or a layer-2 fault whose alert does
+  fire in Prometheus behind the layer-1 one;
 * the healthy scenarios, on the permutation task (many right answers) and on the reverse task (one right
   answer that the policy learns: convergence, mostly all-correct groups), three seeds each for HEALTHY_STEPS
   steps, deliver no page at all (nothing even fires in Prometheus), and no exporter is ever seen down.
@@ -38,6 +39,12 @@ PAGE_WITHIN_S = 60.0  # after injection, for every fault (50 min at production t
 QUIET_AFTER_S = 8.0  # training goes on after the page: an inhibited page would have arrived by then
 CONCURRENT = 7
 DOWNSTREAM = ("2-reward", "3-samples", "4-diversity", "1-optimizer")
+# a layer-1 fault injected together with a downstream one, in one run: (gate, downstream scenario) -> the gate's
+# alert, the downstream alert that fires in Prometheus and must reach nobody, its layer, seconds to train on
+COMBOS = {
+    ("mask-bug", "stale-rollouts"): ("GRPOLossMaskMismatch", "GRPORolloutsStale", "3-samples", 35.0),
+    ("exp-before-clamp", "advantage-bug"): ("GRPONonFiniteValues", "GRPOAdvantageAboveBound", "2-reward", 20.0),
+}
 
 
 @dataclass
@@ -107,9 +114,8 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, 
     runs = [Run(name, seed) for name in HEALTHY_STEPS for seed in HEALTHY_SEEDS]
     faults = sorted((s for s in SCENARIOS.values() if s.expected_alerts), key=lambda s: -s.inject_at)
     runs += [Run(s.name, s.seed) for s in faults]
-    # a layer-1 fault over a layer-3 one: GRPORolloutsStale fires in Prometheus ~16 s after injection and must
-    # reach nobody while GRPOLossMaskMismatch fires for the same run
-    runs.append(Run("mask-bug", SCENARIOS["mask-bug"].seed, also=("stale-rollouts",), train_after_s=35.0))
+    for (gate, downstream), (_, _, _, after_s) in COMBOS.items():
+        runs.append(Run(gate, SCENARIOS[gate].seed, also=(downstream,), train_after_s=after_s))
     warm: dict[tuple[str, int], dict[str, object]] = {}
     for task, seed in sorted({(SCENARIOS[r.scenario].task, r.seed) for r in runs}):
         # a warm start is deterministic per task and seed: shared by its runs
@@ -170,12 +176,14 @@ def test_fault_pages_its_alert_and_layer(fleet, name):
         assert downstream == [], "a layer-1 gate fired: its run's layer 2-4 and optimizer pages must be inhibited"
 
 
-def test_layer_one_mutes_a_downstream_alert_that_fires(fleet):
+@pytest.mark.parametrize(("gate", "downstream"), list(COMBOS))
+def test_layer_one_mutes_a_downstream_alert_that_fires(fleet, gate, downstream):
     runs, pages, fired, _ = fleet
-    run = next(r for r in runs if r.also)
+    run = next(r for r in runs if r.scenario == gate and r.also == (downstream,))
+    gate_alert, downstream_alert, downstream_layer, _ = COMBOS[gate, downstream]
     mine = _firing(pages, run)
-    assert ("GRPOLossMaskMismatch", "1-gradient") in [(p.alert, p.layer) for p in mine]
-    assert (run.label, "GRPORolloutsStale", "3-samples") in fired, "the downstream alert fired in Prometheus"
+    assert (gate_alert, "1-gradient") in [(p.alert, p.layer) for p in mine]
+    assert (run.label, downstream_alert, downstream_layer) in fired, "the downstream alert fired in Prometheus"
     leaked = [(p.alert, p.layer, round(p.received_at - (run.ended_at or 0), 1)) for p in mine if p.layer in DOWNSTREAM]
     assert leaked == [], "and reached nobody (seconds after the run's end shown)"
 

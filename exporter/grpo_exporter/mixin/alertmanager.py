@@ -4,7 +4,8 @@ Routes: critical to the pager receiver, everything else to the default one, grou
 Inhibitions encode the signal chain: while a layer-1 *critical* fires for a run (the 0/1 gates: non-finite
 values, a wrong loss mask, a ratio clipped before any update, the engine gap at its stop line: "the gradient
 is not what you think"), the pages of layers 2-4 and of the optimizer family for that run are muted (their
-curves mean nothing until it is fixed; the gates keep firing one rate window after their last evidence, see
+curves mean nothing until it is fixed; the gates keep firing a trend window (20 steps) after their last
+evidence, as long as any alert they mute may still fire from their time, see
 ``rules.Alert.rule``). A layer-1 warning (a drifting gap, the fuse) and the optimizer family
 (grad-norm spikes, clipping on every step) mute nothing, so a warning never mutes a critical; and a critical
 alert mutes the warning of the same family for the same run.

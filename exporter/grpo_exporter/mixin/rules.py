@@ -54,12 +54,12 @@ class Alert:
         }
         gate = self.layer is Layer.GRADIENT and c.severities.get(self.name, self.severity) == "critical"
         if gate or self.sticky:
-            # a 0/1 gate keeps firing one rate window after its last evidence: a scrape gap cannot flicker it,
-            # and the pages it mutes downstream stay muted while its curves are still suspect; an event alert
-            # (stale steps between syncs, spikes) fires once per episode, not per event; a trend alert resolves
-            # only after a trend window (20 steps) without its condition, so a slow signal crossing its line
-            # through noise fires once, not per flicker
-            trend = self.sticky and self.for_steps > 2
+            # an event alert (stale steps between syncs, spikes) keeps firing one rate window after its last event:
+            # one episode, not one per event; a trend alert resolves only after a trend window (20 steps) without
+            # its condition, so a slow signal crossing its line through noise fires once, not per flicker; a 0/1
+            # gate keeps firing as long as the longest of those after its last evidence: a scrape gap cannot
+            # flicker it, and no downstream page that fired behind it is released when it resolves first
+            trend = gate or self.for_steps > 2
             rule["keep_firing_for"] = c.window(c.trend_window_steps if trend else None)
         return rule | {
             "labels": {
