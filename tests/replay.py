@@ -92,7 +92,9 @@ class SimulatedRun:
         new = np.where(pushed, old + 0.35 * np.sign(adv)[:, None], new)
         new[:on_rows] = old[:on_rows] + rng.normal(0.0, k.onpolicy_noise, size=(on_rows, width))
 
-        t = lambda a, dtype=torch.float32: torch.as_tensor(a, dtype=dtype)  # noqa: E731
+        def t(a: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.as_tensor(a, dtype=dtype)
+
         mon.observe_rollout(
             step, rewards=t(rewards), correct=t(correct, torch.bool), rollout_logprobs=t(rollout),
             old_logprobs=t(old), loss_mask=t(mask, torch.bool), completion_lengths=t(lengths, torch.long),

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from grpo_exporter.cli import main
 from grpo_exporter.monitor_config import verify_password
@@ -54,3 +55,19 @@ def test_rules_out_writes_everything_under_the_named_folder(tmp_path, monkeypatc
     assert "local fallback" not in capsys.readouterr().out
     hosted = (tmp_path / "hosted" / "grpo-alerts.rules.yml").read_text()
     assert "# runbook_url base: https://runbooks.example.org/grpo.md\n" in hosted
+
+
+def test_rules_for_ten_minute_steps_size_every_window_in_steps(tmp_path, monkeypatch):
+    """The README's `grpo-exporter rules --step-seconds 600 --out my-rules/`: 5-step windows (50 min), 60-step
+    baselines ending 10 steps back, a trend `for` of 6 steps; the config file's other settings are kept."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "mixin.yml"
+    config.write_text('selector: job="grpo-train"\n')
+    assert main(["rules", "--step-seconds", "600", "--out", "my-rules/", "--config", str(config)]) == 0
+    recording = (tmp_path / "my-rules" / "grpo-recording.rules.yml").read_text()
+    assert 'rate(grpo_groups_total{job="grpo-train"}[50m])' in recording
+    assert "[10h] offset 100m" in recording
+    alerts = yaml.safe_load((tmp_path / "my-rules" / "grpo-alerts.rules.yml").read_text())["groups"][0]["rules"]
+    ess = next(r for r in alerts if r["alert"] == "GRPOESSDrop")
+    assert ess["for"] == "1h"  # max(5 min, 6 steps of 10 min)
+    assert ess["keep_firing_for"] == "200m"  # a trend window of 20 steps

@@ -20,7 +20,7 @@ regimes in which it stays silent (docs/runbooks.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from grpo_exporter.catalog import Layer
@@ -43,24 +43,28 @@ class Alert:
     summary: str
     description: str
     for_steps: int = 0  # ``for`` is at least this many typical steps: a condition must outlive one batch
-    sticky: bool = False  # keeps firing one window after its condition last held: one episode per event or trend
+    event: bool = False  # pages on per-step events: keeps firing one rate window after the last one
+    trend: bool = False  # a windowed trend: see rule()
 
     def rule(self, c: MixinConfig) -> dict[str, Any]:
-        for_s = c.for_seconds.get(self.name, c.steps_s(self.for_steps, self.for_s))
-        rule: dict[str, Any] = {
-            "alert": self.name,
-            "expr": self.expr,
-            "for": c.duration(for_s) if for_s else "0s",
-        }
+        """The Prometheus rule. A trend alert's ``for`` outlives its window by a step (one odd batch moves a
+        windowed mean for exactly one window, so it can never page alone), it is judged only when the window
+        holds several steps (rules generated for a shorter step than the run's go silent instead of paging on
+        one batch; GRPOStepCadenceSlowerThanConfigured says why), and it resolves only after a trend window
+        without its condition (a slow signal crossing its line through noise fires once, not per flicker)."""
+        steps = c.window_steps + 1 if self.trend else self.for_steps
+        for_s = c.for_seconds.get(self.name, c.steps_s(steps, self.for_s))
+        expr = self.expr
+        if self.trend:
+            expr = f"({expr}) and on(job, run) run:grpo_steps:window_increase >= {max(2, c.window_steps // 2)}"
+        rule: dict[str, Any] = {"alert": self.name, "expr": expr, "for": c.duration(for_s) if for_s else "0s"}
         gate = self.layer is Layer.GRADIENT and c.severities.get(self.name, self.severity) == "critical"
-        if gate or self.sticky:
-            # an event alert (stale steps between syncs, spikes) keeps firing one rate window after its last event:
-            # one episode, not one per event; a trend alert resolves only after a trend window (20 steps) without
-            # its condition, so a slow signal crossing its line through noise fires once, not per flicker; a 0/1
-            # gate keeps firing as long as the longest of those after its last evidence: a scrape gap cannot
-            # flicker it, and no downstream page that fired behind it is released when it resolves first
-            trend = gate or self.for_steps > 2
-            rule["keep_firing_for"] = c.window(c.trend_window_steps if trend else None)
+        if gate or self.trend:
+            # a 0/1 gate keeps firing as long as a trend alert it mutes: a scrape gap cannot flicker it, and no
+            # downstream page that fired behind it is released when the gate resolves first
+            rule["keep_firing_for"] = c.window(c.trend_window_steps)
+        elif self.event:
+            rule["keep_firing_for"] = c.window()  # one episode per burst of events, not one per event
         return rule | {
             "labels": {
                 "severity": c.severities.get(self.name, self.severity),
@@ -238,17 +242,6 @@ def alerts(c: MixinConfig) -> list[Alert]:
 
 
 def _alerts(c: MixinConfig) -> list[Alert]:
-    # a trend must outlive the window: one odd batch moves a windowed mean for exactly one window, so a
-    # `for` one step longer than the window can never be met by a single batch
-    trend = c.window_steps + 1
-    found = _alert_list(c, trend)
-    # a windowed mean is judged only when the window holds several steps: rules generated for a shorter step
-    # than the run's go silent instead of paging on one batch (GRPOStepCadenceSlowerThanConfigured says why)
-    enough = f"and on(job, run) run:grpo_steps:window_increase >= {max(2, c.window_steps // 2)}"
-    return [replace(a, expr=f"({a.expr}) {enough}") if a.for_steps == trend else a for a in found]
-
-
-def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
     w = c.window()
     gap = "run:grpo_engine_logprob_gap_nats:window_mean"
     ref = "grpo_reference_baseline"
@@ -357,7 +350,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "The numerical log-ratio clamp (the fuse before exp) is hit often.",
             "Run {{ $labels.run }}: " + _value("%.3g") + f" of loss tokens hit the log-ratio clamp over {w} "
             f"(threshold {c.fuse_hit_ratio:g}; should be ~0).",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPOGradNormSpike", OPTIMIZER, "grad_norm", "warning",
@@ -367,7 +360,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             f"above {c.grad_spike_factor:g}x the median of the previous {c.grad_spike_window_steps} non-zero "
             "norms (counted in the process, so no step between scrapes is missed); rolling median now "
             + _query("max(run:grpo_grad_norm_pre_clip:baseline_median{run=%q})") + ".",
-            sticky=True,
+            event=True,
         ),
         Alert(
             "GRPOGradClippingEveryStep", OPTIMIZER, "grad_clip", "warning",
@@ -399,7 +392,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "Mean total reward of run {{ $labels.run }} over " + w + " is " + _value("%.3g") + ", below "
             f"{c.reward_cliff_ratio:g}x its baseline "
             + _query('max(run:grpo_reward_mean:baseline_median{run=%q,component=\\"total\\"})') + ".",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPORewardHackSuspected", g2, "reward_hack", "warning",
@@ -414,7 +407,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             + _query(f'max(run:grpo_reward_mean:baseline_median{{run=%q,component=\\"{c.correctness_component}\\"}})')
             + " while the total reward holds at "
             + _query('max(run:grpo_reward_mean:window_mean{run=%q,component=\\"total\\"})') + ".",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPOTruncationSurge", g2, "truncation", "warning",
@@ -424,7 +417,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "Many more completions hit the maximum length than usual.",
             "Run {{ $labels.run }}: " + _value("%.3g") + " of completions truncated over " + w + ", against a "
             "baseline of " + _query("max(run:grpo_truncated_completions:baseline_ratio{run=%q})") + ".",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPOLengthGrowthIncorrectOnly", g2, "length_incorrect", "warning",
@@ -435,7 +428,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "baseline while correct ones grow "
             + _query('max(run:grpo_completion_length_tokens:growth_ratio{run=%q,outcome=\\"correct\\"})', "%.2f")
             + "x.",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPOLengthHack", g2, "length_hack", "warning",
@@ -447,7 +440,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "baseline, faster than incorrect ones ("
             + _query('max(run:grpo_completion_length_tokens:growth_ratio{run=%q,outcome=\\"incorrect\\"})', "%.2f")
             + "x).",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         # ---- layer 3: how many samples decide this update? ----
         Alert(
@@ -458,7 +451,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "Token ESS ratio of run {{ $labels.run }} over " + w + " is " + _value("%.3g") + f", below "
             f"{c.ess_drop_factor:g}x its baseline "
             + _query('max(run:grpo_ess_ratio:baseline_median{run=%q,level=\\"token\\"})') + ".",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPOZeroVarianceAbovePrediction", g3, "zero_variance", "warning",
@@ -473,7 +466,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             + ", all-incorrect "
             + _query('max(run:grpo_zero_variance_groups:window_ratio_by_outcome{run=%q,outcome=\\"all_incorrect\\"})')
             + ").",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPOFewGroupsCarrySignal", g3, "signal_groups", "warning",
@@ -492,7 +485,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             + ". Check the verifier for false negatives first, then the base model's ability (SFT, curriculum, "
             "intermediate difficulty); do not switch on filtering before. Groups that repeat one completion "
             "(GRPODiversityCollapse, low entropy) mean a collapsed policy instead: read layer 4.",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPOLowerClipDominant", g3, "clip_sides", "warning",
@@ -507,7 +500,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             + " of the positive-advantage tokens that could reach it ("
             + _query("max(run:grpo_upper_clip_reachable_tokens:window_ratio{run=%q})")
             + f" of them; thresholds {c.lower_clip_min:g} / {c.upper_clip_max:g}).",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPOClipFractionHigh", g3, "clip_total", "warning",
@@ -517,7 +510,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "Many tokens lie outside the clip range: updates too large or data too stale.",
             "Run {{ $labels.run }}: " + _value("%.3g") + f" of signed update tokens are outside the clip range "
             f"over {w} (threshold {c.clip_fraction_high:g}).",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPORolloutsStale", g3, "staleness", "warning",
@@ -526,7 +519,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "Run {{ $labels.run }}: " + _value("%.0f") + f" update steps over {w} trained on rollouts more than "
             f"{c.staleness_max_versions} policy versions old (counted on every step by the exporter; last scraped "
             "staleness " + _query("max(grpo_rollout_staleness_versions{run=%q})", "%.0f") + ").",
-            for_steps=2, sticky=True,
+            for_steps=2, event=True,
         ),
         # ---- layer 4: does the policy still read the question? ----
         Alert(
@@ -548,7 +541,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             + _query("max(run:grpo_pass_at_group_size:trend_mean{run=%q})") + ") against "
             + _query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + " lately and "
             + _query("max(run:grpo_pass_at_group_size:peak{run=%q})") + " at its best.",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPODiversityCollapse", g4, "diversity", "warning",
@@ -567,7 +560,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             + _query("max(run:grpo_edit_distance_median_ratio:anchor{run=%q})") + "), while pass@1 is "
             + _query("max(run:grpo_pass_at_1:trend_mean{run=%q})") + f" over {c.window(c.trend_window_steps)} against "
             + _query("max(run:grpo_pass_at_1:anchor{run=%q})") + " early.",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPOPassAtGBelowBase", g4, "pass_at_g", "warning",
@@ -576,7 +569,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "pass@G fell below the base model: the run narrows the policy instead of teaching it.",
             "pass@G of run {{ $labels.run }} over " + w + " is " + _value("%.3g") + ", below the base model's "
             + _query(f'max({ref}{{run=%q,metric=\\"grpo_pass_at_k_ratio\\"}})') + ".",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
         Alert(
             "GRPORetrievalNearChance", g4, "retrieval", "warning",
@@ -585,7 +578,7 @@ def _alert_list(c: MixinConfig, trend: int) -> list[Alert]:
             "Completions no longer identify their own prompt: template collapse.",
             "Retrieval accuracy of run {{ $labels.run }} is " + _value("%.3g") + f", below "
             f"{c.retrieval_chance_factor:g}x chance " + _query("max(grpo_retrieval_chance_ratio{run=%q})") + ".",
-            for_steps=trend, sticky=True,
+            trend=True,
         ),
     ]
 
