@@ -31,10 +31,13 @@ from grpo_exporter.mixin.render import rules_outputs
 
 SCRAPE_S = 30
 JOB, INSTANCE = "grpo", "trainer:9887"
-EPISODES = (
-    'sum by (alertname) (sum_over_time((count by (alertname) (ALERTS{alertstate="firing"}) unless on(alertname) '
-    'count by (alertname) (ALERTS{alertstate="firing"} offset %ds))[%ds:%ds]))'
-)
+# separate firing episodes per alert and run: a test-only recording rule marks each evaluation where an alert
+# fires and did not one evaluation before (a subquery over every ALERTS series would exceed promtool's limit)
+EPISODE_RULES = {"groups": [{"name": "replay-episodes", "rules": [{
+    "record": "replay:alert_starts",
+    "expr": 'group by (alertname, run) (ALERTS{alertstate="firing"}) unless on(alertname, run) '
+            f'group by (alertname, run) (ALERTS{{alertstate="firing"}} offset {SCRAPE_S}s)',
+}]}]}
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,12 @@ class Knobs:
     verifier_zero: bool = False  # the verifier scores this batch 0 (one noisy batch)
     onpolicy_noise: float = 1e-5  # sd of the on-policy recomputation |log r|
     engine_gap: float = 1e-4  # sd of rollout vs trainer log-probs
+    log_ratio_sd: float = 0.03  # sd of off-policy log ratios (large: a few tokens carry the importance weight)
+    lower_only: float = 0.0  # share of negative-advantage off-policy tokens pushed below the clip, nothing up
+    nan_token: bool = False  # one loss token's log-prob is NaN
+    mask_padding: bool = False  # the loss mask covers one padding position per sequence
+    advantage_scale: float = 1.0  # advantages multiplied after group normalisation
+    truncated: float = 0.0  # share of completions cut at the maximum length
 
 
 Scenario = Callable[[int, float], Knobs]  # (step, hours since the start) -> the step's knobs
@@ -77,8 +86,12 @@ class SimulatedRun:
         grouped = rewards.reshape(-1, g)
         std = grouped.std(axis=1, ddof=1, keepdims=True)
         adv = np.where(std > 0, (grouped - grouped.mean(axis=1, keepdims=True)) / (std + 1e-4), 0.0).reshape(-1)
-        lengths = rng.integers(4, width + 1, size=n)
+        lengths = rng.integers(4, width, size=n)
+        cut = rng.random(n) < k.truncated
+        lengths = np.where(cut, width, lengths)
         mask = np.arange(width)[None, :] < lengths[:, None]
+        loss_mask = mask | (np.arange(width)[None, :] == lengths[:, None]) if k.mask_padding else mask
+        adv = adv * k.advantage_scale
         distinct = max(1, round(k.distinct * g))
         templates = rng.integers(4, 40, size=(self.prompts, distinct, width))
         pick = np.concatenate([rng.permutation(np.arange(g) % distinct) for _ in range(self.prompts)])
@@ -87,9 +100,13 @@ class SimulatedRun:
         rollout = old + rng.normal(0.0, k.engine_gap, size=old.shape)
         entropy = k.entropy * rng.uniform(0.5, 1.5, size=old.shape)
         on_rows = n // 4
-        new = old + rng.normal(0.0, 0.03, size=old.shape)
+        new = old + rng.normal(0.0, k.log_ratio_sd, size=old.shape)
         pushed = rng.random(old.shape) < k.clip_share
         new = np.where(pushed, old + 0.35 * np.sign(adv)[:, None], new)
+        down = (rng.random(old.shape) < k.lower_only) & (adv < 0)[:, None]
+        new = np.where(down, old - 0.35, new)
+        if k.nan_token:
+            new[on_rows, 0] = np.nan
         new[:on_rows] = old[:on_rows] + rng.normal(0.0, k.onpolicy_noise, size=(on_rows, width))
 
         def t(a: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -98,6 +115,7 @@ class SimulatedRun:
         mon.observe_rollout(
             step, rewards=t(rewards), correct=t(correct, torch.bool), rollout_logprobs=t(rollout),
             old_logprobs=t(old), loss_mask=t(mask, torch.bool), completion_lengths=t(lengths, torch.long),
+            truncated=t(cut, torch.bool),
             completion_ids=t(completion_ids, torch.long), prompt_ids=t(np.repeat(ids, g), torch.long),
         )
         pre = k.grad_norm * float(np.exp(rng.normal(0.0, 0.2)))
@@ -106,7 +124,7 @@ class SimulatedRun:
         for rows, on_policy in ((slice(0, on_rows), True), (slice(on_rows, n), False)):
             mon.observe_update(
                 step, logprobs=t(new[rows]), old_logprobs=t(old[rows]), advantages=t(adv[rows]),
-                loss_mask=t(mask[rows], torch.bool), entropy=t(entropy[rows]), on_policy=on_policy,
+                loss_mask=t(loss_mask[rows], torch.bool), entropy=t(entropy[rows]), on_policy=on_policy,
                 completion_lengths=t(lengths[rows], torch.long), **scalars,
             )
         mon.end_step()
@@ -124,6 +142,8 @@ class Segment:
     start_s: float = 0.0
     closed: bool = True
     seed: int = 0
+    instance: str = INSTANCE  # its scrape target; runs on one target follow each other
+    monitor: dict[str, object] = field(default_factory=dict)  # more MonitorConfig settings
 
 
 @dataclass
@@ -138,14 +158,14 @@ class Timeline:
             self.series.setdefault(key, [None] * self.scrapes)[index] = value
 
 
-def _exposed(mon: GRPOMonitor, keep: set[str], clock: float) -> dict[str, float]:
+def _exposed(mon: GRPOMonitor, keep: set[str], clock: float, instance: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(generate_latest(mon.registry).decode()):
         for sample in family.samples:
             if sample.name not in keep:
                 continue
             value = clock if sample.name == "grpo_last_step_timestamp_seconds" else sample.value
-            labels = {"job": JOB, "instance": INSTANCE, **sample.labels}
+            labels = {"job": JOB, "instance": instance, **sample.labels}
             body = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
             out[f"{sample.name}{{{body}}}"] = value
     return out
@@ -162,11 +182,11 @@ def replay(mixin: MixinConfig, cadence_s: float, segments: list[Segment], total_
     keep = rule_metric_names(mixin)
     scrapes = int(total_hours * 3600 // SCRAPE_S)
     timeline = Timeline(scrapes)
-    up = f'up{{instance="{INSTANCE}",job="{JOB}"}}'
     for seg in segments:
+        up = f'up{{instance="{seg.instance}",job="{JOB}"}}'
         sim = SimulatedRun(seg.seed)
-        config = MonitorConfig(run=seg.run, group_size=8, port=None, guard="off", close_linger_s=0.0,
-                               edit_distance_groups=4)
+        config = MonitorConfig(**({"run": seg.run, "group_size": 8, "port": None, "guard": "off",
+                                   "close_linger_s": 0.0, "edit_distance_groups": 4} | seg.monitor))
         mon = GRPOMonitor(config=config)
         steps = int(seg.hours * 3600 // cadence_s)
         first = math.ceil(seg.start_s / SCRAPE_S)
@@ -181,11 +201,11 @@ def replay(mixin: MixinConfig, cadence_s: float, segments: list[Segment], total_
                 end = clock + SCRAPE_S
             else:
                 break  # the process dies: its scrapes fail from here
-            state = _exposed(mon, keep, last_clock)
+            state = _exposed(mon, keep, last_clock, seg.instance)
             for i in range(max(first, math.ceil(clock / SCRAPE_S)), min(scrapes, math.ceil(end / SCRAPE_S))):
                 timeline.put(i, state | {up: 1.0})
         last = max(i for i, v in enumerate(timeline.series[up]) if v is not None)
-        nxt = [s.start_s for s in segments if s.start_s > seg.start_s]
+        nxt = [s.start_s for s in segments if s.start_s > seg.start_s and s.instance == seg.instance]
         stop = min(scrapes, math.ceil(min(nxt) / SCRAPE_S)) if nxt else scrapes
         for i in range(last + 1, stop):
             timeline.series[up][i] = 0.0  # a static target: the process is gone, its scrapes fail
@@ -222,6 +242,7 @@ class Expect:
     alert: str
     onset_s: float
     within_s: float
+    run: str | None = None  # with several runs: the run it must fire for (and for no other)
 
 
 def promtool_test(mixin: MixinConfig, timeline: Timeline, expect: Iterable[Expect], folder: Path,
@@ -235,13 +256,19 @@ def promtool_test(mixin: MixinConfig, timeline: Timeline, expect: Iterable[Expec
     end = timeline.scrapes * SCRAPE_S
     fors = {r["alert"]: _seconds(r["for"]) for doc in rules_outputs(mixin).values()
             for g in yaml.safe_load(doc)["groups"] for r in g["rules"] if "alert" in r}
+    by = "alertname, run" if any(e.run for e in expect) else "alertname"
+    (folder / "replay-episodes.rules.yml").write_text(yaml.safe_dump(EPISODE_RULES, sort_keys=False))
+
+    def labels(e: Expect) -> str:
+        return f'{{alertname="{e.alert}"' + (f',run="{e.run}"}}' if e.run else "}")
+
     tests: list[dict[str, object]] = [{
-        "expr": EPISODES % (SCRAPE_S, end, SCRAPE_S),
+        "expr": f"sum by ({by}) (sum_over_time(replay:alert_starts[{end}s]))",
         "eval_time": f"{end}s",
-        "exp_samples": [{"labels": f'{{alertname="{e.alert}"}}', "value": 1} for e in expect],
+        "exp_samples": [{"labels": labels(e), "value": 1} for e in expect],
     }]
     for e in expect:
-        firing = f'ALERTS{{alertname="{e.alert}",alertstate="firing"}}'
+        firing = f'ALERTS{{alertname="{e.alert}",alertstate="firing"' + (f',run="{e.run}"}}' if e.run else "}")
         first = f"min(min_over_time(timestamp({firing})[{end}s:{SCRAPE_S}s]))"
         low, high = e.onset_s + fors[e.alert], e.onset_s + e.within_s
         tests.append({
@@ -250,9 +277,9 @@ def promtool_test(mixin: MixinConfig, timeline: Timeline, expect: Iterable[Expec
             "exp_samples": [{"labels": "{}", "value": 1}],
         })
     doc = {
-        "rule_files": sorted(rules_outputs(mixin)),
+        "rule_files": [*sorted(rules_outputs(mixin)), "replay-episodes.rules.yml"],
         "evaluation_interval": f"{SCRAPE_S}s",
-        "group_eval_order": ["grpo-recording", "grpo-alerts"],
+        "group_eval_order": ["grpo-recording", "grpo-alerts", "replay-episodes"],
         "tests": [{
             "name": name,
             "interval": f"{SCRAPE_S}s",

@@ -4,6 +4,9 @@
 Every scenario asserts the exact set of alerts that fired over the whole replay, each in exactly one
 episode (no flapping), each first firing no earlier than its ``for`` after the fault's onset and within a
 bound after it. Healthy runs, a normal end, the gap between two runs and one noisy batch must page nothing.
+At 2 min and 10 min steps a fleet of twelve runs, one fault each, covers every alert a simulated run can
+raise (the reward-hack, length, pass@G-against-base and retrieval alerts need inputs the simulation does not
+make: rules/tests/*.test.yml checks them, like every alert, at 1-minute steps).
 """
 
 from __future__ import annotations
@@ -142,3 +145,41 @@ def test_rules_left_at_a_shorter_step_say_so(tmp_path):
     expect = [Expect("GRPOStepCadenceSlowerThanConfigured", 0.0, 4 * 3600.0)]
     done = promtool_test(mixin, timeline, expect, tmp_path, "misconfigured-cadence")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+# one run per fault, each on its own target, all in one replay: (run, fault knobs, monitor settings) -> the
+# alerts that must fire for that run, each once; side effects that are true signals are listed with them
+FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...]]] = {
+    "gap-critical": ({"engine_gap": 0.05}, {}, ("GRPOEngineLogprobGapCritical", "GRPOEngineLogprobGapWarning")),
+    "ratio-clipped": ({"onpolicy_noise": 0.5}, {}, ("GRPORatioClippedBeforeUpdate", "GRPOOnPolicyRatioDrift")),
+    "nonfinite": ({"nan_token": True}, {}, ("GRPONonFiniteValues",)),
+    "loss-mask": ({"mask_padding": True}, {}, ("GRPOLossMaskMismatch",)),
+    "fuse": ({"log_ratio_sd": 0.1}, {"log_ratio_clamp": 0.25}, ("GRPOLogRatioFuseBlowing",)),
+    "clipped-every-step": ({"grad_norm": 20.0}, {}, ("GRPOGradClippingEveryStep",)),
+    "advantage-bound": ({"advantage_scale": 3.0}, {}, ("GRPOAdvantageAboveBound",)),
+    # every reward 0: no group has reward variance any more, beyond any prediction
+    "verifier-zero": ({"verifier_zero": True}, {},
+                      ("GRPORewardCliff", "GRPOZeroVarianceAbovePrediction", "GRPOFewGroupsCarrySignal")),
+    "truncation": ({"truncated": 0.2}, {}, ("GRPOTruncationSurge",)),
+    # log ratios spread wide: a few tokens carry the weight, and most lie outside the clip range
+    "ess-drop": ({"log_ratio_sd": 1.5}, {}, ("GRPOESSDrop", "GRPOClipFractionHigh")),
+    "lower-clip": ({"lower_only": 0.3}, {}, ("GRPOLowerClipDominant",)),
+    "identical-completions": ({"distinct": 0.125}, {}, ("GRPODiversityCollapse",)),
+}
+
+
+@pytest.mark.parametrize("cadence", ["2min", "10min"])
+def test_every_fault_pages_once_at_production_cadence(cadence, tmp_path):
+    """Twelve runs side by side, one fault each from 5 h on: each pages its alert (and only the alerts listed),
+    once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
+    floors (5 min windows, 1 h baselines), which rules/tests/*.test.yml check for every alert at 1 min steps."""
+    cadence_s = CADENCES[cadence]
+    mixin = MixinConfig(step_seconds=cadence_s)
+    segments, expect = [], []
+    for i, (run, (knobs, settings, alerts)) in enumerate(FAULT_RUNS.items()):
+        segments.append(Segment(run, after(5.0, near_clip, **knobs), 8.0, seed=i, instance=f"{run}:9887",
+                                monitor=settings))
+        expect += [Expect(alert, 5 * 3600.0, max(3600.0, LATENCY_STEPS * cadence_s) + 3600, run) for alert in alerts]
+    timeline = replay(mixin, cadence_s, segments, 9.0)
+    done = promtool_test(mixin, timeline, expect, tmp_path, f"faults-{cadence}")
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
