@@ -60,6 +60,10 @@ class Knobs:
     mask_padding: bool = False  # the loss mask covers one padding position per sequence
     advantage_scale: float = 1.0  # advantages multiplied after group normalisation
     truncated: float = 0.0  # share of completions cut at the maximum length
+    longer_correct: int = 0  # tokens added to correct completions (a length hack)
+    longer_incorrect: int = 0  # tokens added to incorrect completions (1/|o| loss aggregation)
+    format_pays: float = 0.1  # the "format" reward component, paid to every completion
+    retrieval: float = 0.9  # share of completions that score highest under their own prompt
 
 
 Scenario = Callable[[int, float], Knobs]  # (step, hours since the start) -> the step's knobs
@@ -82,11 +86,12 @@ class SimulatedRun:
         correct = rng.random(n) < p
         first = np.repeat(correct.reshape(-1, g)[:, 0], g)
         correct = np.where(rng.random(n) < k.same_answer, first, correct)  # the same answer, again and again
-        rewards = np.zeros(n) if k.verifier_zero else correct.astype(float)
+        correctness = np.zeros(n) if k.verifier_zero else correct.astype(float)
+        rewards = correctness + k.format_pays
         grouped = rewards.reshape(-1, g)
         std = grouped.std(axis=1, ddof=1, keepdims=True)
         adv = np.where(std > 0, (grouped - grouped.mean(axis=1, keepdims=True)) / (std + 1e-4), 0.0).reshape(-1)
-        lengths = rng.integers(4, width, size=n)
+        lengths = rng.integers(4, width - 4, size=n) + np.where(correct, k.longer_correct, k.longer_incorrect)
         cut = rng.random(n) < k.truncated
         lengths = np.where(cut, width, lengths)
         mask = np.arange(width)[None, :] < lengths[:, None]
@@ -116,6 +121,7 @@ class SimulatedRun:
             step, rewards=t(rewards), correct=t(correct, torch.bool), rollout_logprobs=t(rollout),
             old_logprobs=t(old), loss_mask=t(mask, torch.bool), completion_lengths=t(lengths, torch.long),
             truncated=t(cut, torch.bool),
+            reward_components={"correctness": t(correctness), "format": t(np.full(n, k.format_pays))},
             completion_ids=t(completion_ids, torch.long), prompt_ids=t(np.repeat(ids, g), torch.long),
         )
         pre = k.grad_norm * float(np.exp(rng.normal(0.0, 0.2)))
@@ -128,6 +134,11 @@ class SimulatedRun:
                 completion_lengths=t(lengths[rows], torch.long), **scalars,
             )
         mon.end_step()
+        own = np.repeat(np.arange(self.prompts), g)
+        scores = rng.normal(0.0, 1.0, size=(n, self.prompts))
+        hit = rng.random(n) < k.retrieval
+        scores[np.arange(n), own] = np.where(hit, scores.max(axis=1) + 1.0, scores.min(axis=1) - 1.0)
+        mon.observe_retrieval(step, t(scores), t(own, torch.long))
         mon.wait_for_workers()
 
 

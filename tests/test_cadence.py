@@ -4,9 +4,8 @@
 Every scenario asserts the exact set of alerts that fired over the whole replay, each in exactly one
 episode (no flapping), each first firing no earlier than its ``for`` after the fault's onset and within a
 bound after it. Healthy runs, a normal end, the gap between two runs and one noisy batch must page nothing.
-At 2 min and 10 min steps a fleet of twelve runs, one fault each, covers every alert a simulated run can
-raise (the reward-hack, length, pass@G-against-base and retrieval alerts need inputs the simulation does not
-make: rules/tests/*.test.yml checks them, like every alert, at 1-minute steps).
+At 2 min and 10 min steps a fleet of seventeen runs, one fault each, makes every alert fire for its run
+(rules/tests/*.test.yml checks every alert just before and after its `for` at 1-minute steps).
 """
 
 from __future__ import annotations
@@ -165,13 +164,23 @@ FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...
     "ess-drop": ({"log_ratio_sd": 1.5}, {}, ("GRPOESSDrop", "GRPOClipFractionHigh")),
     "lower-clip": ({"lower_only": 0.3}, {}, ("GRPOLowerClipDominant",)),
     "identical-completions": ({"distinct": 0.125}, {}, ("GRPODiversityCollapse",)),
+    # correctness falls while a format component pays for the loss: the total holds; the sudden fall also
+    # leaves more all-wrong groups than the prompts' histories predict, until the histories catch up
+    "reward-hack": ({"solve": 0.15, "format_pays": 1.0}, {},
+                    ("GRPORewardHackSuspected", "GRPOZeroVarianceAbovePrediction")),
+    "long-incorrect": ({"longer_incorrect": 3}, {}, ("GRPOLengthGrowthIncorrectOnly",)),
+    "long-correct": ({"longer_correct": 3}, {}, ("GRPOLengthHack",)),
+    # each group repeats one answer: pass@G falls to pass@1, below the base model's, and groups lose variance
+    "below-base": ({"same_answer": 1.0}, {"reference_baseline": {'grpo_pass_at_k_ratio{k="8"}': 0.6}},
+                   ("GRPOPassAtGBelowBase", "GRPOZeroVarianceAbovePrediction", "GRPOFewGroupsCarrySignal")),
+    "template-collapse": ({"retrieval": 0.07}, {}, ("GRPORetrievalNearChance",)),
 }
 
 
 @pytest.mark.parametrize("cadence", ["2min", "10min"])
 def test_every_fault_pages_once_at_production_cadence(cadence, tmp_path):
-    """Twelve runs side by side, one fault each from 5 h on: each pages its alert (and only the alerts listed),
-    once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
+    """Seventeen runs side by side, one fault each from 5 h on: each pages its alert (and only the alerts
+    listed), once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
     floors (5 min windows, 1 h baselines), which rules/tests/*.test.yml check for every alert at 1 min steps."""
     cadence_s = CADENCES[cadence]
     mixin = MixinConfig(step_seconds=cadence_s)

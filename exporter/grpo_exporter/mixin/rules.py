@@ -99,6 +99,13 @@ def _increase(c: MixinConfig, metric: str, by: str = BY, steps: int | None = Non
     return f"sum by ({by}) (increase({metric}{c.matchers(**labels)}[{c.window(steps)}]))"
 
 
+def _fraction(numerator: str, denominator: str, on: str = "") -> str:
+    """``numerator / denominator`` with 0/0 (a window without events, as the first window of a run of slow
+    steps) dropped: no sample rather than NaN, which would poison every average or quantile over the window
+    it falls in (a 10 h length baseline read NaN from the run's first step on)."""
+    return f"({numerator} / {on}{denominator}) > -Inf"
+
+
 def _mean(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None, **labels: str) -> str:
     """The windowed mean of a last-step gauge (one batch is a noisy sample; a window holds several)."""
     return f"max by ({by}) (avg_over_time({metric}{c.matchers(**labels)}[{c.window(steps)}]))"
@@ -128,40 +135,40 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
               f" + {_rate(c, 'grpo_update_tokens_total', advantage_sign='negative')})")
     rules: list[dict[str, Any]] = [
         {"record": "run:grpo_engine_logprob_gap_nats:window_mean",
-         "expr": f"{_rate(c, 'grpo_engine_logprob_gap_nats_sum')} / {_rate(c, 'grpo_engine_logprob_gap_nats_count')}"},
+         "expr": _fraction(_rate(c, "grpo_engine_logprob_gap_nats_sum"), _rate(c, "grpo_engine_logprob_gap_nats_count"))},
         {"record": "run:grpo_onpolicy_log_ratio_abs_max_nats:window_max",
          "expr": f"max by ({BY}) (max_over_time(grpo_onpolicy_log_ratio_abs_max_nats{c.matchers()}[{c.window()}]))"},
         {"record": "run:grpo_clipped_tokens:window_ratio", "labels": {"bound": "upper"},
-         "expr": f"{_rate(c, 'grpo_clipped_tokens_total', bound='upper')}"
-                 f" / {_rate(c, 'grpo_upper_clip_reachable_tokens_total')}"},
+         "expr": _fraction(_rate(c, "grpo_clipped_tokens_total", bound="upper"),
+                           _rate(c, "grpo_upper_clip_reachable_tokens_total"))},
         {"record": "run:grpo_clipped_tokens:window_ratio", "labels": {"bound": "lower"},
-         "expr": f"{_rate(c, 'grpo_clipped_tokens_total', bound='lower')}"
-                 f" / {_rate(c, 'grpo_update_tokens_total', advantage_sign='negative')}"},
+         "expr": _fraction(_rate(c, "grpo_clipped_tokens_total", bound="lower"),
+                           _rate(c, "grpo_update_tokens_total", advantage_sign="negative"))},
         # the share of positive tokens that could reach the upper clip at all (p_old < 1/(1+eps_high))
         {"record": "run:grpo_upper_clip_reachable_tokens:window_ratio",
-         "expr": f"{_rate(c, 'grpo_upper_clip_reachable_tokens_total')}"
-                 f" / {_rate(c, 'grpo_update_tokens_total', advantage_sign='positive')}"},
+         "expr": _fraction(_rate(c, "grpo_upper_clip_reachable_tokens_total"),
+                           _rate(c, "grpo_update_tokens_total", advantage_sign="positive"))},
         {"record": "run:grpo_update_tokens:window_increase",
          "expr": _increase(c, "grpo_update_tokens_total", by="job, run, advantage_sign")},
         # over signed tokens only: a zero-advantage token can never be clipped (100% must read 100%)
         {"record": "run:grpo_tokens_outside_clip:window_ratio",
-         "expr": f"({_rate(c, 'grpo_clipped_tokens_total')} + {_rate(c, 'grpo_out_of_range_unclipped_tokens_total')})"
-                 f" / {signed}"},
+         "expr": _fraction(f"({_rate(c, 'grpo_clipped_tokens_total')} + "
+                           f"{_rate(c, 'grpo_out_of_range_unclipped_tokens_total')})", signed)},
         {"record": "run:grpo_onpolicy_outside_clip_tokens:window_ratio",
-         "expr": f"{_rate(c, 'grpo_onpolicy_outside_clip_tokens_total')}"
-                 f" / {_rate(c, 'grpo_onpolicy_checked_tokens_total')}"},
+         "expr": _fraction(_rate(c, "grpo_onpolicy_outside_clip_tokens_total"),
+                           _rate(c, "grpo_onpolicy_checked_tokens_total"))},
         {"record": "run:grpo_log_ratio_clamp_hit_tokens:window_ratio",
-         "expr": f"{_rate(c, 'grpo_log_ratio_clamp_hit_tokens_total')} / {_rate(c, 'grpo_importance_weight_count')}"},
+         "expr": _fraction(_rate(c, "grpo_log_ratio_clamp_hit_tokens_total"), _rate(c, "grpo_importance_weight_count"))},
         {"record": "run:grpo_grad_clip_active_steps:window_ratio",
-         "expr": f"{_rate(c, 'grpo_grad_clip_active_steps_total', steps=c.clip_window_steps)}"
-                 f" / {_rate(c, 'grpo_optimizer_steps_total', steps=c.clip_window_steps)}"},
+         "expr": _fraction(_rate(c, "grpo_grad_clip_active_steps_total", steps=c.clip_window_steps),
+                           _rate(c, "grpo_optimizer_steps_total", steps=c.clip_window_steps))},
         {"record": "run:grpo_groups:window_increase", "expr": _increase(c, "grpo_groups_total")},
         {"record": "run:grpo_steps:window_increase", "expr": _increase(c, "grpo_steps_total")},
         {"record": "run:grpo_zero_variance_groups:window_ratio",
-         "expr": f"{_rate(c, 'grpo_zero_variance_groups_total')} / {_rate(c, 'grpo_groups_total')}"},
+         "expr": _fraction(_rate(c, "grpo_zero_variance_groups_total"), _rate(c, "grpo_groups_total"))},
         {"record": "run:grpo_zero_variance_groups:window_ratio_by_outcome",
-         "expr": f"{_rate(c, 'grpo_zero_variance_groups_total', by='job, run, outcome')}"
-                 f" / on(job, run) group_left() {_rate(c, 'grpo_groups_total')}"},
+         "expr": _fraction(_rate(c, "grpo_zero_variance_groups_total", by="job, run, outcome"),
+                           _rate(c, "grpo_groups_total"), on="on(job, run) group_left() ")},
         {"record": "run:grpo_zero_variance_groups_expected:window_mean",
          "expr": _mean(c, "grpo_zero_variance_groups_expected_ratio")},
         {"record": "run:grpo_reward_mean:window_mean", "expr": _mean(c, "grpo_reward_mean", by="job, run, component")},
@@ -170,11 +177,12 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_unique_completions_ratio:window_mean", "expr": _mean(c, "grpo_unique_completions_ratio")},
         {"record": "run:grpo_edit_distance_median_ratio:window_mean",
          "expr": _mean(c, "grpo_edit_distance_median_ratio")},
+        {"record": "run:grpo_retrieval_accuracy_ratio:window_mean", "expr": _mean(c, "grpo_retrieval_accuracy_ratio")},
         {"record": "run:grpo_truncated_completions:window_ratio",
-         "expr": f"{_rate(c, 'grpo_truncated_completions_total')} / {_rate(c, 'grpo_completions_total')}"},
+         "expr": _fraction(_rate(c, "grpo_truncated_completions_total"), _rate(c, "grpo_completions_total"))},
         {"record": "run:grpo_completion_length_tokens:window_mean",
-         "expr": f"{_rate(c, 'grpo_completion_length_tokens_sum', by='job, run, outcome')}"
-                 f" / {_rate(c, 'grpo_completion_length_tokens_count', by='job, run, outcome')}"},
+         "expr": _fraction(_rate(c, "grpo_completion_length_tokens_sum", by="job, run, outcome"),
+                           _rate(c, "grpo_completion_length_tokens_count", by="job, run, outcome"))},
         {"record": "run:grpo_pass_at_group_size:ratio",
          "expr": f"max by ({BY}) (grpo_pass_at_k_ratio{c.matchers()} * on(job, run, k) group_left()"
                  f' label_replace({run_info}, "k", "$1", "group_size", "(.*)"))'},
@@ -219,8 +227,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
          "expr": _baseline(c, "run:grpo_completion_length_tokens:window_mean", by="job, run, outcome",
                            op="avg_over_time(")},
         {"record": "run:grpo_completion_length_tokens:growth_ratio",
-         "expr": "run:grpo_completion_length_tokens:window_mean"
-                 " / on(job, run, outcome) run:grpo_completion_length_tokens:baseline_mean"},
+         "expr": _fraction("run:grpo_completion_length_tokens:window_mean",
+                           "run:grpo_completion_length_tokens:baseline_mean", on="on(job, run, outcome) ")},
         {"record": "run:grpo_entropy_mean_nats:baseline_median",
          "expr": _baseline(c, f"grpo_entropy_mean_nats{c.matchers()}")},
         {"record": "run:grpo_pass_at_group_size:baseline_median",
@@ -573,10 +581,10 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPORetrievalNearChance", g4, "retrieval", "warning",
-            f"max by ({BY}) (grpo_retrieval_accuracy_ratio{c.matchers()}) < on(job, run) "
+            f"run:grpo_retrieval_accuracy_ratio:window_mean < on(job, run) "
             f"({c.retrieval_chance_factor:g} * max by ({BY}) (grpo_retrieval_chance_ratio{c.matchers()}))", 900,
             "Completions no longer identify their own prompt: template collapse.",
-            "Retrieval accuracy of run {{ $labels.run }} is " + _value("%.3g") + f", below "
+            "Retrieval accuracy of run {{ $labels.run }} over " + w + " is " + _value("%.3g") + f", below "
             f"{c.retrieval_chance_factor:g}x chance " + _query("max(grpo_retrieval_chance_ratio{run=%q})") + ".",
             trend=True,
         ),
