@@ -52,10 +52,16 @@ def one_step(at_hours: float, cadence_s: float, **fault: object) -> Scenario:
     return lambda step, hours: replace(near_clip(step, hours), **fault) if step == target else near_clip(step, hours)
 
 
+def phase_hours(cadence_s: float) -> float:
+    """Hours per phase of a scenario (a fault starts at 5 phases). At 10-min steps the run's anchors (20 steps)
+    and a baseline (20 steps, 100 min back) need ~5 h; at 2 min they need ~1.5 h and at 20 s the rules sit on
+    their floors (1 h baselines) after ~200 steps: shorter phases replay the same story in fewer steps."""
+    return 0.4 if cadence_s < 60 else 0.5 if cadence_s < 300 else 1.0
+
+
 def cases(cadence_s: float) -> dict[str, Case]:
-    """The scenarios at one cadence. At 20 s steps the rules' floors (1 h baselines, 5 min windows) are reached
-    in ~200 steps, so every phase is 0.4x as long there: the same number of hours would replay 1600 steps."""
-    u = 0.4 if cadence_s < 60 else 1.0
+    """The scenarios at one cadence."""
+    u = phase_hours(cadence_s)
     decline_onset = 3 + 8 * (2 / 3)  # entropy crosses 0.5x its early window (1.0) at 0.5
     return {
         "healthy-end-gap-next-run": Case(
@@ -147,7 +153,8 @@ def test_rules_left_at_a_shorter_step_say_so(tmp_path):
 
 
 # one run per fault, each on its own target, all in one replay: (run, fault knobs, monitor settings) -> the
-# alerts that must fire for that run, each once; side effects that are true signals are listed with them
+# alerts that must fire for that run, each once; side effects that are true signals are listed with them, and
+# those whose firing depends on timing end in "?" (allowed, not required)
 FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...]]] = {
     "gap-critical": ({"engine_gap": 0.05}, {}, ("GRPOEngineLogprobGapCritical", "GRPOEngineLogprobGapWarning")),
     "ratio-clipped": ({"onpolicy_noise": 0.5}, {}, ("GRPORatioClippedBeforeUpdate", "GRPOOnPolicyRatioDrift")),
@@ -167,7 +174,7 @@ FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...
     # correctness falls while a format component pays for the loss: the total holds; the sudden fall also
     # leaves more all-wrong groups than the prompts' histories predict, until the histories catch up
     "reward-hack": ({"solve": 0.15, "format_pays": 1.0}, {},
-                    ("GRPORewardHackSuspected", "GRPOZeroVarianceAbovePrediction")),
+                    ("GRPORewardHackSuspected", "GRPOZeroVarianceAbovePrediction?")),
     "long-incorrect": ({"longer_incorrect": 3}, {}, ("GRPOLengthGrowthIncorrectOnly",)),
     "long-correct": ({"longer_correct": 3}, {}, ("GRPOLengthHack",)),
     # each group repeats one answer: pass@G falls to pass@1, below the base model's, and groups lose variance
@@ -179,16 +186,20 @@ FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...
 
 @pytest.mark.parametrize("cadence", ["2min", "10min"])
 def test_every_fault_pages_once_at_production_cadence(cadence, tmp_path):
-    """Seventeen runs side by side, one fault each from 5 h on: each pages its alert (and only the alerts
+    """Seventeen runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
     listed), once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
     floors (5 min windows, 1 h baselines), which rules/tests/*.test.yml check for every alert at 1 min steps."""
     cadence_s = CADENCES[cadence]
+    u = phase_hours(cadence_s)
     mixin = MixinConfig(step_seconds=cadence_s)
     segments, expect = [], []
+    within = max(3600.0, LATENCY_STEPS * cadence_s) + 3600
+    may_fire = []
     for i, (run, (knobs, settings, alerts)) in enumerate(FAULT_RUNS.items()):
-        segments.append(Segment(run, after(5.0, near_clip, **knobs), 8.0, seed=i, instance=f"{run}:9887",
+        segments.append(Segment(run, after(5 * u, near_clip, **knobs), 8 * u, seed=i, instance=f"{run}:9887",
                                 monitor=settings))
-        expect += [Expect(alert, 5 * 3600.0, max(3600.0, LATENCY_STEPS * cadence_s) + 3600, run) for alert in alerts]
-    timeline = replay(mixin, cadence_s, segments, 9.0)
-    done = promtool_test(mixin, timeline, expect, tmp_path, f"faults-{cadence}")
+        expect += [Expect(alert, 5 * u * 3600, within, run) for alert in alerts if not alert.endswith("?")]
+        may_fire += [(alert[:-1], run) for alert in alerts if alert.endswith("?")]
+    timeline = replay(mixin, cadence_s, segments, 9 * u)
+    done = promtool_test(mixin, timeline, expect, tmp_path, f"faults-{cadence}", may_fire)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
