@@ -168,7 +168,7 @@ class GRPOMonitor:
             self._advance(step)
             violations += self._publish_held_audit()  # the last step had no update to audit its mask
             inputs: StepInputs | None = None
-            slots = carry = None
+            slots = carry = groups = None
             with self._contained("rollout"):
                 components, dropped = self._components.admit(reward_components)
                 if dropped:
@@ -181,7 +181,6 @@ class GRPOMonitor:
                 )
                 slots = self._solve_rates.slots_of(inputs, prompt_ids)
                 if slots is not None:
-                    groups = None
                     with contextlib.suppress(InputError):  # a grouping error is the metric blocks' to count
                         groups = inputs.groups(self.config.group_size)
                     if groups is not None:
@@ -190,11 +189,10 @@ class GRPOMonitor:
                         )
                 carry = edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
             result = self._compute("rollout", inputs, carry or {})
-            if slots is not None and inputs is not None and inputs.correct is not None:
-                with contextlib.suppress(Exception):  # a grouping error: counted by the metric blocks already
-                    groups = inputs.groups(self.config.group_size)
-                    if groups is not None:
-                        self._solve_rates.update(slots, inputs.correct, groups)
+            if slots is not None and groups is not None and inputs is not None and inputs.correct is not None:
+                # the groups the prediction used (no second grouping); an error here is the metric blocks' too
+                with contextlib.suppress(Exception):
+                    self._solve_rates.update(slots, inputs.correct, groups)
             if inputs is not None and inputs.completion_ids is not None:
                 self._edit_worker.submit(result.carried, inputs.completion_ids.shape[1])
             audit = {k: v for k, v in result.metrics.items() if catalog.family_of(k.sample).name in _AUDIT}
