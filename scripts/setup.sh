@@ -37,4 +37,5 @@ VPY=.venv/bin/python
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
   "$VPY" -m pip install -q "$TORCH_REQ"
 fi
-"$VPY" -m pip install -q -e '.[dev,dashboards]'
+# GRPO_EXTRAS: the test suite adds `trl` (the real TRL run); the demo does not need it.
+"$VPY" -m pip install -q -e ".[${GRPO_EXTRAS:-dev,dashboards}]"

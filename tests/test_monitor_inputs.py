@@ -367,3 +367,52 @@ def test_run_anchors_freeze_the_early_window_of_each_anchored_sample():
         assert registry_value(mon, "grpo_entropy_mean_nats") == pytest.approx(2.0 - 1.1)
         ess = registry_value(mon, 'grpo_run_anchor{metric="grpo_ess_ratio",labels="level=\'token\'"}')
         assert ess == pytest.approx(1.0)
+
+
+# ---- string ids (verl's uid, TRL's prompt text) -------------------------------------------------------------
+
+
+def test_string_ids_hash_stably_across_processes() -> None:
+    """BLAKE2b of the UTF-8 bytes, top bit cleared: the same in a process with another hash seed (Python's
+    hash() is salted per process, so ranks and restarts would disagree)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    from grpo_exporter.ids import stable_id
+
+    want = int.from_bytes(hashlib.blake2b(b"uid-0", digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    assert stable_id("uid-0") == want
+    code = "from grpo_exporter.ids import stable_id; print(stable_id('uid-0'), stable_id([{'role': 'user'}]))"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(want), str(stable_id([{"role": "user"}]))]
+
+
+def test_string_group_and_prompt_ids_give_the_metrics_of_integer_ids() -> None:
+    """uid strings in any row order group exactly like the integer ids they stand for."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(3)
+    rewards = (torch.rand(16, generator=gen) < 0.5).float()
+    ints = torch.arange(16) // 4
+    perm = torch.randperm(16, generator=gen)
+    names = np.array([f"uid-{int(i)}" for i in ints[perm]], dtype=object)
+    seen = []
+    for group_ids, prompt_ids, r in ((ints, ints, rewards), (names, list(names), rewards[perm])):
+        mon = GRPOMonitor(run="ids", group_size=4, port=None, strict=True, close_linger_s=0)
+        mon.observe_rollout(0, rewards=r, correct=r.bool(), group_ids=group_ids, prompt_ids=prompt_ids)
+        seen.append(dict(mon.metrics()))
+        mon.close()
+    keys = [k for k in seen[0] if "zero_variance" in k or "pass_at" in k or "groups_total" in k or "std" in k]
+    assert keys
+    assert {k: seen[1][k] for k in keys} == pytest.approx({k: seen[0][k] for k in keys})
+
+
+@pytest.mark.parametrize("bad", ["uid-0", 3.5, [1.5, 2.5]])
+def test_ids_that_are_not_a_sequence_of_keys_are_refused_naming_the_field(bad: object) -> None:
+    from grpo_exporter.ids import id_tensor
+
+    with pytest.raises(InputError, match="group_ids"):
+        id_tensor("group_ids", bad, None)  # type: ignore[arg-type]

@@ -512,8 +512,10 @@ CATALOG: tuple[Metric, ...] = (
     # ---- layer 4: does the policy still read the question? ----------------------------------------------
     Metric(
         "grpo_entropy_mean_nats", GA,
-        "Mean token entropy over the last update's loss tokens, nats: a coarse alarm, diluted by format tokens.",
-        D, "nats", inputs=("entropy", *_TOKEN), merge=Merge.RATIO,
+        "Mean token entropy over the last update's loss tokens, nats: a coarse alarm, diluted by format tokens. "
+        "From per-token `entropy`, or the mean a framework reports when its entropies stay in the workers "
+        "(`entropy_mean`: verl, OpenRLHF).",
+        D, "nats", inputs=("entropy|entropy_mean", "loss_mask|entropy_mean"), merge=Merge.RATIO,
     ),
     Metric(
         "grpo_entropy_top_mean_nats", GA,

@@ -22,7 +22,7 @@ SEQUENCE_FLOATS = ("rewards", "zero_variance_prob")
 SEQUENCE_BOOLS = ("correct", "truncated")
 TOKEN_FLOATS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy")
 TOKEN_BOOLS = ("loss_mask", "completion_mask")
-SCALARS = ("grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss")
+SCALARS = ("grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss", "entropy_mean")
 INTEGERS = ("policy_version", "rollout_policy_version", "step")
 
 
@@ -74,6 +74,7 @@ class StepInputs:
     params_before: Sequence[Tensor] | None = None
     params_after: Sequence[Tensor] | None = None
     loss: Tensor | float | None = None
+    entropy_mean: Tensor | float | None = None
     policy_version: int | None = None
     rollout_policy_version: int | None = None
     step: int | None = None

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import operator
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from grpo_exporter.background import EditDistanceWorker, edit_distance_carry
 from grpo_exporter.collector import CatalogCollector
 from grpo_exporter.components import ComponentNames
 from grpo_exporter.functional.diversity import retrieval_accuracy
+from grpo_exporter.ids import id_tensor
 from grpo_exporter.inputs import InputError, StepInputs
 from grpo_exporter.layout import Layout
 from grpo_exporter.monitor_config import MonitorConfig
@@ -149,7 +150,7 @@ class GRPOMonitor:
         step: int,
         *,
         rewards: Tensor | None = None,
-        group_ids: Tensor | None = None,
+        group_ids: Tensor | Sequence[Any] | None = None,
         correct: Tensor | None = None,
         truncated: Tensor | None = None,
         reward_components: Mapping[str, Tensor] | None = None,
@@ -159,9 +160,13 @@ class GRPOMonitor:
         completion_lengths: Tensor | None = None,
         completion_ids: Tensor | None = None,
         completion_mask: Tensor | None = None,
-        prompt_ids: Tensor | None = None,
+        prompt_ids: Tensor | Sequence[Any] | None = None,
     ) -> None:
-        """Rollout-level metrics, once per rollout batch (one host transfer)."""
+        """Rollout-level metrics, once per rollout batch (one host transfer).
+
+        ``group_ids`` and ``prompt_ids`` may be integer tensors or sequences of strings or integers (verl's
+        ``uid``, prompt text): strings are hashed stably (:mod:`grpo_exporter.ids`), a host-to-device copy of N
+        integers."""
         step = self._check_call("observe_rollout", step)
         violations: list[guard.Violation] = []
         with self._stage("rollout"):
@@ -170,6 +175,11 @@ class GRPOMonitor:
             inputs: StepInputs | None = None
             slots = carry = groups = None
             with self._contained("rollout"):
+                device = next((t.device for t in (rewards, correct, truncated, rollout_logprobs, old_logprobs,
+                                                   loss_mask, completion_lengths, completion_ids)
+                               if isinstance(t, Tensor)), None)
+                group_ids = id_tensor("group_ids", group_ids, device)
+                prompt_ids = id_tensor("prompt_ids", prompt_ids, device)
                 components, dropped = self._components.admit(reward_components)
                 if dropped:
                     self._publication.add({_key("grpo_dropped_reward_components_total"): float(dropped)})
@@ -447,6 +457,22 @@ class GRPOMonitor:
     def _publish(self, metrics: Mapping[str, float], families: Iterable[str]) -> list[guard.Violation]:
         self._publication.merge(metrics, families)
         return self._report.check(metrics)
+
+    @contextlib.contextmanager
+    def contained(self, stage: str, where: str) -> Iterator[None]:
+        """For framework adapters: an exception inside (reading the framework's objects) is counted in
+        ``grpo_exporter_errors_total{stage}`` and logged naming ``where``, and training goes on; strict mode
+        raises. ``stage`` is one of :data:`~grpo_exporter.catalog.STAGES`."""
+        try:
+            yield
+        except guard.TrainingSignalError:
+            raise
+        except Exception as exc:
+            with self._publication.writing:
+                self._report.error(stage, exc, where)
+                self._publication.publish()
+            if self.config.strict:
+                raise
 
     # ---- helpers ---------------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from grpo_exporter.catalog import SampleKey, format_quantile
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
-from grpo_exporter.functional.reading import always, reading
+from grpo_exporter.functional.reading import always, fraction, reading
 from grpo_exporter.functional.selection import Quantiles
 from grpo_exporter.inputs import InputError, StepInputs
 
@@ -498,6 +498,10 @@ def _entropy(g: _Gather, c: _Context) -> None:
         ent = diversity.entropy_stats(x.entropy, x.loss_mask, c.cfg.entropy_top_fraction)
         g.add("grpo_entropy_mean_nats", ent.mean)
         g.add("grpo_entropy_top_mean_nats", ent.top_mean)
+    elif x.entropy is None and x.entropy_mean is not None:  # a framework's own token mean (verl, OpenRLHF)
+        mean = torch.as_tensor(x.entropy_mean, dtype=torch.float64, device=g.device)
+        finite = torch.isfinite(mean)  # a non-finite report is absent, never published
+        g.add("grpo_entropy_mean_nats", fraction(torch.where(finite, mean, 0.0), finite.double()))
 
 
 @produces("grpo_pass_at_k_ratio")

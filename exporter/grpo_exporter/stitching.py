@@ -10,7 +10,8 @@ that samples rollout k+1 while update k runs keeps its steps whole.
   (every micro-step of the first optimizer step on a fresh rollout is on-policy; the flag of one micro-step
   never switches the check off for the others).
 * Scalars that frameworks compute themselves (``grad_norm_pre_clip``, ``grad_norm_post_clip``,
-  ``max_grad_norm``, ``loss``, policy versions) pass through: the last value given in the step wins, and
+  ``max_grad_norm``, ``loss``, ``entropy_mean``,
+  policy versions) pass through: the last value given in the step wins, and
   ``clip_grad_norm_``'s own record wins over them.
 * At most ``max_pending`` micro-steps are held; further ones are dropped and counted, so a step that never
   ends cannot grow without bound.
@@ -32,7 +33,8 @@ PER_ROW = (
     "correct", "truncated", "completion_lengths", "completion_mask", "completion_ids", "rollout_logprobs",
 )
 PASSED_THROUGH = (
-    "grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss", "policy_version", "rollout_policy_version",
+    "grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss", "entropy_mean", "policy_version",
+    "rollout_policy_version",
 )
 
 

@@ -1,0 +1,265 @@
+"""TRL's ``GRPOTrainer`` with a :class:`~grpo_exporter.monitor.GRPOMonitor` inside: two lines to adopt.
+
+.. code-block:: python
+
+    from grpo_exporter.integrations.trl import MonitoredGRPOTrainer
+    trainer = MonitoredGRPOTrainer(model=..., reward_funcs=[accuracy, fmt], args=GRPOConfig(...),
+                                   train_dataset=ds, verifier="accuracy", monitor_settings={"port": 9887})
+
+TRL's callbacks see only the logged averages; the tensors the seed's metrics need live in private methods of
+``GRPOTrainer``, which this subclass wraps with ``super()`` (each checked at import against the tested TRL
+range, :data:`TESTED`):
+
+* ``_generate(prompts)``: completion token lists, hence truncation (last token not EOS/pad, as TRL logs
+  ``completions/clipped_ratio``) and generated lengths (before ``mask_truncated_completions`` zeroes a mask);
+* ``_calculate_rewards(...)``: rewards per reward function (gathered over processes; this process's slice is
+  kept), so components are named after the reward functions;
+* ``_generate_and_score_completions(inputs)``: padded ids and masks, ``old_per_token_logps`` (TRL computes them
+  when generation and optimisation are misaligned, e.g. ``num_iterations > 1``, or with vLLM importance
+  sampling), ``sampling_per_token_logps`` (the engine's log-probs: vLLM or a ``rollout_func``), and
+  ``ref_per_token_logps`` (``beta != 0``): one :meth:`~GRPOMonitor.observe_rollout` per generation batch;
+* ``_get_per_token_logps_and_entropies`` inside ``_compute_loss(model, inputs)``: the current log-probs and
+  entropies of each micro-batch, with its advantages and masks: one :meth:`~GRPOMonitor.observe_update`;
+* ``Trainer._clip_grad_norm(model)``: the pre-clip norm TRL clips with ``max_grad_norm``.
+
+The monitor's step is TRL's ``state.global_step`` (one per optimizer step); a step ends at ``on_step_end``.
+A micro-batch is on-policy when no optimizer step happened since its rollout (TRL's own step counter), which
+is also the policy version handed for staleness. Every wrapper is contained: an error reading TRL's objects
+is counted and logged and training goes on (``strict=True`` raises).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.integrations import IntegrationError, check_signature, require
+from grpo_exporter.monitor import GRPOMonitor
+
+TESTED = "trl>=1.16,<1.17 with transformers>=5.24,<5.25"
+
+trl = require("trl", "trl", TESTED)
+transformers = require("transformers", "trl", TESTED)
+try:
+    from transformers import Trainer, TrainerCallback
+    from trl import GRPOTrainer
+except ImportError as exc:  # pragma: no cover - an incompatible TRL
+    raise IntegrationError(f"trl {trl.__version__}: cannot import GRPOTrainer ({exc}); tested with {TESTED}") from exc
+
+check_signature(GRPOTrainer, "_generate", ("self", "prompts"), "trl", TESTED)
+check_signature(GRPOTrainer, "_generate_and_score_completions", ("self", "inputs"), "trl", TESTED)
+check_signature(
+    GRPOTrainer, "_calculate_rewards", ("self", "inputs", "prompts", "completions", "completion_ids_list"),
+    "trl", TESTED,
+)
+check_signature(
+    GRPOTrainer, "_get_per_token_logps_and_entropies",
+    ("self", "model", "input_ids", "attention_mask", "logits_to_keep"), "trl", TESTED,
+)
+check_signature(GRPOTrainer, "_compute_loss", ("self", "model", "inputs"), "trl", TESTED)
+check_signature(Trainer, "_clip_grad_norm", ("self", "model"), "transformers", TESTED)
+
+#: TRL's logged metric → the series that means the same thing here (PromQL), and how they differ, if at all.
+TRL_METRICS: Mapping[str, tuple[str, str]] = {
+    "reward": ('grpo_reward_mean{component="total"}', "same (weighted sum of the reward functions)"),
+    "rewards/{name}/mean": ('grpo_reward_mean{component="{name}"}', "same"),
+    "frac_reward_zero_std": ("grpo_zero_variance_groups_ratio", "same: TRL counts rows, groups are equal-sized"),
+    "entropy": ("grpo_entropy_mean_nats", "TRL averages micro-batch means; here token-weighted over the step"),
+    "kl": ("grpo_kl_ref_nats", "same k3 estimator; TRL averages micro-batch means"),
+    "clip_ratio/high_mean": (
+        'grpo_clipped_tokens_ratio{bound="upper"}', "TRL divides by all loss tokens, here by A>0 tokens"),
+    "clip_ratio/low_mean": (
+        'grpo_clipped_tokens_ratio{bound="lower"}', "TRL divides by all loss tokens, here by A<0 tokens"),
+    "completions/clipped_ratio": (
+        "increase(grpo_truncated_completions_total[w]) / increase(grpo_completions_total[w])", "same"),
+    "completions/mean_length": (
+        "rate(grpo_completion_length_tokens_sum[w]) / rate(grpo_completion_length_tokens_count[w])", "same"),
+    "grad_norm": ("grpo_grad_norm_pre_clip", "same (the norm before clipping)"),
+    "sampling/sampling_logp_difference/mean": ("grpo_engine_logprob_gap_mean_nats", "same"),
+    "sampling/sampling_logp_difference/max": ('grpo_engine_logprob_gap_nats{quantile="1"}', "same"),
+}
+
+
+class _EndStep(TrainerCallback):  # type: ignore[misc]
+    """Ends the monitor's step after ``optimizer.step()``; closes a monitor the trainer made at train end."""
+
+    def __init__(self, trainer: MonitoredGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        with self.trainer.monitor.contained("update", "trl on_step_end"):
+            self.trainer.monitor.end_step()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer._grpo_owns_monitor:
+            self.trainer.monitor.close()
+
+
+class GRPOMonitorMixin:
+    """The wrappers; mix into a ``GRPOTrainer`` subclass before it (``MonitoredGRPOTrainer`` does).
+
+    ``monitor``: a monitor you made (you close it), else one is made with ``run`` = TRL's ``run_name`` (or the
+    output directory's name), ``group_size`` = ``num_generations``, ``clip_eps`` = (``epsilon``,
+    ``epsilon_high``), and ``monitor_settings`` on top (any :class:`~grpo_exporter.monitor_config.MonitorConfig`
+    field, e.g. ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward
+    function whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates,
+    length by outcome); without it those metrics are absent.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        monitor: GRPOMonitor | None = None,
+        monitor_settings: Mapping[str, Any] | None = None,
+        verifier: str | None = None,
+        verifier_threshold: float = 0.5,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        names = list(self.reward_func_names)
+        if verifier is not None and verifier not in names:
+            raise ValueError(f"verifier: expected one of the reward function names {names}, got {verifier!r}")
+        self._grpo_verifier = verifier
+        self._grpo_threshold = float(verifier_threshold)
+        self._grpo_owns_monitor = monitor is None
+        if monitor is None:
+            run = self.args.run_name or Path(self.args.output_dir or "trl").name
+            settings = {
+                "run": run, "group_size": self.num_generations,
+                "clip_eps": (self.epsilon_low, self.epsilon_high), **(monitor_settings or {}),
+            }
+            monitor = GRPOMonitor(**settings)
+        self.monitor = monitor
+        self._grpo_rollout_step: int | None = None
+        self._grpo_generated: tuple[list[bool], list[int]] | None = None
+        self._grpo_rewards: Tensor | None = None
+        self._grpo_capture: list[tuple[Tensor, Tensor | None]] | None = None
+        self.add_callback(_EndStep(self))
+
+    # ---- rollout -----------------------------------------------------------------------------------------
+
+    def _generate(self, prompts: list[Any]) -> Any:
+        result = super()._generate(prompts)
+        self._grpo_generated = None
+        if self.model.training:
+            with self.monitor.contained("rollout", "trl _generate"):
+                _, completion_ids, tool_mask = result[0], result[1], result[2]
+                stops = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+                truncated = [bool(ids) and ids[-1] not in stops for ids in completion_ids]
+                lengths = (
+                    [int(sum(m)) for m in tool_mask] if tool_mask is not None else [len(ids) for ids in completion_ids]
+                )
+                self._grpo_generated = (truncated, lengths)
+        return result
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._grpo_rewards = rewards
+        return rewards
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        self._grpo_rewards = None
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            with self.monitor.contained("rollout", "trl _generate_and_score_completions"):
+                self._observe_rollout(inputs, output)
+        return output
+
+    def _observe_rollout(self, inputs: Sequence[Mapping[str, Any]], output: Mapping[str, Any]) -> None:
+        step = int(self.state.global_step)
+        self._grpo_rollout_step = step
+        completion_ids: Tensor = output["completion_ids"]
+        device, n = completion_ids.device, completion_ids.shape[0]
+        completion_mask = output["completion_mask"].bool()
+        loss_mask = completion_mask & output["tool_mask"].bool() if "tool_mask" in output else completion_mask
+        first = self.accelerator.process_index * n
+        rollout: dict[str, Any] = {
+            "group_ids": torch.arange(first, first + n, device=device) // self.num_generations,
+            "prompt_ids": [x.get("prompt", "") for x in inputs],
+            "loss_mask": loss_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "old_logprobs": output.get("old_per_token_logps"),
+            "rollout_logprobs": output.get("sampling_per_token_logps"),
+        }
+        if self._grpo_generated is not None and len(self._grpo_generated[0]) == n:
+            truncated, lengths = self._grpo_generated
+            rollout["truncated"] = torch.tensor(truncated, dtype=torch.bool, device=device)
+            rollout["completion_lengths"] = torch.tensor(lengths, dtype=torch.int64, device=device)
+        if self._grpo_rewards is not None:
+            rollout.update(self._rewards(self._grpo_rewards[first : first + n].to(device)))
+        self.monitor.observe_rollout(step, **rollout)
+
+    def _rewards(self, per_func: Tensor) -> dict[str, Any]:
+        """Total reward as TRL sums it (NaN where every function returned None: an unscorable completion), and
+        the components. A function that returned None for some completions (not applicable, e.g. a multi-task
+        set) is left out of that batch's components: its NaN is TRL's "not scored", not a numeric fault."""
+        missing = torch.isnan(per_func)
+        total = (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1)
+        total = total.masked_fill(missing.all(dim=1), float("nan"))
+        partial = missing.any(dim=0).tolist()  # one small read: TRL has already synchronised on these rewards
+        names = list(self.reward_func_names)
+        components = {name: per_func[:, i] for i, name in enumerate(names) if not partial[i]}
+        result: dict[str, Any] = {"rewards": total, "reward_components": components}
+        if self._grpo_verifier is not None:
+            verdict = per_func[:, names.index(self._grpo_verifier)]
+            result["correct"] = verdict >= self._grpo_threshold  # NaN (not scored) is not correct
+        return result
+
+    # ---- update ------------------------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._grpo_capture is not None:
+            self._grpo_capture.append((result[0], result[1]))
+        return result
+
+    def _compute_loss(self, model: Any, inputs: Mapping[str, Any]) -> Tensor:
+        self._grpo_capture = [] if self.model.training else None
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            captured, self._grpo_capture = self._grpo_capture, None
+        if captured:
+            with self.monitor.contained("update", "trl _compute_loss"):
+                self._observe_update(inputs, captured[0], loss)
+        return loss
+
+    def _observe_update(self, inputs: Mapping[str, Any], captured: tuple[Tensor, Tensor | None], loss: Tensor) -> None:
+        step = int(self.state.global_step)
+        logprobs, entropy = captured
+        mask = inputs["completion_mask"].bool()
+        if "tool_mask" in inputs:
+            mask = mask & inputs["tool_mask"].bool()
+        rollout_step = self._grpo_rollout_step
+        self.monitor.observe_update(
+            step,
+            logprobs=logprobs.detach(),
+            old_logprobs=inputs.get("old_per_token_logps"),
+            ref_logprobs=inputs.get("ref_per_token_logps"),
+            advantages=inputs["advantages"],
+            loss_mask=mask,
+            entropy=entropy.detach() if entropy is not None else None,
+            on_policy=rollout_step == step,
+            loss=loss.detach(),
+            **({"policy_version": step, "rollout_policy_version": rollout_step} if rollout_step is not None else {}),
+        )
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        pre_clip = super()._clip_grad_norm(model)
+        with self.monitor.contained("grad", "trl _clip_grad_norm"):
+            norm = pre_clip if isinstance(pre_clip, Tensor) else torch.tensor(float(pre_clip))
+            self.monitor.observe_update(
+                int(self.state.global_step), grad_norm_pre_clip=norm.detach(),
+                max_grad_norm=float(self.args.max_grad_norm),
+            )
+        return pre_clip
+
+
+class MonitoredGRPOTrainer(GRPOMonitorMixin, GRPOTrainer):  # type: ignore[misc]
+    """``trl.GRPOTrainer`` publishing the seed's health metrics; see :class:`GRPOMonitorMixin` for the extra
+    keywords (``monitor``, ``monitor_settings``, ``verifier``, ``verifier_threshold``)."""

@@ -1,0 +1,111 @@
+"""verl adapter on real verl objects (run in .venv-frameworks by tests/test_integration_frameworks.py): a
+``DataProto`` built by verl's own ``from_dict``, advantages from verl's ``compute_grpo_outcome_advantage``,
+rows reordered as verl's ``balance_batch`` does, and the v0 ``RayPPOTrainer`` hook."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from verl import DataProto
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+from grpo_exporter import GRPOMonitor
+from grpo_exporter.integrations.verl import monitored_ray_trainer, observe_actor_metrics, observe_dataproto
+
+G, PROMPTS, T = 4, 6, 10
+DRIFT = 0.02
+
+
+def make_batch(seed: int = 0) -> tuple[DataProto, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    n = G * PROMPTS
+    lengths = torch.randint(2, T + 1, (n,), generator=gen)
+    lengths[0] = T  # at least one response fills the window: truncated
+    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    acc = (torch.rand(n, generator=gen) < 0.5).float()
+    acc[:G] = 1.0  # prompt 0 solved by every sample: a zero-variance group
+    scores = torch.zeros(n, T)
+    scores[torch.arange(n), lengths - 1] = acc  # verl puts the sequence score on the last response token
+    uid = np.array([f"uid-{i // G}" for i in range(n)], dtype=object)
+    advantages, returns = compute_grpo_outcome_advantage(scores, mask, uid)
+    old = -torch.rand(n, T, generator=gen) * 3
+    tensors = {
+        "responses": torch.randint(3, 50, (n, T), generator=gen),
+        "response_mask": mask,
+        "attention_mask": mask,
+        "token_level_scores": scores,
+        "token_level_rewards": scores,
+        "old_log_probs": old,
+        "rollout_log_probs": old - DRIFT,
+        "ref_log_prob": old - 0.1,
+        "advantages": advantages,
+        "returns": returns,
+    }
+    non_tensors = {"uid": uid, "acc": acc.numpy().astype(bool), "index": np.array([i // G for i in range(n)])}
+    data = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+    perm = torch.randperm(n, generator=gen)  # verl's balance_batch reorders rows: groups are not contiguous
+    return data[perm.numpy()], {"acc": acc, "lengths": lengths, "advantages": advantages, "mask": mask}
+
+
+def test_observe_dataproto_reads_verls_batch() -> None:
+    data, truth = make_batch()
+    monitor = GRPOMonitor(run="verl", group_size=G, port=None, strict=True, close_linger_s=0)
+    observe_dataproto(monitor, data, step=7)
+    observe_actor_metrics(monitor, 7, {"actor/grad_norm": [3.0, 1.0], "actor/entropy": 1.5}, max_grad_norm=1.0)
+    m = monitor.metrics()
+    monitor.close()
+    assert m["grpo_groups_total"] == PROMPTS  # groups from the string uids, rows shuffled
+    assert m['grpo_zero_variance_groups_total{outcome="all_correct"}'] >= 1
+    assert m['grpo_pass_at_k_ratio{k="1"}'] == pytest.approx(float(truth["acc"].mean()))
+    assert m['grpo_reward_mean{component="total"}'] == pytest.approx(float(truth["acc"].mean()))
+    assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(DRIFT, abs=1e-6)
+    assert m["grpo_truncated_completions_total"] == float((truth["lengths"] == T).sum())
+    adv = truth["advantages"][truth["mask"].bool()].abs().max()
+    assert m["grpo_advantage_abs_max"] == pytest.approx(float(adv), rel=1e-6)
+    assert m["grpo_kl_ref_nats"] == pytest.approx(np.exp(-0.1) + 0.1 - 1, rel=1e-4)  # k3 of a constant 0.1 gap
+    assert m["grpo_grad_norm_pre_clip"] == 2.0  # mini-batch mean, as verl's reduce_metrics
+    assert m["grpo_entropy_mean_nats"] == 1.5
+    assert m["grpo_steps_total"] == 1
+    assert "grpo_importance_weight_count" not in m  # current log-probs stay in the workers: absent, not 1
+
+
+def test_v0_trainer_hook_reports_each_step() -> None:
+    """The v0 hook on verl's own RayPPOTrainer class hierarchy: the worker calls are the parts a CPU test
+    cannot run (Ray worker groups), so this subclass answers them with what verl's workers return."""
+    data, _ = make_batch(1)
+    entropys = torch.full(data.batch["responses"].shape, 0.75)
+
+    class Workers(RayPPOTrainer):
+        def _compute_old_log_prob(self, batch: DataProto):
+            result = DataProto.from_dict(tensors={"old_log_probs": batch.batch["old_log_probs"], "entropys": entropys})
+            return result, 0.0
+
+        def _update_actor(self, batch: DataProto) -> DataProto:
+            metrics = {"actor/grad_norm": 4.0, "actor/pg_clipfrac": 0.1}
+            return DataProto.from_single_dict(data={}, meta_info={"metrics": metrics})
+
+    cls = monitored_ray_trainer(Workers)
+    trainer = cls.__new__(cls)
+    trainer.config = OmegaConf.create({"actor_rollout_ref": {"actor": {"grad_clip": 1.0}}})
+    trainer.monitor = GRPOMonitor(run="verl-v0", group_size=G, port=None, strict=True, close_linger_s=0)
+    for step in (1, 2):
+        trainer.global_steps = step
+        trainer._compute_old_log_prob(data)
+        output = trainer._update_actor(data)
+        assert output.meta_info["metrics"]["actor/grad_norm"] == 4.0
+    m = trainer.monitor.metrics()
+    trainer.monitor.close()
+    assert m["grpo_steps_total"] == 2
+    assert m["grpo_last_step"] == 2
+    assert m["grpo_entropy_mean_nats"] == pytest.approx(0.75)  # per-token, from the old-log-prob pass
+    assert m["grpo_grad_norm_pre_clip"] == 4.0
+    assert m["grpo_grad_norm_post_clip"] == pytest.approx(1.0, abs=1e-5)  # grad_clip from verl's config
+    assert m["grpo_grad_clip_active_steps_total"] == 2
+
+
+def test_the_real_v0_trainer_class_is_accepted() -> None:
+    cls = monitored_ray_trainer()
+    assert issubclass(cls, RayPPOTrainer)

@@ -1,0 +1,248 @@
+"""A real TRL GRPOTrainer run, offline on CPU: a tokenizer trained here, a tiny random Qwen2, two reward
+functions, 3 optimizer steps. TRL is installed by scripts/setup.sh (the `[trl]` extra), never skipped."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from trl import GRPOConfig
+
+from grpo_exporter import GRPOMonitor
+from grpo_exporter.integrations import IntegrationError, check_signature, require
+from grpo_exporter.integrations.trl import TRL_METRICS, MonitoredGRPOTrainer
+from monitor_helpers import parse_exposition, scrape
+
+WORDS = [
+    "add", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "plus", "minus", "equals",
+    "answer",
+]
+G = 4
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, PreTrainedTokenizerFast]:
+    """A word-level tokenizer trained with `tokenizers` and a randomly initialised 2-layer Qwen2, saved so TRL
+    can load the reference model from the same path (beta > 0)."""
+    raw = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = ["<pad>", "<eos>", "<unk>"]
+    raw.train_from_iterator([" ".join(WORDS)] * 4, trainers.WordLevelTrainer(special_tokens=special))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )
+    path = tmp_path_factory.mktemp("qwen2-tiny")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path), tok
+
+
+def accuracy(completions: list[str], **_: Any) -> list[float]:
+    return [1.0 if "three" in c.split() else 0.0 for c in completions]
+
+
+def brevity(completions: list[str], **_: Any) -> list[float]:
+    return [-len(c.split()) / MAX_NEW for c in completions]
+
+
+def drifting_engine(drift_nats: float, tok: PreTrainedTokenizerFast):
+    """A `rollout_func` standing in for an inference engine: samples from the trainer's own model and reports
+    each token's log-prob shifted by ``drift_nats`` (an engine that disagrees with the trainer)."""
+
+    def rollout(prompts: list[str], trainer: Any) -> dict[str, list[list[Any]]]:
+        out: dict[str, list[list[Any]]] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = tok(prompt)["input_ids"]
+                seq, logps = list(ids), []
+                for _ in range(MAX_NEW):
+                    logp = torch.log_softmax(trainer.model(torch.tensor([seq])).logits[0, -1].float(), -1)
+                    token = int(torch.multinomial(logp.exp(), 1))
+                    seq.append(token)
+                    logps.append(float(logp[token]) + drift_nats)
+                    if token == tok.eos_token_id:
+                        break
+                out["prompt_ids"].append(ids)
+                out["completion_ids"].append(seq[len(ids):])
+                out["logprobs"].append(logps)
+        return out
+
+    return rollout
+
+
+def train(model_dir: tuple[str, PreTrainedTokenizerFast], tmp_path: Path, **kwargs: Any) -> MonitoredGRPOTrainer:
+    path, tok = model_dir
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), run_name="trl-test", per_device_train_batch_size=8, num_generations=G,
+        max_completion_length=MAX_NEW, max_steps=3, num_iterations=2, beta=0.1, learning_rate=1e-2,
+        gradient_accumulation_steps=2, max_grad_norm=1.0, report_to=[], logging_steps=1, use_cpu=True,
+        save_strategy="no", seed=0,
+    )
+    dataset = Dataset.from_dict({"prompt": [f"add {a} plus {b}" for a, b in itertools.pairwise(WORDS[1:10])]})
+    trainer = MonitoredGRPOTrainer(
+        model=path, reward_funcs=[accuracy, brevity], args=args, train_dataset=dataset, processing_class=tok,
+        verifier="accuracy", **kwargs,
+    )
+    trainer.train()
+    return trainer
+
+
+def _logged(trainer: MonitoredGRPOTrainer, key: str) -> list[float]:
+    return [float(h[key]) for h in trainer.state.log_history if key in h]
+
+
+def test_real_trl_run_hands_the_step_tensors_to_the_monitor(model_dir, tmp_path) -> None:
+    """TRL's own generation, num_iterations=2 and beta=0.1: old and reference log-probs reach the monitor, the
+    series are scraped over HTTP and finite, components are named after the reward functions, and the values
+    TRL logs under the same meaning agree."""
+    monitor = GRPOMonitor(run="trl-test", group_size=G, clip_eps=(0.2, 0.2), port=0, strict=True, close_linger_s=0)
+    try:
+        trainer = train(model_dir, tmp_path, monitor=monitor)
+        series = parse_exposition(scrape(monitor.url))
+    finally:
+        monitor.close()
+
+    def one(name: str, **labels: str) -> float:
+        return series[name][tuple(sorted({"run": "trl-test", **labels}.items()))]
+
+    grpo = {n: s for n, s in series.items() if n.startswith("grpo_")}
+    assert all(math.isfinite(v) for s in grpo.values() for v in s.values())
+    assert one("grpo_steps_total") == 3  # one step per optimizer step
+    assert one("grpo_last_step") == 2
+    assert sum(series.get("grpo_exporter_errors_total", {}).values()) == 0
+    # reward components named after the reward functions; the total is TRL's weighted sum
+    assert {dict(k)["component"] for k in series["grpo_reward_mean"]} == {"accuracy", "brevity", "total"}
+    assert one("grpo_reward_mean", component="total") == pytest.approx(_logged(trainer, "reward")[-1], abs=1e-6)
+    assert one("grpo_reward_mean", component="accuracy") == pytest.approx(
+        _logged(trainer, "rewards/accuracy/mean")[-1], abs=1e-6)
+    assert one("grpo_zero_variance_groups_ratio") == pytest.approx(_logged(trainer, "frac_reward_zero_std")[-1])
+    assert one("grpo_groups_total") == 2 * (16 // G)  # two rollouts of 16 completions (8 per device x 2)
+    # old log-probs (num_iterations=2): ratios, the clip split and the on-policy check of step 0
+    assert one("grpo_importance_weight_count") > 0
+    assert one("grpo_onpolicy_checked_tokens_total") > 0
+    assert one("grpo_onpolicy_log_ratio_abs_max_nats") == 0.0  # same weights, same forward on CPU
+    assert one("grpo_clipped_tokens_total", bound="lower") + one("grpo_clipped_tokens_total", bound="upper") > 0
+    # reference log-probs (beta > 0): KL, as TRL logs it (k3) up to TRL's per-micro-batch averaging
+    assert one("grpo_kl_ref_nats") == pytest.approx(_logged(trainer, "kl")[-1], rel=0.1)
+    assert one("grpo_entropy_mean_nats") == pytest.approx(_logged(trainer, "entropy")[-1], rel=0.01)
+    assert one("grpo_grad_norm_pre_clip") == pytest.approx(_logged(trainer, "grad_norm")[-1], rel=1e-5)
+    # correctness from the declared verifier; truncation as TRL counts it
+    assert one("grpo_pass_at_k_ratio", k="1") == pytest.approx(_logged(trainer, "rewards/accuracy/mean")[-1])
+    clipped = _logged(trainer, "completions/clipped_ratio")
+    assert one("grpo_truncated_completions_total") == pytest.approx(sum(clipped) * 16)
+    assert one("grpo_rollout_staleness_versions") == 0  # step 2 trains on the rollout made at step 2
+    # TRL's own generation reports no engine log-probs: the engine gap is absent, never a fake 0
+    assert "grpo_engine_logprob_gap_mean_nats" not in series
+    assert set(TRL_METRICS) >= {"reward", "entropy", "kl", "frac_reward_zero_std", "grad_norm"}
+
+
+def test_engine_logprobs_that_drift_show_as_engine_gap_and_the_guard_says_so(model_dir, tmp_path, caplog) -> None:
+    """A rollout_func whose log-probs are 0.05 nats off the trainer's: the engine gap mean reads 0.05 and the
+    built-in guard names the layer-1 fault (the seed's stop line is 0.01). The trainer made and closed its own
+    monitor."""
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    trainer = train(
+        model_dir, tmp_path, rollout_func=drifting_engine(0.05, model_dir[1]),
+        monitor_settings={"port": None, "close_linger_s": 0, "strict": True},
+    )
+    published = trainer.monitor.metrics()
+    assert published["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(0.05, abs=1e-4)
+    assert _logged(trainer, "sampling/sampling_logp_difference/mean") == []  # TRL reports it only with vLLM
+    assert published["grpo_run_finished"] == 1.0  # closed at the end of train()
+    assert trainer.monitor.config.run == "trl-test"
+    assert trainer.monitor.config.group_size == G
+    assert any("engine log-prob gap mean 0.05" in r.getMessage() for r in caplog.records)
+
+
+def test_an_error_reading_trl_objects_is_counted_and_training_goes_on(model_dir, tmp_path, caplog) -> None:
+    """Inside training the adapter never crashes it: a broken rollout read is counted under its stage."""
+    monitor = GRPOMonitor(run="trl-test", group_size=G, port=None, close_linger_s=0)
+
+    class Broken(MonitoredGRPOTrainer):
+        def _observe_rollout(self, inputs: Any, output: Any) -> None:
+            raise KeyError("completion_ids")
+
+    path, tok = model_dir
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=8, num_generations=G,
+                      max_completion_length=MAX_NEW, max_steps=1, report_to=[], use_cpu=True, save_strategy="no")
+    dataset = Dataset.from_dict({"prompt": ["add one plus two"] * 8})
+    trainer = Broken(model=path, reward_funcs=[accuracy], args=args, train_dataset=dataset, processing_class=tok,
+                     monitor=monitor)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert monitor.metrics()['grpo_exporter_errors_total{stage="rollout"}'] == 1.0
+    assert any("_generate_and_score_completions" in r.getMessage() for r in caplog.records)
+    monitor.close()
+
+
+def test_unknown_verifier_is_refused_naming_the_reward_functions(model_dir, tmp_path) -> None:
+    path, tok = model_dir
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=8, num_generations=G,
+                      max_steps=1, report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match=r"verifier: expected one of the reward function names \['accuracy'\]"):
+        MonitoredGRPOTrainer(model=path, reward_funcs=[accuracy], args=args, processing_class=tok,
+                             train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}), verifier="acc",
+                             monitor_settings={"port": None})
+
+
+def test_a_moved_private_method_fails_at_import_naming_it() -> None:
+    class Renamed:
+        def _compute_loss(self, model: Any, batch: Any) -> None: ...
+
+    moved = r"Renamed._compute_loss.* does not start with the parameters \(self, model, inputs\)"
+    with pytest.raises(IntegrationError, match=moved):
+        check_signature(Renamed, "_compute_loss", ("self", "model", "inputs"), "trl", "trl>=1.16,<1.17")
+    with pytest.raises(IntegrationError, match="_clip_grad_norm is missing"):
+        check_signature(Renamed, "_clip_grad_norm", ("self", "model"), "transformers", "x")
+
+
+def test_a_missing_framework_names_the_extra_to_install() -> None:
+    with pytest.raises(IntegrationError, match=r"pip install 'grpo-exporter\[verl\]'"):
+        require("verl_is_not_installed_here", "verl", "verl>=0.9,<0.10")
+
+
+def test_the_readme_two_lines_run_as_written(model_dir, tmp_path) -> None:
+    """The README's TRL snippet (a ```py block: it needs TRL, so the core doc-example test leaves it to this
+    file), run verbatim but for a free port, the tiny model's path and its tokenizer."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    (code,) = [c for c in re.findall(r"```py\n(.*?)```", readme, flags=re.DOTALL) if "MonitoredGRPOTrainer" in c]
+    path, tok = model_dir  # the word-level tokenizer is passed as trained: a reload would re-split words
+    grpo_config = GRPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=8, num_generations=G,
+                             max_completion_length=MAX_NEW, max_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no", run_name="readme")
+    names: dict[str, Any] = {"tok": tok, "accuracy": accuracy, "fmt": brevity, "grpo_config": grpo_config,
+                             "ds": Dataset.from_dict({"prompt": ["add one plus two", "add two plus two"] * 4})}
+    os.environ["GRPO_EXPORTER_CLOSE_LINGER_S"] = "0"
+    try:
+        code = code.replace('"port": 9887', '"port": 0').replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(path))
+        exec(code.replace("train_dataset=ds,", "train_dataset=ds, processing_class=tok,"), names)
+        trainer = names["trainer"]
+        url = trainer.monitor.url
+        trainer.train()  # the trainer made its monitor, so train() closes it
+    finally:
+        del os.environ["GRPO_EXPORTER_CLOSE_LINGER_S"]
+    published = trainer.monitor.metrics()
+    assert url is not None
+    assert published["grpo_steps_total"] == 2
+    assert published['grpo_pass_at_k_ratio{k="1"}'] >= 0
+    assert published["grpo_run_finished"] == 1.0
