@@ -458,11 +458,18 @@ class GRPOMonitor:
         self._publication.merge(metrics, families)
         return self._report.check(metrics)
 
-    @contextlib.contextmanager
-    def contained(self, stage: str, where: str) -> Iterator[None]:
+    def contained(self, stage: str, where: str) -> contextlib.AbstractContextManager[None]:
         """For framework adapters: an exception inside (reading the framework's objects) is counted in
-        ``grpo_exporter_errors_total{stage}`` and logged naming ``where``, and training goes on; strict mode
-        raises. ``stage`` is one of :data:`~grpo_exporter.catalog.STAGES`."""
+        ``grpo_exporter_errors_total{stage}``, published, and logged naming ``where``, and training goes on;
+        strict mode raises. ``stage`` is one of :data:`~grpo_exporter.catalog.STAGES`."""
+        return self._contained(stage, where, publish=True)
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _contained(self, stage: str, where: str = "", publish: bool = False) -> Iterator[None]:
+        """An exception inside is counted and logged under ``stage`` and the call goes on (strict: raised);
+        ``publish``: publish the count now (outside an observe call, which publishes at its end)."""
         try:
             yield
         except guard.TrainingSignalError:
@@ -470,21 +477,8 @@ class GRPOMonitor:
         except Exception as exc:
             with self._publication.writing:
                 self._report.error(stage, exc, where)
-                self._publication.publish()
-            if self.config.strict:
-                raise
-
-    # ---- helpers ---------------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _contained(self, stage: str) -> Iterator[None]:
-        """An exception inside is counted and logged under ``stage`` and the call goes on (strict: raised)."""
-        try:
-            yield
-        except guard.TrainingSignalError:
-            raise
-        except Exception as exc:
-            self._report.error(stage, exc)
+                if publish:
+                    self._publication.publish()
             if self.config.strict:
                 raise
 
