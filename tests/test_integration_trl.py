@@ -246,3 +246,34 @@ def test_the_readme_two_lines_run_as_written(model_dir, tmp_path) -> None:
     assert published["grpo_steps_total"] == 2
     assert published['grpo_pass_at_k_ratio{k="1"}'] >= 0
     assert published["grpo_run_finished"] == 1.0
+
+
+def test_two_ranks_merge_and_rank_zero_serves(model_dir, tmp_path) -> None:
+    """TRL on two processes (torchrun, gloo on CPU; accelerate's MULTI_CPU): each rank's monitor merges on the
+    exporter's own group, rank 0 serves and rank 1 does not, and the merged reward is TRL's global one (TRL
+    gathers rewards over processes; each rank observes its own slice)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(port), str(Path(__file__).with_name("trl_ranks.py")), model_dir[0], str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank.{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert ranks[0]["url"] is not None
+    assert ranks[1]["url"] is None
+    served = parse_exposition(ranks[0]["scrape"])
+    total = served["grpo_reward_mean"][(("component", "total"), ("run", "trl-ranks"))]
+    assert total == pytest.approx(ranks[0]["logged_reward"][-1], abs=1e-6)  # both ranks' rows, merged
+    assert served["grpo_groups_total"][(("run", "trl-ranks"),)] == 2 * (2 * 8 // G)  # 2 steps x 2 ranks x 8 rows
+    assert served["grpo_steps_total"][(("run", "trl-ranks"),)] == 2
+    assert ranks[1]["published"]['grpo_reward_mean{component="total"}'] == pytest.approx(total)
