@@ -100,6 +100,21 @@ def _hash_password(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from grpo_exporter import bench
+
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    results, long = bench.run(sizes, args.rounds, args.long_steps, args.device)
+    print(f"grpo-exporter bench on {platform.machine()}, {torch.get_num_threads()} torch threads, torch "
+          f"{torch.__version__}, device {args.device}; medians of {args.rounds} interleaved rounds\n")
+    print(bench.table(results, long))
+    return 0
+
+
 def _scenario_names() -> list[str]:
     from grpo_exporter.demo.scenarios import SCENARIOS
 
@@ -144,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pace, so that Prometheus sees each phase (default: 2)")
     demo.add_argument("--no-stack", action="store_true", help="no Prometheus/Alertmanager: exporter and guard only")
     demo.set_defaults(run=_demo)
+    bench = commands.add_parser("bench", help="the monitor's step cost against naive code and the one-pass floor")
+    bench.add_argument("--sizes", default="1e4,6.4e4,2.56e5,1e6,4e6", help="loss tokens per step, comma-separated")
+    bench.add_argument("--rounds", type=int, default=15, help="timed rounds per size (after two warm-up rounds)")
+    bench.add_argument("--long-steps", type=int, default=10_000, help="small steps for the RSS and series check")
+    bench.add_argument("--device", default="cpu", help="torch device of the synthetic step (e.g. cuda)")
+    bench.set_defaults(run=_bench)
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")
     hashing.add_argument("--password", help="the password (prompted for when omitted)")
     hashing.set_defaults(run=_hash_password)

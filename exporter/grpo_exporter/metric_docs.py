@@ -95,7 +95,8 @@ def metrics_markdown() -> str:
         "Every series also carries the `run` label. Counters count this run's events since the exporter started;",
         "gauges and summary quantiles describe the last step; summary and histogram `_sum`/`_count` are",
         "cumulative, so `rate(x_sum[w]) / rate(x_count[w])` is an exact windowed mean.",
-        "`step` metrics are computed from the step's tensors with one host transfer; `monitor` metrics are",
+        "`step` metrics are computed from the step's tensors with one host transfer per stage (the rollout, the end "
+        "of the optimizer step); `monitor` metrics are",
         "kept by the stateful exporter around them.",
         "",
     ]

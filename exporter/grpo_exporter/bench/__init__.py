@@ -1,0 +1,173 @@
+"""``grpo-exporter bench``: the monitor's per-step cost against naive code and the one-pass floor, measured in
+one run (interleaved rounds, medians; ratios are what carry between machines). docs/benchmarks.md holds a table
+it printed and the command.
+
+Per size, one full training step of the monitor is one ``observe_rollout``, four ``observe_update``
+micro-batches and the end of the step (the framework's pre-clip grad norm); the edit-distance worker it starts
+runs off the step and is timed apart (``worker``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from prometheus_client import generate_latest
+
+from grpo_exporter.bench.naive import EPS_HIGH, EPS_LOW, floor_step, naive_step
+from grpo_exporter.bench.probes import counting, operators, rss_bytes
+from grpo_exporter.bench.workload import MICRO_BATCHES, G, Workload, make
+from grpo_exporter.monitor import GRPOMonitor
+
+SIZES = (10_000, 64_000, 256_000, 1_000_000, 4_000_000)
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    loss_tokens: int
+    n: int
+    t: int
+    monitor_s: float
+    naive_s: float
+    floor_s: float
+    worker_s: float
+    operators: int
+    host_reads: int
+    from_python: int
+    render_s: float
+    exposition_bytes: int
+
+    @property
+    def vs_naive(self) -> float:
+        """naive / monitor: above 1 the monitor is faster."""
+        return self.naive_s / self.monitor_s
+
+    @property
+    def vs_floor(self) -> float:
+        """monitor / floor."""
+        return self.monitor_s / self.floor_s
+
+
+@dataclass(frozen=True)
+class LongRun:
+    steps: int
+    rss_early_bytes: int
+    rss_late_bytes: int
+    series_early: int
+    series_late: int
+
+
+def new_monitor() -> GRPOMonitor:
+    return GRPOMonitor(run="bench", group_size=G, clip_eps=(EPS_LOW, EPS_HIGH), port=None, close_linger_s=0,
+                       guard="off")
+
+
+def monitor_step(mon: GRPOMonitor, w: Workload, step: int) -> None:
+    """One training step as a loop hands it to the monitor."""
+    mon.observe_rollout(step, rewards=w.rewards, correct=w.correct, truncated=w.truncated,
+                        rollout_logprobs=w.rollout, old_logprobs=w.old, loss_mask=w.mask,
+                        completion_lengths=w.lengths, completion_ids=w.completion_ids, prompt_ids=w.prompt_ids)
+    rows = w.n // MICRO_BATCHES
+    for k in range(MICRO_BATCHES):
+        s = slice(k * rows, (k + 1) * rows)
+        mon.observe_update(step, logprobs=w.new[s], old_logprobs=w.old[s], advantages=w.advantages[s],
+                           loss_mask=w.mask[s], entropy=w.entropy[s], ref_logprobs=w.ref[s], on_policy=step % 2 == 0)
+    mon.observe_update(step, grad_norm_pre_clip=torch.ones((), device=w.old.device), max_grad_norm=1.0)
+    mon.end_step()
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeResult:
+    w = make(loss_tokens, device)
+    mon = new_monitor()
+    step = 0
+    times: dict[str, list[float]] = {"monitor": [], "naive": [], "floor": [], "worker": []}
+    try:
+        for r in range(rounds + 2):  # two warm-up rounds
+            step += 1
+            sample = {
+                "monitor": _timed(lambda s=step: monitor_step(mon, w, s)),
+                "worker": _timed(mon.wait_for_workers),
+                "naive": _timed(lambda: naive_step(w)),
+                "floor": _timed(lambda: floor_step(w)),
+            }
+            if r >= 2:
+                for key, value in sample.items():
+                    times[key].append(value)
+        step += 1
+        ops = operators(lambda s=step: monitor_step(mon, w, s))
+        mon.wait_for_workers()
+        step += 1
+        with counting() as counts:
+            monitor_step(mon, w, step)
+        mon.wait_for_workers()
+        renders = [_timed(lambda: generate_latest(mon.registry)) for _ in range(20)]
+        size = len(generate_latest(mon.registry))
+    finally:
+        mon.close()
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return SizeResult(
+        loss_tokens=w.loss_tokens, n=w.n, t=w.t, monitor_s=median["monitor"], naive_s=median["naive"],
+        floor_s=median["floor"], worker_s=median["worker"], operators=ops, host_reads=counts.host_reads,
+        from_python=counts.from_python, render_s=statistics.median(renders), exposition_bytes=size,
+    )
+
+
+def long_run(steps: int, device: torch.device) -> LongRun:
+    """RSS and series after ``steps`` small steps (the flatness check, not a speed one)."""
+    w = make(2_000, device, seed=1)
+    mon = new_monitor()
+    early = max(1, steps // 10)
+    rss_early = series_early = 0
+    try:
+        for step in range(1, steps + 1):
+            monitor_step(mon, w, step)
+            if step == early:
+                mon.wait_for_workers()
+                rss_early, series_early = rss_bytes(), _series(mon)
+        mon.wait_for_workers()
+        rss_late, series_late = rss_bytes(), _series(mon)
+    finally:
+        mon.close()
+    return LongRun(steps, rss_early, rss_late, series_early, series_late)
+
+
+def _series(mon: GRPOMonitor) -> int:
+    return sum(len(family.samples) for family in mon.registry.collect())
+
+
+def run(sizes: Sequence[int] = SIZES, rounds: int = 15, long_steps: int = 10_000,
+        device: str | torch.device = "cpu") -> tuple[list[SizeResult], LongRun]:
+    dev = torch.device(device)
+    return [measure_size(size, rounds, dev) for size in sizes], long_run(long_steps, dev)
+
+
+def table(results: Sequence[SizeResult], long: LongRun) -> str:
+    """The bench's report as markdown."""
+    lines = [
+        "| loss tokens | N x T | monitor step | naive | floor | naive / monitor | monitor / floor | worker after step "
+        "| aten ops / step | host reads / step | tensors from Python data / step | scrape render | exposition |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.loss_tokens:,} | {r.n} x {r.t} | {r.monitor_s * 1e3:.1f} ms | {r.naive_s * 1e3:.1f} ms "
+            f"| {r.floor_s * 1e3:.2f} ms | {r.vs_naive:.2f}x | {r.vs_floor:.0f}x | {r.worker_s * 1e3:.1f} ms "
+            f"| {r.operators} | {r.host_reads} | {r.from_python} | {r.render_s * 1e3:.2f} ms "
+            f"| {r.exposition_bytes / 1024:.1f} KiB |"
+        )
+    lines.append("")
+    lines.append(
+        f"After {long.steps:,} steps: RSS {long.rss_late_bytes / 2**20:.1f} MiB (at step {max(1, long.steps // 10):,}: "
+        f"{long.rss_early_bytes / 2**20:.1f} MiB), series {long.series_late} (then {long.series_early})."
+    )
+    return "\n".join(lines)

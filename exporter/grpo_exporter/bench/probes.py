@@ -1,0 +1,69 @@
+"""What the bench counts besides time: operators launched (torch profiler), host reads (Python calls that
+bring a tensor's value to the host), tensors built from Python data, and resident memory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+
+
+class Counts:
+    def __init__(self) -> None:
+        self.host_reads = 0
+        self.from_python = 0
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[Counts]:
+    """Count, while inside, the host reads of tensors (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``,
+    ``bool(t)``, ...: each a device-to-host transfer and a sync on an accelerator) and ``torch.tensor(data)``
+    calls from Python data (each a host-to-device copy on an accelerator)."""
+    counts = Counts()
+    saved: dict[str, Any] = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+    make = torch.tensor
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counts.host_reads += 1
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not isinstance(data, torch.Tensor):
+            counts.from_python += 1
+        return make(data, *args, **kwargs)
+
+    try:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, wrap(original))
+        torch.tensor = tensor  # type: ignore[assignment]
+        yield counts
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+        torch.tensor = make  # type: ignore[assignment]
+
+
+def operators(run: Callable[[], Any]) -> int:
+    """aten operators launched by ``run()`` (every ``aten::`` event the profiler records, nested ones too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(1 for event in prof.events() if event.name.startswith("aten::"))
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

@@ -1,0 +1,66 @@
+"""`grpo-exporter bench` at its smallest size (a smoke test: the numbers are the bench's to report, never
+asserted as times here) and its probes."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_exporter import bench
+from grpo_exporter.bench.naive import floor_step, naive_step
+from grpo_exporter.bench.probes import counting, operators
+from grpo_exporter.bench.workload import MICRO_BATCHES, G, make, shape_for
+from grpo_exporter.cli import main
+
+
+def test_workload_sizes_are_loss_tokens() -> None:
+    for tokens in (10_000, 64_000, 1_000_000):
+        n, t = shape_for(tokens)
+        assert n % (G * MICRO_BATCHES) == 0
+        w = make(tokens) if tokens <= 64_000 else None
+        if w is not None:
+            assert 0.8 * tokens <= w.loss_tokens <= 1.25 * tokens
+            assert w.mask.shape == (n, t)
+
+
+def test_naive_reference_computes_the_seed_metrics() -> None:
+    w = make(10_000)
+    out = naive_step(w)
+    assert out["gap_mean"] > 0
+    assert 0 < out["ess_token"] <= 1
+    assert out["pass_G"] >= out["pass_1"]
+    assert 0 < out["distinct"] <= 1
+    assert floor_step(w) != 0
+
+
+def test_probes_count_host_reads_and_python_data_and_restore_torch() -> None:
+    x = torch.arange(4.0)
+    item, tensor = torch.Tensor.item, torch.tensor
+    with counting() as counts:
+        x.sum().item()
+        x.tolist()
+        float(x[0])
+        torch.tensor([1, 2])
+        torch.tensor(x)  # from a tensor: not Python data
+    assert counts.host_reads == 3
+    assert counts.from_python == 1
+    assert torch.Tensor.item is item
+    assert torch.tensor is tensor
+    assert operators(lambda: (x * 2).sum()) >= 2
+
+
+def test_bench_smallest_size_runs_and_reports(capsys) -> None:
+    results, long = bench.run([10_000], rounds=1, long_steps=30)
+    (r,) = results
+    assert r.monitor_s > 0
+    assert r.naive_s > 0
+    assert r.floor_s > 0
+    assert r.operators > 0
+    assert r.host_reads >= 1
+    assert r.exposition_bytes > 0
+    assert long.steps == 30
+    assert long.series_late >= long.series_early > 0
+    text = bench.table(results, long)
+    assert "| 10," in text
+    assert "After 30 steps" in text
+    assert main(["bench", "--sizes", "1e4", "--rounds", "1", "--long-steps", "20"]) == 0
+    assert "naive / monitor" in capsys.readouterr().out
