@@ -59,9 +59,14 @@ class Alert:
             expr = f"({expr}) and on(job, run) run:grpo_steps:window_increase >= {max(2, c.window_steps // 2)}"
         rule: dict[str, Any] = {"alert": self.name, "expr": expr, "for": c.duration(for_s) if for_s else "0s"}
         gate = self.layer is Layer.GRADIENT and c.severities.get(self.name, self.severity) == "critical"
-        if gate or self.trend:
-            # a 0/1 gate keeps firing as long as a trend alert it mutes: a scrape gap cannot flicker it, and no
-            # downstream page that fired behind it is released when the gate resolves first
+        if gate:
+            # a 0/1 gate outlives every trend alert it mutes by a rate window: a scrape gap cannot flicker it,
+            # and when both stop together (the run ends) the downstream condition, read through recording
+            # rules an evaluation or two later, resolves before the gate, so nothing behind it is released
+            rule["keep_firing_for"] = c.duration(
+                c.steps_s(c.trend_window_steps, c.rate_window_s) + c.steps_s(c.window_steps, c.rate_window_s)
+            )
+        elif self.trend:
             rule["keep_firing_for"] = c.window(c.trend_window_steps)
         elif self.event:
             rule["keep_firing_for"] = c.window()  # one episode per burst of events, not one per event
