@@ -56,6 +56,7 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert r.floor_s > 0
     assert r.operators > 0
     assert r.host_reads >= 1
+    assert r.from_python == 0  # constant vectors are cached per device: no host-to-device copy in the step
     assert r.exposition_bytes > 0
     assert long.steps == 30
     assert long.series_late >= long.series_early > 0
@@ -64,3 +65,12 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert "After 30 steps" in text
     assert main(["bench", "--sizes", "1e4", "--rounds", "1", "--long-steps", "20"]) == 0
     assert "naive / monitor" in capsys.readouterr().out
+
+
+def test_constant_vectors_are_made_once_per_device_and_dtype() -> None:
+    from grpo_exporter.functional.constants import constant
+
+    a = constant([0.5, 0.99], torch.float64, torch.device("cpu"))
+    assert constant((0.5, 0.99), torch.float64, torch.device("cpu")) is a
+    assert constant([0.5, 0.99], torch.float32, torch.device("cpu")) is not a
+    assert a.tolist() == [0.5, 0.99]

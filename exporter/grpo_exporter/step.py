@@ -93,7 +93,7 @@ class _Gather:
     def add(self, name: str, value: Any, suffix: str = "", **labels: str) -> None:
         key = catalog.metric(name).key(suffix, **labels)
         if isinstance(value, int | float):
-            value = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+            value = torch.full((), float(value), dtype=torch.float64, device=self.device)  # a fill, no copy
         if isinstance(value, Tensor):
             value = always(value)
         self.entries.append(Entry(key, value))

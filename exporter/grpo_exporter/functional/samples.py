@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.gradient import LogRatio
 from grpo_exporter.functional.groups import Groups, group_stats
 from grpo_exporter.functional.reading import Ratio, Reading, fraction, masked_max
@@ -219,6 +220,6 @@ def mixed_group_solve_rates(correct: Tensor, groups: Groups, buckets: Sequence[f
     sizes = groups.sizes().double()
     mixed = (hits > 0) & (hits < sizes)
     rate = hits / sizes.clamp(min=1.0)
-    bounds = torch.tensor([*buckets, math.inf], dtype=torch.float64, device=correct.device)
+    bounds = constant([*buckets, math.inf], torch.float64, correct.device)
     cumulative = (mixed.unsqueeze(0) & (rate.unsqueeze(0) <= bounds.unsqueeze(1))).sum(dim=1)
     return SolveRateHistogram(cumulative, torch.where(mixed, rate, 0.0).sum(), mixed.sum())

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.reading import reading
 
 _HALF = 1 << 16
@@ -86,7 +87,7 @@ def masked_quantiles(x: Tensor, valid: Tensor, quantiles: Sequence[float]) -> Qu
     decides validity (loss mask and finiteness), so NaN never enters the selection.
     """
     n = valid.sum()
-    q = torch.tensor(list(quantiles), dtype=torch.float64, device=x.device)
+    q = constant(quantiles, torch.float64, x.device)
     position = (n - 1).clamp(min=0).double() * q
     lower = position.floor().long()
     upper = torch.minimum(lower + 1, (n - 1).clamp(min=0))

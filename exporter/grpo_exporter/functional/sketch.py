@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from grpo_exporter.functional.constants import constant
+
 ALPHA = 0.005
 GAMMA = (1 + ALPHA) / (1 - ALPHA)
 V_MIN = 1e-9
@@ -52,7 +54,7 @@ def sketch_quantiles(counts: Tensor, quantiles: Sequence[float], minimum: Tensor
     """Quantiles (linear interpolation between order statistics, like numpy) read from merged counts;
     q = 0 and q = 1 are the exact ``minimum`` and ``maximum``."""
     n = counts.sum()
-    q = torch.tensor(list(quantiles), dtype=torch.float64, device=counts.device)
+    q = constant(quantiles, torch.float64, counts.device)
     position = (n - 1).clamp(min=0) * q
     lower = position.floor()
     upper = torch.minimum(lower + 1, (n - 1).clamp(min=0))
