@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from grpo_exporter.integrations import require
+from grpo_exporter.integrations import observe_reported_update, observe_rollout_time_update, require
 from grpo_exporter.monitor import GRPOMonitor
 
 TESTED = "openrlhf>=0.11,<0.12"
@@ -57,10 +57,8 @@ def observe_experiences(
             rollout["group_ids"] = list(batch.prompts)
             rollout["prompt_ids"] = list(batch.prompts)
         monitor.observe_rollout(step, **rollout)
-        old, ref = batch.action_log_probs, batch.base_action_log_probs
-        if batch.advantages is not None or (old is not None and ref is not None):
-            monitor.observe_update(step, advantages=batch.advantages, loss_mask=mask, logprobs=old,
-                                   ref_logprobs=ref if old is not None else None)
+        observe_rollout_time_update(monitor, step, mask, batch.advantages, batch.action_log_probs,
+                                    batch.base_action_log_probs)
 
 
 def observe_status(
@@ -69,16 +67,9 @@ def observe_status(
     """The update side from ``ppo_train``'s status (``actor_grad_norm``; ``entropy_loss``, the token mean of the
     policy entropy when an entropy coefficient is set), then end the step."""
     with monitor.contained("update", "openrlhf observe_status"):
-        values: dict[str, Any] = {}
-        if status.get("actor_grad_norm") is not None:
-            values["grad_norm_pre_clip"] = float(status["actor_grad_norm"])
-            if max_grad_norm is not None:
-                values["max_grad_norm"] = float(max_grad_norm)
-        if status.get("entropy_loss") is not None:
-            values["entropy_mean"] = float(status["entropy_loss"])
-        if values:
-            monitor.observe_update(step, **values)
-        monitor.end_step()
+        grad, entropy = status.get("actor_grad_norm"), status.get("entropy_loss")
+        observe_reported_update(monitor, step, None if grad is None else float(grad),
+                                None if entropy is None else float(entropy), max_grad_norm)
 
 
 def attach(trainer: Any, monitor: GRPOMonitor, max_grad_norm: float | None = None) -> None:

@@ -27,7 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_exporter.integrations import check_signature, require
+from grpo_exporter.integrations import (
+    check_signature,
+    observe_reported_update,
+    observe_rollout_time_update,
+    require,
+)
 from grpo_exporter.monitor import GRPOMonitor
 
 TESTED = "verl>=0.9.1,<0.10"
@@ -108,13 +113,8 @@ def observe_dataproto(
         if components:
             rollout["reward_components"] = components
         monitor.observe_rollout(step, **rollout)
-        old, ref = _tensor(batch, "old_log_probs"), _tensor(batch, "ref_log_prob")
-        advantages = _tensor(batch, "advantages")
-        if advantages is not None or entropy is not None or (old is not None and ref is not None):
-            # logprobs = the sampling policy's (old): the KL is the rollout policy's to the reference, as verl's
-            # actor/kl_loss reads it at the first mini-batch; no old_logprobs, so no fake ratio of 1 is published
-            monitor.observe_update(step, advantages=advantages, loss_mask=mask, logprobs=old, entropy=entropy,
-                                   ref_logprobs=ref if old is not None else None)
+        observe_rollout_time_update(monitor, step, mask, _tensor(batch, "advantages"), rollout["old_logprobs"],
+                                    _tensor(batch, "ref_log_prob"), entropy)
 
 
 def observe_actor_metrics(
@@ -124,18 +124,8 @@ def observe_actor_metrics(
     entropy was given; lists are averaged over mini-batches as verl's ``reduce_metrics`` does), then end the
     step."""
     with monitor.contained("update", "verl observe_actor_metrics"):
-        values: dict[str, Any] = {}
-        grad = _mean(metrics.get("actor/grad_norm"))
-        if grad is not None:
-            values["grad_norm_pre_clip"] = grad
-            if max_grad_norm is not None:
-                values["max_grad_norm"] = float(max_grad_norm)
-        entropy = _mean(metrics.get("actor/entropy"))
-        if entropy is not None:
-            values["entropy_mean"] = entropy
-        if values:
-            monitor.observe_update(step, **values)
-        monitor.end_step()
+        observe_reported_update(monitor, step, _mean(metrics.get("actor/grad_norm")),
+                                _mean(metrics.get("actor/entropy")), max_grad_norm)
 
 
 def _mean(value: Any) -> float | None:
