@@ -203,6 +203,19 @@ def test_unknown_verifier_is_refused_naming_the_reward_functions(model_dir, tmp_
                              monitor_settings={"port": None})
 
 
+def test_every_series_the_trl_mapping_names_is_in_the_catalogue() -> None:
+    """TRL_METRICS types our series names in PromQL: each must be a catalogue sample, so a rename cannot leave
+    the mapping (and docs/integrations.md, which copies it) pointing at nothing."""
+    import re
+
+    from grpo_exporter.catalog import family_of
+
+    names = {n for expr, _ in TRL_METRICS.values() for n in re.findall(r"grpo_[a-z_]+", expr)}
+    assert names
+    for name in names:
+        family_of(name)  # KeyError for a name the catalogue does not publish
+
+
 def test_a_moved_private_method_fails_at_import_naming_it() -> None:
     class Renamed:
         def _compute_loss(self, model: Any, batch: Any) -> None: ...

@@ -13,7 +13,12 @@ from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from grpo_exporter import GRPOMonitor
-from grpo_exporter.integrations.verl import monitored_ray_trainer, observe_actor_metrics, observe_dataproto
+from grpo_exporter.integrations.verl import (
+    VERL_METRICS,
+    monitored_ray_trainer,
+    observe_actor_metrics,
+    observe_dataproto,
+)
 
 G, PROMPTS, T = 4, 6, 10
 DRIFT = 0.02
@@ -109,3 +114,14 @@ def test_v0_trainer_hook_reports_each_step() -> None:
 def test_the_real_v0_trainer_class_is_accepted() -> None:
     cls = monitored_ray_trainer()
     assert issubclass(cls, RayPPOTrainer)
+
+
+def test_every_series_the_verl_mapping_names_is_in_the_catalogue() -> None:
+    import re
+
+    from grpo_exporter.catalog import family_of
+
+    names = {n for expr, _ in VERL_METRICS.values() for n in re.findall(r"grpo_[a-z_]+", expr)}
+    assert names
+    for name in names:
+        family_of(name)
