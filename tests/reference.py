@@ -22,6 +22,24 @@ def _quantiles(values: list[float], qs: tuple[float, ...]) -> list[float]:
     return [float(v) for v in np.quantile(np.asarray(values, dtype=np.float64), qs)]
 
 
+GAP_BOUNDS = [2.0**e for e in range(-20, 2)]
+RATIO_BOUNDS = [0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875, 0.984375, 0.9921875, 1.0, 1.0078125, 1.015625, 1.03125,
+                1.0625, 1.125, 1.25, 1.5, 2.0, 4.0]
+ENTROPY_BOUNDS = [2.0**-7, 2.0**-5, 0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0]
+LENGTH_BOUNDS = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+
+
+def _histogram(out: dict[str, float], name: str, values: list[float], bounds: list[float], total: float,
+               labels: str = "") -> None:
+    """A classic histogram's increments: values <= each bound, +Inf, _sum, _count (by counting)."""
+    sep = "," if labels else ""
+    for b in bounds:
+        out[f'{name}_bucket{{{labels}{sep}le="{_q(b)}"}}'] = float(sum(1 for v in values if v <= b))
+    out[f'{name}_bucket{{{labels}{sep}le="+Inf"}}'] = float(len(values))
+    out[f"{name}_sum{{{labels}}}" if labels else f"{name}_sum"] = total
+    out[f"{name}_count{{{labels}}}" if labels else f"{name}_count"] = float(len(values))
+
+
 def reference(batch: Batch, cfg: Any) -> dict[str, float]:
     with np.errstate(invalid="ignore", over="ignore"):  # -inf - -inf at a wrongly masked padding position
         return _reference(batch, cfg)
@@ -60,6 +78,7 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
     gap = [v for v in gap if math.isfinite(v)]
     out["grpo_engine_logprob_gap_nats_sum"] = float(sum(gap))
     out["grpo_engine_logprob_gap_nats_count"] = float(len(gap))
+    _histogram(out, "grpo_token_engine_logprob_gap_nats", gap, GAP_BOUNDS, float(sum(gap)))
     if gap:
         out["grpo_engine_logprob_gap_mean_nats"] = float(np.mean(gap))
         for q, v in zip(cfg.gap_quantiles, _quantiles(gap, cfg.gap_quantiles), strict=True):
@@ -165,6 +184,8 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
         ls = [float(lengths[i]) for i in range(n) if chosen[i]]
         out[f'grpo_completion_length_tokens_sum{{outcome="{outcome}"}}'] = float(sum(ls))
         out[f'grpo_completion_length_tokens_count{{outcome="{outcome}"}}'] = float(len(ls))
+        _histogram(out, "grpo_completion_length_distribution_tokens", ls, LENGTH_BOUNDS, float(sum(ls)),
+                   f'outcome="{outcome}"')
         if ls:
             for q, v in zip(cfg.length_quantiles, _quantiles(ls, cfg.length_quantiles), strict=True):
                 out[f'grpo_completion_length_tokens{{outcome="{outcome}",quantile="{_q(q)}"}}'] = v
@@ -201,6 +222,7 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
     finite_ratio = [r for r in ratio.values() if math.isfinite(r)]  # an overflow never enters the cumulative sum
     out["grpo_importance_weight_sum"] = float(sum(finite_ratio))
     out["grpo_importance_weight_count"] = float(len(finite_ratio))
+    _histogram(out, "grpo_token_importance_weight", list(ratio.values()), RATIO_BOUNDS, float(sum(finite_ratio)))
 
     upper = sum(1 for c in pos if c in ratio and ratio[c] > hi)
     lower = sum(1 for c in neg if c in ratio and ratio[c] < lo)
@@ -251,6 +273,7 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
 
     # ---- layer 4 --------------------------------------------------------------------------------------
     ent = [a["entropy"][c] for c in cells if math.isfinite(a["entropy"][c])]
+    _histogram(out, "grpo_token_entropy_nats", ent, ENTROPY_BOUNDS, float(sum(ent)))
     if ent:
         out["grpo_entropy_mean_nats"] = float(np.mean(ent))
         k = max(1, math.ceil(Fraction(str(cfg.entropy_top_fraction)) * len(ent)))

@@ -10,6 +10,7 @@ import torch
 
 from batches import make_batch
 from grpo_exporter.config import MetricsConfig
+from grpo_exporter.functional.histogram import RELATIVE_ERROR
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.step import compute_step
 
@@ -68,7 +69,7 @@ def test_one_token_sequences():
     assert m['grpo_importance_weight{quantile="1"}'] == pytest.approx(math.exp(0.1))
     assert m['grpo_ess_ratio{level="token"}'] == pytest.approx(1.0)
     assert m['grpo_ess_ratio{level="sequence"}'] == pytest.approx(1.0)
-    assert m["grpo_entropy_top_mean_nats"] == pytest.approx(np.mean(np.linspace(0, 1, n)[-4:]), rel=1e-6)
+    assert m["grpo_entropy_top_mean_nats"] == pytest.approx(np.mean(np.linspace(0, 1, n)[-4:]), rel=RELATIVE_ERROR)
     assert m["grpo_loss_mask_length_mismatch_sequences_total"] == 0
 
 
@@ -125,11 +126,11 @@ def test_nan_and_inf_inside_inputs_are_counted_and_skipped():
 
 
 def test_infinite_quantile_endpoints_never_give_nan():
-    from grpo_exporter.functional.selection import masked_quantiles
+    from grpo_exporter.functional.histogram import masked_quantiles
 
-    x = torch.tensor([-math.inf, 1.0, 1.0, math.inf])
+    x = torch.tensor([1.0, 1.0, math.inf, math.inf])
     r = masked_quantiles(x, torch.ones(4, dtype=torch.bool), (0.0, 0.2, 0.5, 0.9, 1.0))
-    assert r.value.tolist() == [-math.inf, -math.inf, 1.0, math.inf, math.inf]
+    assert r.value.tolist() == [1.0, 1.0, math.inf, math.inf, math.inf]
 
 
 def test_exp_overflow_is_counted_as_nonfinite_ratio_not_nan():
@@ -168,7 +169,8 @@ def test_negative_infinity_padding_is_not_a_fault():
 
 @pytest.mark.slow
 def test_sixteen_million_token_step():
-    """A 4100 x 4096 (16.79M tokens) ragged bf16 step: every token metric, exact quantiles."""
+    """A 4100 x 4096 (16.79M tokens) ragged bf16 step: every token metric; quantiles within the histogram's
+    documented error, the maximum exact."""
     gen = torch.Generator().manual_seed(5)
     n, width = 4100, 4096
     lengths = torch.randint(1, width + 1, (n,), generator=gen)
@@ -183,4 +185,4 @@ def test_sixteen_million_token_step():
     assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(gap.mean(), rel=1e-6)
     for q in (0.5, 0.99, 0.999, 1.0):
         key = f'grpo_engine_logprob_gap_nats{{quantile="{repr(q).removesuffix(".0")}"}}'
-        assert m[key] == pytest.approx(float(np.quantile(gap, q)), rel=1e-6), q
+        assert m[key] == pytest.approx(float(np.quantile(gap, q)), rel=RELATIVE_ERROR if q < 1 else 1e-7), q

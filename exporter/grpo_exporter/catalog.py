@@ -44,7 +44,7 @@ class Merge(StrEnum):
     """How one sample combines across data-parallel ranks (the catalogue's ``dist_reduce_fx``).
 
     Counters and the ``_sum``/``_count``/``_bucket`` samples always ``sum``; summary quantiles always come from
-    a merged ``sketch``; every gauge the step computes declares its merge; the monitor's own gauges stay
+    the summed fine ``histogram``; every gauge the step computes declares its merge; the monitor's own gauges stay
     ``local``. :mod:`grpo_exporter.distributed` implements each kind once.
     """
 
@@ -53,7 +53,7 @@ class Merge(StrEnum):
     MAX = "max"  # the largest of the ranks' extremes
     SAME = "same"  # a value every rank computes alike (the global grad norm): the largest, to be safe
     ESS = "ess"  # (sum w)^2 / sum w^2 / n from the ranks' weight sums, rescaled to a common shift
-    SKETCH = "sketch"  # quantiles and top-fraction means from a merged log-bucket sketch
+    HISTOGRAM = "histogram"  # quantiles and top-fraction means read from summed fine histograms
     LOCAL = "local"  # not reduced: the process's own timings, the serving rank's edit distance
 
 
@@ -104,7 +104,7 @@ class Metric:
         if self.type in (MetricType.COUNTER, MetricType.HISTOGRAM) or sample != self.name:
             return Merge.SUM
         if self.type is MetricType.SUMMARY:
-            return Merge.SKETCH
+            return Merge.HISTOGRAM
         assert self.merge is not None  # validate() requires it of every step gauge
         return self.merge
 
@@ -205,6 +205,13 @@ GAP_QUANTILES = (0.5, 0.99, 0.999, 1.0)
 RATIO_QUANTILES = (0.0, 0.5, 0.95, 0.99, 1.0)
 LENGTH_QUANTILES = (0.99,)
 SOLVE_RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+# Classic buckets of the per-token / per-completion histograms: edges of the exporter's fine histogram (floats
+# with at most 7 mantissa bits, :mod:`grpo_exporter.functional.histogram`), so each count is exact.
+GAP_BUCKETS = tuple(2.0**e for e in range(-20, 2))  # 9.5e-7 .. 2 nats, one per octave (0.001 ~ 2^-10)
+RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875, 0.984375, 0.9921875, 1.0, 1.0078125, 1.015625, 1.03125,
+                 1.0625, 1.125, 1.25, 1.5, 2.0, 4.0)  # dense around 1: +-1/128 .. +-1/2
+ENTROPY_BUCKETS = (2.0**-7, 2.0**-5, 0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+LENGTH_BUCKETS = tuple(2.0**e for e in range(5, 16))  # 32 .. 32768 tokens, one per octave
 OBSERVE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 NONFINITE_TENSORS = (
@@ -244,6 +251,12 @@ CATALOG: tuple[Metric, ...] = (
         "_sum/_count are cumulative. Seed: mean < 0.001 healthy, mean >= 0.01 stop training; the 0.01 line "
         "applies to the mean, never to the max.",
         G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), quantiles=GAP_QUANTILES,
+    ),
+    Metric(
+        "grpo_token_engine_logprob_gap_nats", H,
+        "Per-token engine log-prob gap |rollout_logprobs - old_logprobs| on loss tokens as a histogram, nats, "
+        "cumulative: histogram_quantile over ranks, runs and windows (buckets one per octave, 2^-20 to 2).",
+        G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), buckets=GAP_BUCKETS,
     ),
     Metric(
         "grpo_engine_logprob_gap_mean_nats", GA,
@@ -423,6 +436,12 @@ CATALOG: tuple[Metric, ...] = (
         quantiles=LENGTH_QUANTILES,
     ),
     Metric(
+        "grpo_completion_length_distribution_tokens", H,
+        "Completion length in tokens by outcome as a histogram, cumulative: length distributions across ranks "
+        "and windows (buckets one per octave, 32 to 32768).",
+        R, "tokens", labels=(Label("outcome", OUTCOMES),), inputs=("completion_lengths",), buckets=LENGTH_BUCKETS,
+    ),
+    Metric(
         "grpo_truncated_completions_total", C,
         "Completions that hit the maximum length (sample level; kept apart from token-level clip fractions).",
         R, "completions", inputs=("truncated",),
@@ -475,6 +494,12 @@ CATALOG: tuple[Metric, ...] = (
         S, inputs=("logprobs", "old_logprobs", *_TOKEN), quantiles=RATIO_QUANTILES,
     ),
     Metric(
+        "grpo_token_importance_weight", H,
+        "Per-token importance ratio pi_theta/pi_old on loss tokens as a histogram, cumulative (buckets dense "
+        "around 1, +-1/128 to +-1/2, then 2 and 4; an overflowed ratio counts in +Inf but not in _sum).",
+        S, inputs=("logprobs", "old_logprobs", *_TOKEN), buckets=RATIO_BUCKETS,
+    ),
+    Metric(
         "grpo_groups_total", C,
         "Prompt groups observed.",
         S, "groups", inputs=("rewards",),
@@ -521,7 +546,13 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_entropy_top_mean_nats", GA,
         "Mean entropy of the top `entropy_top_fraction` (default 20%) highest-entropy loss positions of the "
         "step, nats: the forking tokens, a fixed-size set comparable across steps.",
-        D, "nats", inputs=("entropy", *_TOKEN), merge=Merge.SKETCH,
+        D, "nats", inputs=("entropy", *_TOKEN), merge=Merge.HISTOGRAM,
+    ),
+    Metric(
+        "grpo_token_entropy_nats", H,
+        "Per-token entropy on loss tokens as a histogram, nats, cumulative: where the entropy mass sits, "
+        "across ranks and windows (buckets 2^-7 to 8).",
+        D, "nats", inputs=("entropy", *_TOKEN), buckets=ENTROPY_BUCKETS,
     ),
     Metric(
         "grpo_pass_at_k_ratio", GA,

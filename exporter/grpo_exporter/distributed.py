@@ -9,15 +9,16 @@ merges as the catalogue says (:class:`~grpo_exporter.catalog.Merge`):
 
 * SUM: counters and ``_sum``/``_count``/``_bucket`` samples add; RATIO: numerators and denominators add, then
   divide; MAX/SAME: the largest; ESS: each rank's weight sums, shifted by its own largest log weight, are
-  rescaled to the global largest (from the MAX phase) and added; SKETCH: log-bucket sketches
-  (:mod:`grpo_exporter.functional.sketch`) add, min and max merge exactly.
+  rescaled to the global largest (from the MAX phase) and added; HISTOGRAM: the fine histograms
+  (:mod:`grpo_exporter.functional.histogram`) add, min and max merge exactly.
 * A slot absent on a rank (an input that rank did not pass) merges over the ranks that have it. A slot whose
   metric block raised on any rank, or whose inputs failed validation there, is absent on every rank (so no
   value ever mixes the union with a part of it). A reward-component slot whose name differs between ranks
   (component names registered in another order) is absent, and the error is counted.
 
 Counts, sums, means, fractions, extremes and ESS equal those of the concatenated batch (up to fp64 rounding);
-quantiles other than min and max, and top-fraction means, are within relative error ``sketch.ALPHA`` (0.5%).
+quantiles and top-fraction means are exactly those the single process reads from the concatenated batch's
+histogram (within relative error 2^-8 of the exact order statistics, min and max exact).
 Group metrics assume every group lives on one rank, as GRPO data loaders do.
 
 Safety: the layouts' fingerprints are compared once, at construction; on a mismatch every rank logs the
@@ -38,21 +39,21 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.catalog import Merge
-from grpo_exporter.functional import samples, sketch
+from grpo_exporter.functional import histogram, samples
+from grpo_exporter.functional.histogram import Quantiles, TopMean
 from grpo_exporter.functional.reading import Extreme, Ratio
-from grpo_exporter.functional.selection import Quantiles, TopMean
 from grpo_exporter.layout import Layout
 from grpo_exporter.step import Entry, StepMetrics
 
 log = logging.getLogger("grpo_exporter")
 
 # The reading types each merge accepts: a reading carries what its merge needs (a Ratio its numerator and
-# denominator, an Effective its log weights, a Quantiles/TopMean its sample); a plain Reading is a count or
+# denominator, an Effective its log weights, a Quantiles/TopMean its histogram); a plain Reading is a count or
 # a value every rank shares.
 _ACCEPTS: dict[Merge, tuple[type, ...]] = {
     Merge.RATIO: (Ratio,),
     Merge.ESS: (samples.Effective,),
-    Merge.SKETCH: (Quantiles, TopMean),
+    Merge.HISTOGRAM: (Quantiles, TopMean),
 }
 
 
@@ -154,7 +155,7 @@ class StageMerge:
         self.ess = [i for i, s in enumerate(slots) if s.merge is Merge.ESS]
         self.extreme = [i for i, s in enumerate(slots) if s.merge in (Merge.MAX, Merge.SAME)]
         self.additive = [i for i, s in enumerate(slots) if s.merge is Merge.SUM]
-        self.sketched = [i for i, s in enumerate(slots) if s.merge is Merge.SKETCH]
+        self.sketched = [i for i, s in enumerate(slots) if s.merge is Merge.HISTOGRAM]
         self.problems: list[str] = []
         self.readings: dict[int, Entry] = {}
 
@@ -198,11 +199,10 @@ class StageMerge:
                            and i in readings), None)
             if member is None:
                 parts.append(torch.cat([torch.full((2,), -math.inf, dtype=torch.float64, device=device),
-                                        torch.zeros(sketch.BUCKETS, dtype=torch.float64, device=device)]))
+                                        torch.zeros(histogram.BUCKETS, dtype=torch.float64, device=device)]))
                 continue
-            x, valid = member.reading.sample.double(), member.reading.valid
-            extremes = torch.stack([torch.where(valid, x, -math.inf).amax(), torch.where(valid, -x, -math.inf).amax()])
-            parts.append(torch.cat([extremes, sketch.sketch(member.reading.sample, valid)]))
+            h = member.reading.histogram
+            parts.append(torch.cat([h.maximum.double().reshape(1), -h.minimum.double().reshape(1), h.counts.double()]))
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
     # ---- on the host, after it -------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class StageMerge:
         offset += 2 * len(self.ratio)
         ess = t[offset : offset + 4 * len(self.ess)].view(-1, 4)
         offset += 4 * len(self.ess)
-        dists = t[offset:].view(self.layout.distributions, 2 + sketch.BUCKETS)
+        dists = t[offset:].view(self.layout.distributions, 2 + histogram.BUCKETS)
 
         failed_here = torch.tensor([float(any(tag in failed for tag in s.tags)) for s in slots], dtype=torch.float64)
         computed = torch.zeros(n, dtype=torch.float64)
@@ -285,17 +285,18 @@ class StageMerge:
             r = samples.ess_from_sums(s1, s2, count)
             merged[i] = float(r.value)
             g_present[i] = float(r.present)
-        hists = sum_pack[o:].view(self.layout.distributions, sketch.BUCKETS)
+        hists = sum_pack[o:].view(self.layout.distributions, histogram.BUCKETS)
         for i in self.sketched:
             s = slots[i]
-            hist, largest, smallest = hists[s.distribution], g_dist[s.distribution, 0], -g_dist[s.distribution, 1]
-            if hist.sum() <= 0:
+            counts, largest, smallest = hists[s.distribution], g_dist[s.distribution, 0], -g_dist[s.distribution, 1]
+            if counts.sum() <= 0:
                 g_present[i] = 0.0
                 continue
+            h = histogram.Histogram(counts.round().long(), smallest, largest)
             if s.top_fraction is not None:
-                merged[i] = float(sketch.sketch_top_mean(hist, s.top_fraction, largest))
+                merged[i] = float(histogram.top_mean_value(h, s.top_fraction).float())  # fp32 as on one rank
             else:
-                merged[i] = float(sketch.sketch_quantiles(hist, (s.quantile,), smallest, largest)[0])
+                merged[i] = float(histogram.quantile_values(h, (s.quantile,))[0].float())
         out: StepMetrics = {}
         for i, s in enumerate(slots):
             if g_present[i] <= 0 or g_failed[i] > 0 or (s.component is not None and s.component in disagree):

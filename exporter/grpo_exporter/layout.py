@@ -26,7 +26,7 @@ TOTAL = "total"
 @dataclass(frozen=True)
 class Slot:
     """One sample position. ``component`` is the reward-component slot number (None: no such label, or the
-    fixed ``total``); ``distribution`` indexes the layout's sketched distributions for a SKETCH slot, whose
+    fixed ``total``); ``distribution`` indexes the layout's distributions for a HISTOGRAM slot, whose
     ``quantile`` is set for a summary quantile and ``top_fraction`` for a top-fraction mean."""
 
     family: str
@@ -69,7 +69,7 @@ class Layout:
                     sample = name + suffix
                     merge = family.merge_of(sample)
                     distribution, top = -1, None
-                    if merge is Merge.SKETCH:
+                    if merge is Merge.HISTOGRAM:
                         distribution = distributions.setdefault((name, labels), len(distributions))
                         top = config.entropy_top_fraction if quantile is None else None
                     slots.append(

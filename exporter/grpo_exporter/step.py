@@ -22,8 +22,8 @@ from grpo_exporter.catalog import SampleKey, format_quantile
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
+from grpo_exporter.functional.histogram import Histogram, Quantiles, cumulative_buckets
 from grpo_exporter.functional.reading import always, fraction, reading
-from grpo_exporter.functional.selection import Quantiles
 from grpo_exporter.inputs import InputError, StepInputs
 
 StepMetrics = dict[str, float]
@@ -106,6 +106,17 @@ class _Gather:
             self.entries.append(Entry(family.key(quantile=format_quantile(q), **labels), r, i))
         self.add(name, total, "_sum", **labels)
         self.add(name, count, "_count", **labels)
+
+    def histogram(self, name: str, h: Histogram, total: Tensor, **labels: str) -> None:
+        """A classic histogram read exactly from a fine one: this step's increments of every ``_bucket`` (the
+        catalogue's bounds, which are fine edges), ``_sum`` (``total``) and ``_count`` (the +Inf bucket)."""
+        family = catalog.metric(name)
+        cumulative = cumulative_buckets(h, family.buckets)
+        for i, bound in enumerate((*family.buckets, math.inf)):
+            le = "+Inf" if bound == math.inf else format_quantile(bound)
+            self.add(name, cumulative[i], "_bucket", le=le, **labels)
+        self.add(name, total, "_sum", **labels)
+        self.add(name, cumulative[-1], "_count", **labels)
 
     def run(self, block: Block, ctx: _Context, strict: bool) -> None:
         """Run one metric block; on error drop what it added and mark its families failed (strict: re-raise)."""
@@ -260,12 +271,13 @@ def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
         g.add("grpo_nonfinite_values_total", 0.0 if math.isfinite(x.loss) else 1.0, tensor="loss")
 
 
-@produces("grpo_engine_logprob_gap_nats", "grpo_engine_logprob_gap_mean_nats")
+@produces("grpo_engine_logprob_gap_nats", "grpo_token_engine_logprob_gap_nats", "grpo_engine_logprob_gap_mean_nats")
 def _engine_gap(g: _Gather, c: _Context) -> None:
     x, cfg = c.x, c.cfg
     if x.loss_mask is not None and x.rollout_logprobs is not None and x.old_logprobs is not None:
         gap = gradient.engine_gap(x.rollout_logprobs, x.old_logprobs, x.loss_mask, cfg.gap_quantiles)
         g.summary("grpo_engine_logprob_gap_nats", gap.total, gap.count, gap.quantiles, cfg.gap_quantiles)
+        g.histogram("grpo_token_engine_logprob_gap_nats", gap.quantiles.histogram, gap.total)
         g.add("grpo_engine_logprob_gap_mean_nats", gap.mean)
 
 
@@ -392,7 +404,8 @@ def _advantages(g: _Gather, c: _Context) -> None:
     g.add("grpo_advantage_bound", reading(torch.where(known, bounds, 0.0).amax(), known.any()))
 
 
-@produces("grpo_completion_length_tokens", "grpo_truncated_completions_total")
+@produces("grpo_completion_length_tokens", "grpo_completion_length_distribution_tokens",
+          "grpo_truncated_completions_total")
 def _lengths(g: _Gather, c: _Context) -> None:
     x, qs = c.x, c.cfg.length_quantiles
     if x.completion_lengths is not None:
@@ -402,6 +415,8 @@ def _lengths(g: _Gather, c: _Context) -> None:
         for outcome, members in outcomes.items():
             stats = reward.length_stats(x.completion_lengths, members, qs)
             g.summary("grpo_completion_length_tokens", stats.total, stats.count, stats.quantiles, qs, outcome=outcome)
+            g.histogram("grpo_completion_length_distribution_tokens", stats.quantiles.histogram, stats.total,
+                        outcome=outcome)
     if x.truncated is not None:
         g.add("grpo_truncated_completions_total", x.truncated.sum())
 
@@ -420,7 +435,7 @@ def _advantage_signs(g: _Gather, c: _Context) -> None:
     g.add("grpo_zero_advantage_tokens_ratio", samples.zero_advantage_share(token_adv, mask))
 
 
-@produces("grpo_ess_ratio", "grpo_importance_weight")
+@produces("grpo_ess_ratio", "grpo_importance_weight", "grpo_token_importance_weight")
 def _importance_weights(g: _Gather, c: _Context) -> None:
     lr, qs = c.lr, c.cfg.ratio_quantiles
     if lr is None:
@@ -432,6 +447,7 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     finite = lr.valid & torch.isfinite(lr.ratio)  # an overflowed ratio never enters the cumulative _sum
     total = torch.where(finite, lr.ratio, 0.0).double().sum()
     g.summary("grpo_importance_weight", total, finite.sum(), weights, qs)
+    g.histogram("grpo_token_importance_weight", weights.histogram, total)
 
 
 @produces(
@@ -491,13 +507,14 @@ def _solve_rates(g: _Gather, c: _Context) -> None:
 # ---- layer 4 ----------------------------------------------------------------------------------------------
 
 
-@produces("grpo_entropy_mean_nats", "grpo_entropy_top_mean_nats")
+@produces("grpo_entropy_mean_nats", "grpo_entropy_top_mean_nats", "grpo_token_entropy_nats")
 def _entropy(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.entropy is not None:
         ent = diversity.entropy_stats(x.entropy, x.loss_mask, c.cfg.entropy_top_fraction)
         g.add("grpo_entropy_mean_nats", ent.mean)
         g.add("grpo_entropy_top_mean_nats", ent.top_mean)
+        g.histogram("grpo_token_entropy_nats", ent.top_mean.histogram, ent.mean.numerator)
     elif x.entropy is None and x.entropy_mean is not None:  # a framework's own token mean (verl, OpenRLHF)
         mean = torch.as_tensor(x.entropy_mean, dtype=torch.float64, device=g.device)
         finite = torch.isfinite(mean)  # a non-finite report is absent, never published

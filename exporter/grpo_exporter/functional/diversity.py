@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups
+from grpo_exporter.functional.histogram import top_fraction_mean
 from grpo_exporter.functional.reading import Reading, fraction, masked_mean
-from grpo_exporter.functional.selection import top_fraction_mean
 
 
 class Entropy(NamedTuple):

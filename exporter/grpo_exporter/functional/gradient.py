@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from grpo_exporter.functional.histogram import masked_quantiles
 from grpo_exporter.functional.reading import Reading, fraction, masked_max, masked_mean
-from grpo_exporter.functional.selection import masked_quantiles
 
 
 class LogRatio(NamedTuple):

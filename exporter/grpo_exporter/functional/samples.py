@@ -18,8 +18,8 @@ from torch import Tensor
 from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.gradient import LogRatio
 from grpo_exporter.functional.groups import Groups, group_stats
+from grpo_exporter.functional.histogram import masked_quantiles
 from grpo_exporter.functional.reading import Ratio, Reading, fraction, masked_max
-from grpo_exporter.functional.selection import masked_quantiles
 
 
 def clip_log_widths(eps_low: float, eps_high: float) -> tuple[float, float]:

@@ -111,6 +111,12 @@ def _fraction(numerator: str, denominator: str, on: str = "") -> str:
     return f"({numerator} / {on}{denominator}) > -Inf"
 
 
+def _histogram_quantile(c: MixinConfig, q: float, metric: str, by: str = BY) -> str:
+    """The ``q`` quantile of a classic histogram over the window, every rank's buckets added (a window without
+    observations is dropped, never NaN)."""
+    return f"histogram_quantile({q:g}, {_rate(c, metric + '_bucket', by=by + ', le')}) > -Inf"
+
+
 def _mean(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None, **labels: str) -> str:
     """The windowed mean of a last-step gauge (one batch is a noisy sample; a window holds several)."""
     return f"max by ({by}) (avg_over_time({metric}{c.matchers(**labels)}[{c.window(steps)}]))"
@@ -188,6 +194,17 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_completion_length_tokens:window_mean",
          "expr": _fraction(_rate(c, "grpo_completion_length_tokens_sum", by="job, run, outcome"),
                            _rate(c, "grpo_completion_length_tokens_count", by="job, run, outcome"))},
+        # quantiles over the window and every rank, from the classic histograms (the per-step summaries are one
+        # rank's last step): within a bucket the position is interpolated, so read them as bucket-precise
+        {"record": "run:grpo_token_engine_logprob_gap_nats:window_p99",
+         "expr": _histogram_quantile(c, 0.99, "grpo_token_engine_logprob_gap_nats")},
+        {"record": "run:grpo_token_importance_weight:window_p99",
+         "expr": _histogram_quantile(c, 0.99, "grpo_token_importance_weight")},
+        {"record": "run:grpo_token_importance_weight:window_p01",
+         "expr": _histogram_quantile(c, 0.01, "grpo_token_importance_weight")},
+        {"record": "run:grpo_token_entropy_nats:window_p50", "expr": _histogram_quantile(c, 0.5, "grpo_token_entropy_nats")},
+        {"record": "run:grpo_completion_length_distribution_tokens:window_p99",
+         "expr": _histogram_quantile(c, 0.99, "grpo_completion_length_distribution_tokens", by="job, run, outcome")},
         {"record": "run:grpo_pass_at_group_size:ratio",
          "expr": f"max by ({BY}) (grpo_pass_at_k_ratio{c.matchers()} * on(job, run, k) group_left()"
                  f' label_replace({run_info}, "k", "$1", "group_size", "(.*)"))'},

@@ -1,0 +1,195 @@
+"""Distributions in one pass: a fine log-bucket histogram of fp32 values, read back as quantiles, top-fraction
+means and classic Prometheus buckets.
+
+The bit pattern of a non-negative fp32 value, read as an integer, grows with the value; its top bits (the
+exponent and the first ``MANTISSA_BITS`` = 7 mantissa bits) name a bucket of relative width 2^-7. So the
+bucket of a value is a shift of its bits: no log, no search, one ``bincount`` (the HDR-histogram idea). Buckets
+are half-open from below, (lower, upper], so a classic bucket ``le=b`` counts values <= b exactly:
+
+* bucket 0 holds [0, 2^-32] (and negatives, which no distribution here has);
+* bucket i in 1..8192 holds (e_{i-1}, e_i] with e_i = 2^-32 (1 + k/128) 2^m, i = 128 m + k: 64 octaves;
+* bucket 8193 holds (2^32, +inf].
+
+Read back at the middle of its bucket (bucket 0 at 0), every order statistic of a value in (2^-32, 2^32] is
+within relative error 2^-8 (0.39%) of the exact one, and within 2^-32 absolutely below that; the minimum and
+maximum are kept exactly beside the counts, and readings are clamped into [min, max] (a value above 2^32 reads
+as the maximum). Counts of several ranks merge by a plain sum, so a merged quantile is exactly the one of the
+concatenated batch's histogram: the merge loses nothing the single process had.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.functional.constants import constant
+from grpo_exporter.functional.reading import reading
+
+MANTISSA_BITS = 7
+_SHIFT = 23 - MANTISSA_BITS
+LOW_EXPONENT, HIGH_EXPONENT = -32, 32
+_FIRST = (127 + LOW_EXPONENT) << MANTISSA_BITS  # bit-key of the edge 2^-32
+BUCKETS = ((HIGH_EXPONENT - LOW_EXPONENT) << MANTISSA_BITS) + 2  # 8194: [0, 2^-32], 8192 fine, (2^32, inf]
+_TOP = BUCKETS - 1
+_TRASH = BUCKETS  # invalid positions land here and are dropped
+RELATIVE_ERROR = 2.0 ** -(MANTISSA_BITS + 1)
+ABSOLUTE_FLOOR = 2.0**LOW_EXPONENT
+
+
+class Histogram(NamedTuple):
+    """The fine histogram of one masked sample: (BUCKETS,) int64 counts and the exact min and max (0-d fp32;
+    +inf / -inf when the sample is empty, so that they merge by max/min)."""
+
+    counts: Tensor
+    minimum: Tensor
+    maximum: Tensor
+
+
+def histogram(x: Tensor, valid: Tensor) -> Histogram:
+    """The fine histogram of ``x`` over ``valid`` positions (any shape, same shape as ``valid``).
+
+    One pass of integer ops on the bits and one ``bincount``; ``valid`` must exclude NaN (callers pass loss
+    mask and finiteness; +inf is a valid value and lands in the top bucket)."""
+    values = x.float().contiguous()
+    key = values.view(torch.int32).clamp(min=1)  # negatives and -0.0 (bits <= 0) go to bucket 0
+    key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
+    key = torch.where(valid, key, _TRASH)
+    counts = torch.bincount(key.flatten(), minlength=BUCKETS + 1)[:BUCKETS]
+    lowest = torch.where(valid, values, math.inf).amin()
+    highest = torch.where(valid, values, -math.inf).amax()
+    return Histogram(counts, lowest, highest)
+
+
+def upper_edges(device: torch.device) -> Tensor:
+    """(BUCKETS,) fp64 upper edge of each bucket (the top one +inf)."""
+    return _upper_edges(torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _upper_edges(device: torch.device) -> Tensor:
+    bits = (torch.arange(BUCKETS - 1, dtype=torch.int64) + _FIRST) << _SHIFT
+    edges = bits.to(torch.int32).view(torch.float32).double()
+    return torch.cat([edges, torch.tensor([math.inf], dtype=torch.float64)]).to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _midpoints(device: torch.device) -> Tensor:
+    upper = _upper_edges(torch.device("cpu"))
+    lower = torch.cat([torch.zeros(1, dtype=torch.float64), upper[:-1]])
+    middle = (lower + upper) / 2
+    middle[0] = 0.0  # [0, 2^-32] reads as 0 (or the minimum): an engine gap of exact zeros reads 0
+    middle[-1] = math.inf  # the top bucket reads as the maximum (after the clamp)
+    return middle.to(device)
+
+
+def edge_index(bound: float) -> int:
+    """The bucket whose upper edge is ``bound``; ``ValueError`` when ``bound`` is not an edge (a float in
+    (2^-32, 2^32] with at most 7 mantissa bits, e.g. 0.75, 1.0078125, 3e-3 is not one)."""
+    if not ABSOLUTE_FLOOR <= bound <= 2.0**HIGH_EXPONENT:
+        raise ValueError(f"bucket bound {bound!r}: expected a value in [2^-32, 2^32]")
+    bits = int(torch.tensor(bound, dtype=torch.float32).view(torch.int32))
+    if float(torch.tensor(bound, dtype=torch.float32)) != bound or bits & ((1 << _SHIFT) - 1):
+        below = nearest_edges(bound)
+        raise ValueError(
+            f"bucket bound {bound!r}: expected an edge of the fine histogram (at most {MANTISSA_BITS} mantissa "
+            f"bits, so that the bucket counts are exact); nearest edges {below[0]!r} and {below[1]!r}"
+        )
+    return (bits >> _SHIFT) - _FIRST
+
+
+def nearest_edges(value: float) -> tuple[float, float]:
+    """The fine edges just below (or at) and just above ``value``."""
+    bits = int(torch.tensor(value, dtype=torch.float32).view(torch.int32)) >> _SHIFT
+    low, high = bits << _SHIFT, (bits + 1) << _SHIFT
+    as_float = [float(torch.tensor(b, dtype=torch.int32).view(torch.float32)) for b in (low, high)]
+    return as_float[0], as_float[1]
+
+
+def _order_statistics(h: Histogram, ranks: Tensor) -> Tensor:
+    """The ``ranks``-th smallest values (0-based, fp64 ranks), read at bucket middles, clamped to [min, max]."""
+    cum = h.counts.cumsum(0)
+    bucket = torch.searchsorted(cum, ranks.to(cum.dtype), right=True).clamp(max=BUCKETS - 1)
+    value = _midpoints(h.counts.device)[bucket]
+    return torch.minimum(torch.maximum(value, h.minimum.double()), h.maximum.double())
+
+
+class Quantiles(NamedTuple):
+    """Quantiles of a masked sample, with its histogram kept for merging across ranks."""
+
+    value: Tensor
+    present: Tensor
+    histogram: Histogram
+    quantiles: tuple[float, ...]
+
+
+class TopMean(NamedTuple):
+    """Mean of the top ``fraction`` of a masked sample, with its histogram kept for merging across ranks."""
+
+    value: Tensor
+    present: Tensor
+    histogram: Histogram
+    fraction: float
+
+
+def quantile_values(h: Histogram, quantiles: Sequence[float]) -> Tensor:
+    """Quantiles with numpy's linear interpolation between order statistics, read from the histogram (fp64;
+    q = 0 and q = 1 are the exact min and max; 0 where the sample is empty)."""
+    n = h.counts.sum().double()
+    q = constant(quantiles, torch.float64, h.counts.device)
+    position = (n - 1).clamp(min=0) * q
+    lower = position.floor()
+    upper = torch.minimum(lower + 1, (n - 1).clamp(min=0))
+    v0, v1 = _order_statistics(h, lower), _order_statistics(h, upper)
+    t = position - lower
+    value = torch.where((t > 0) & (v1 != v0), v0 + (v1 - v0) * t, v0)  # never inf - inf, never 0 * inf
+    value = torch.where(q == 0, h.minimum.double(), torch.where(q == 1, h.maximum.double(), value))
+    return torch.where(n > 0, value, 0.0)
+
+
+def top_mean_value(h: Histogram, fraction: float) -> Tensor:
+    """Mean of the ceil(fraction n) largest values (fp64), each read at its bucket's middle clamped to
+    [min, max]; the partial bucket at the threshold contributes only what the count needs."""
+    n = h.counts.sum().double()
+    k = torch.ceil(n * fraction - 1e-9).clamp(min=1)  # 0.2 * 15 is 3.0000000000000004
+    middle = _midpoints(h.counts.device)
+    values = torch.minimum(torch.maximum(middle, h.minimum.double()), h.maximum.double())
+    counts = h.counts.double()
+    above = counts.flip(0).cumsum(0).flip(0) - counts  # values in higher buckets
+    take = torch.clamp(torch.minimum(counts, k - above), min=0.0)
+    return torch.where(take > 0, take * values, 0.0).sum() / k
+
+
+def masked_quantiles(x: Tensor, valid: Tensor, quantiles: Sequence[float]) -> Quantiles:
+    """Quantiles of ``x`` over ``valid`` positions (relative error <= 2^-8), absent when none is valid."""
+    h = histogram(x, valid)
+    r = reading(quantile_values(h, quantiles).float(), h.counts.sum() > 0)
+    return Quantiles(r.value, r.present, h, tuple(quantiles))
+
+
+def top_fraction_mean(x: Tensor, valid: Tensor, fraction: float, h: Histogram | None = None) -> TopMean:
+    """Mean of the ceil(fraction * n) largest valid values (relative error <= 2^-8).
+
+    The set has a fixed share of the step's positions, so the value is comparable across steps even as the
+    policy sharpens (seed, 高不确定性位置的熵, remedy 3: quantile instead of an absolute threshold).
+    """
+    h = histogram(x, valid) if h is None else h
+    r = reading(top_mean_value(h, fraction).float(), h.counts.sum() > 0)
+    return TopMean(r.value, r.present, h, fraction)
+
+
+def cumulative_buckets(h: Histogram, bounds: Sequence[float]) -> Tensor:
+    """(len(bounds) + 1,) int64 counts of values <= each bound (bounds must be fine edges, increasing), the
+    last one the total (``le="+Inf"``): a classic Prometheus histogram read exactly from the fine one."""
+    cum = h.counts.cumsum(0)
+    index = _bound_index(tuple(bounds), h.counts.device)
+    return torch.cat([cum[index], cum[-1:]])
+
+
+@functools.lru_cache(maxsize=64)
+def _bound_index(bounds: tuple[float, ...], device: torch.device) -> Tensor:
+    return torch.tensor([edge_index(b) for b in bounds], dtype=torch.int64, device=device)

@@ -1,0 +1,120 @@
+"""The fine histogram: quantiles and top-fraction means within the documented relative error (2^-8) of the exact
+ones on random, heavy-tailed and constant inputs; classic buckets exact; merged counts read as one sample."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_exporter.functional import histogram as hist
+
+QS = (0.0, 0.001, 0.25, 0.5, 0.9, 0.95, 0.99, 0.999, 1.0)
+TOL = hist.RELATIVE_ERROR
+in_range = st.floats(min_value=2.0**-30, max_value=2.0**31, allow_nan=False, width=32)
+
+
+def within(got: np.ndarray, want: np.ndarray) -> bool:
+    return bool(np.all(np.abs(got - want) <= TOL * np.abs(want) + hist.ABSOLUTE_FLOOR))
+
+
+def test_documented_error_is_at_most_one_percent():
+    assert TOL == 2.0**-8 < 0.01
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(in_range | st.just(0.0), min_size=1, max_size=300),
+    keep=st.lists(st.booleans(), min_size=300, max_size=300),
+)
+def test_quantiles_within_the_documented_error_of_numpy(values, keep):
+    x = torch.tensor(values, dtype=torch.float32)
+    valid = torch.tensor(keep[: len(values)])
+    r = hist.masked_quantiles(x, valid, QS)
+    chosen = x[valid].double().numpy()
+    assert bool(r.present) is bool(chosen.size)
+    if chosen.size:
+        got = r.value.double().numpy()
+        assert within(got, np.quantile(chosen, QS)), (got, np.quantile(chosen, QS))
+        assert got[0] == chosen.min()
+        assert got[-1] == chosen.max()
+    else:
+        assert torch.all(r.value == 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_heavy_tailed_sample_of_a_million(seed):
+    """Log-normal with sigma 4 (values from ~e^-20 to ~e^20): every quantile within 2^-8."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.exp(torch.randn(1_000_000, generator=gen) * 4)
+    valid = torch.rand(1_000_000, generator=gen) < 0.7
+    qs = (0.0, 1e-4, 0.01, 0.25, 0.5, 0.9, 0.99, 0.999, 0.9999, 1.0)
+    chosen = x[valid].double().numpy()
+    assert within(hist.masked_quantiles(x, valid, qs).value.double().numpy(), np.quantile(chosen, qs))
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-3, 1.0, 1.2, 4096.0])
+def test_constant_input_reads_back_exactly(value):
+    x = torch.full((10_000,), value)
+    exact = x[0].item()  # the value in fp32
+    r = hist.masked_quantiles(x, torch.ones_like(x, dtype=torch.bool), QS)
+    assert r.value.tolist() == [exact] * len(QS)  # clamped into [min, max] = [value, value]
+    assert hist.top_fraction_mean(x, torch.ones_like(x, dtype=torch.bool), 0.2).value.item() == exact
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(in_range, min_size=1, max_size=200), fraction=st.sampled_from([0.05, 0.2, 0.5, 1.0]))
+def test_top_fraction_mean_within_the_documented_error(values, fraction):
+    x = torch.tensor(values, dtype=torch.float32)
+    got = hist.top_fraction_mean(x, torch.ones_like(x, dtype=torch.bool), fraction).value.item()
+    k = max(1, math.ceil(Fraction(str(fraction)) * len(values)))
+    want = float(np.mean(np.sort(x.double().numpy())[::-1][:k]))
+    assert abs(got - want) <= TOL * want * (1 + 1e-6)
+
+
+def test_infinities_and_empty_samples():
+    x = torch.tensor([0.0, 1.0, 1.0, math.inf])
+    r = hist.masked_quantiles(x, torch.ones(4, dtype=torch.bool), (0.0, 0.2, 0.5, 0.9, 1.0))
+    assert r.value.tolist() == [0.0, pytest.approx(0.6, rel=TOL), pytest.approx(1.0, rel=TOL), math.inf, math.inf]
+    empty = hist.masked_quantiles(x, torch.zeros(4, dtype=torch.bool), (0.5, 1.0))
+    assert not empty.present
+    assert empty.value.tolist() == [0.0, 0.0]
+
+
+def test_nan_outside_the_valid_positions_is_never_counted():
+    x = torch.tensor([math.nan, 2.0, -0.0, math.nan])
+    h = hist.histogram(x, torch.tensor([False, True, True, False]))
+    assert int(h.counts.sum()) == 2
+    assert h.counts[0] == 1
+
+
+def test_buckets_are_half_open_from_below_so_le_is_exact():
+    bounds = (1.0, 2.0, 256.0)
+    x = torch.tensor([0.5, 1.0, 1.0000001, 2.0, 255.0, 256.0, 257.0, 1e12])
+    counts = hist.cumulative_buckets(hist.histogram(x, torch.ones(8, dtype=torch.bool)), bounds)
+    assert counts.tolist() == [2, 4, 6, 8]
+
+
+def test_bounds_must_be_fine_edges():
+    assert hist.edge_index(1.0) - hist.edge_index(0.5) == 2**hist.MANTISSA_BITS
+    with pytest.raises(ValueError, match=r"bucket bound 0\.8: .*nearest edges 0\.796875 and 0\.80078125"):
+        hist.edge_index(0.8)
+    with pytest.raises(ValueError, match="expected a value in"):
+        hist.edge_index(1e12)
+
+
+def test_summed_counts_read_exactly_as_the_concatenated_sample():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(3, 5000, generator=gen).pow(4) * 2
+    valid = torch.rand(3, 5000, generator=gen) < 0.5
+    parts = [hist.histogram(x[i], valid[i]) for i in range(3)]
+    merged = hist.Histogram(sum(p.counts for p in parts), min(p.minimum for p in parts), max(p.maximum for p in parts))
+    whole = hist.histogram(x, valid)
+    assert torch.equal(merged.counts, whole.counts)
+    assert torch.equal(hist.quantile_values(merged, QS), hist.quantile_values(whole, QS))
+    assert torch.equal(hist.top_mean_value(merged, 0.2), hist.top_mean_value(whole, 0.2))
