@@ -16,7 +16,8 @@ merges as the catalogue says (:class:`~grpo_exporter.catalog.Merge`):
   value ever mixes the union with a part of it). A reward-component slot whose name differs between ranks
   (component names registered in another order) is absent, and the error is counted.
 
-Counts, sums, means, fractions, extremes and ESS equal those of the concatenated batch (up to fp64 rounding);
+Counts, sums, means, fractions and extremes equal those of the concatenated batch (up to fp64 rounding), ESS
+within ~1e-7 (its weights are fp32);
 quantiles and top-fraction means are exactly those the single process reads from the concatenated batch's
 histogram (within relative error 2^-8 of the exact order statistics, min and max exact).
 Group metrics assume every group lives on one rank, as GRPO data loaders do.

@@ -23,24 +23,54 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
 from grpo_exporter.functional.histogram import Histogram, Quantiles, cumulative_buckets
-from grpo_exporter.functional.reading import always, fraction, reading
+from grpo_exporter.functional.reading import always, finite, fraction, reading
 from grpo_exporter.inputs import InputError, StepInputs
 
 StepMetrics = dict[str, float]
 
 
 class Entry(NamedTuple):
-    """One sample of the step: its key, and the reading it came from (``index``: the position of a quantile
-    in a quantile vector). How it merges across ranks is the catalogue's (:meth:`catalog.Metric.merge_of`)."""
+    """One sample of the step: its key, and the reading it came from (``index``: the position in a vector
+    reading, a quantile vector or a histogram's cumulative counts). How it merges across ranks is the
+    catalogue's (:meth:`catalog.Metric.merge_of`)."""
 
     key: SampleKey
     reading: Any
     index: int = 0
 
-    def local(self) -> tuple[Tensor, Tensor]:
-        """(value, present) on this rank, as 0-d fp64 tensors."""
-        value = self.reading.value[self.index] if isinstance(self.reading, Quantiles) else self.reading.value
-        return value.reshape(()).double(), self.reading.present.reshape(()).double()
+
+def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[tuple[int, int]]]:
+    """The device parts holding every entry's value and presence, and each entry's (value, presence) position
+    in their concatenation. Scalars are stacked per dtype, vector readings and shared presence flags taken
+    once each: a few dozen operators for a few hundred samples, where one conversion per sample cost ~5 each."""
+    scalars: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    vectors: dict[int, Tensor] = {}
+    flags: dict[int, tuple[int, Tensor]] = {}
+    where: list[tuple[Any, int, int]] = []  # (group, index in the group, flag number)
+    for e in entries:
+        value, present = e.reading.value, e.reading.present
+        if value.dim() == 0:
+            kind = (value.dtype, value.device)
+            group = scalars.setdefault(kind, [])
+            where.append((kind, len(group), 0))
+            group.append(value)
+        else:
+            vectors.setdefault(id(value), value)
+            where.append((id(value), e.index, 0))
+        flag = flags.setdefault(id(present), (len(flags), present))
+        where[-1] = (*where[-1][:2], flag[0])
+    parts: list[Tensor] = []
+    start: dict[Any, int] = {}
+    offset = 0
+    for kind, group in scalars.items():
+        parts.append(torch.stack(group).double())
+        start[kind], offset = offset, offset + len(group)
+    for vid, vector in vectors.items():
+        parts.append(vector.reshape(-1).double())
+        start[vid], offset = offset, offset + vector.numel()
+    if flags:
+        parts.append(torch.cat([f.reshape(1).to(entries[0].reading.value.device) for _, f in flags.values()]).double())
+    return parts, [(start[group] + i, offset + f) for group, i, f in where]
 
 
 class Merger(Protocol):
@@ -111,12 +141,12 @@ class _Gather:
         """A classic histogram read exactly from a fine one: this step's increments of every ``_bucket`` (the
         catalogue's bounds, which are fine edges), ``_sum`` (``total``) and ``_count`` (the +Inf bucket)."""
         family = catalog.metric(name)
-        cumulative = cumulative_buckets(h, family.buckets)
+        buckets = always(cumulative_buckets(h, family.buckets))  # one vector reading: one part of the transfer
         for i, bound in enumerate((*family.buckets, math.inf)):
             le = "+Inf" if bound == math.inf else format_quantile(bound)
-            self.add(name, cumulative[i], "_bucket", le=le, **labels)
+            self.entries.append(Entry(family.key("_bucket", le=le, **labels), buckets, i))
         self.add(name, total, "_sum", **labels)
-        self.add(name, cumulative[-1], "_count", **labels)
+        self.entries.append(Entry(family.key("_count", **labels), buckets, len(family.buckets)))
 
     def run(self, block: Block, ctx: _Context, strict: bool) -> None:
         """Run one metric block; on error drop what it added and mark its families failed (strict: re-raise)."""
@@ -136,18 +166,17 @@ class _Gather:
         """The single device-to-host transfer of the step: every reading, the value checks of the inputs (a
         numeric mask holding other values than 0 and 1), with ``merger`` what the merge across ranks needs,
         and the carried vectors; then, on the host, the checks and the merge."""
-        pairs = [e.local() for e in self.entries]
-        parts = [torch.stack([v for v, _ in pairs]), torch.stack([p for _, p in pairs])] if pairs else []
+        parts, positions = _pack(self.entries)
+        width = sum(p.numel() for p in parts)
         parts += [count.reshape(1).double() for _, count in self.checks]
         extra = merger.device_parts(self.entries, self.device) if merger is not None else None
         if extra is not None:
             parts.append(extra)
         parts += [t.reshape(-1).to(self.device, torch.float64) for t in self.carried.values()]
         packed = torch.cat([p.to(self.device) for p in parts]).tolist() if parts else []
-        m = len(pairs)
-        out = {e.key: packed[i] for i, e in enumerate(self.entries) if packed[m + i]}
+        out = {e.key: packed[v] for e, (v, p) in zip(self.entries, positions, strict=True) if packed[p]}
         families = frozenset(catalog.family_of(e.key.sample).name for e in self.entries)
-        offset = 2 * m
+        offset = width
         for name, _ in self.checks:
             if packed[offset]:
                 self.errors.append(("input values", InputError(
@@ -227,7 +256,7 @@ def compute_step_carrying(
 
 
 class _Context:
-    """The step's inputs, config, groups, and the log ratio and per-token advantages computed once."""
+    """The step's inputs, config, groups, and the log ratio computed once."""
 
     def __init__(self, x: StepInputs, cfg: MetricsConfig) -> None:
         self.x, self.cfg = x, cfg
@@ -235,9 +264,6 @@ class _Context:
         self.lr = None
         if mask is not None and x.logprobs is not None and x.old_logprobs is not None:
             self.lr = gradient.log_ratio(x.logprobs, x.old_logprobs, mask, cfg.log_ratio_clamp)
-        self.token_adv = None
-        if mask is not None and x.advantages is not None:
-            self.token_adv = samples.token_advantages(x.advantages, mask.shape)
 
     @functools.cached_property
     def groups(self) -> Groups | None:
@@ -426,13 +452,14 @@ def _lengths(g: _Gather, c: _Context) -> None:
 
 @produces("grpo_update_tokens_total", "grpo_zero_advantage_tokens_ratio")
 def _advantage_signs(g: _Gather, c: _Context) -> None:
-    mask, token_adv = c.x.loss_mask, c.token_adv
-    if mask is None or token_adv is None:
+    mask, advantages = c.x.loss_mask, c.x.advantages
+    if mask is None or advantages is None:
         return
-    signs = samples.advantage_sign_tokens(token_adv, mask)
+    signs = samples.advantage_sign_tokens(advantages, mask)
     for sign, value in zip(catalog.ADVANTAGE_SIGNS, signs, strict=True):
         g.add("grpo_update_tokens_total", value, advantage_sign=sign)
-    g.add("grpo_zero_advantage_tokens_ratio", samples.zero_advantage_share(token_adv, mask))
+    total = signs.positive + signs.negative + signs.zero
+    g.add("grpo_zero_advantage_tokens_ratio", fraction(signs.zero, total))
 
 
 @produces("grpo_ess_ratio", "grpo_importance_weight", "grpo_token_importance_weight")
@@ -444,9 +471,9 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     g.add("grpo_ess_ratio", ess.token, level="token")
     g.add("grpo_ess_ratio", ess.sequence, level="sequence")
     weights = samples.importance_weight_quantiles(lr, qs)
-    finite = lr.valid & torch.isfinite(lr.ratio)  # an overflowed ratio never enters the cumulative _sum
-    total = torch.where(finite, lr.ratio, 0.0).double().sum()
-    g.summary("grpo_importance_weight", total, finite.sum(), weights, qs)
+    finite_ratio = lr.valid & finite(lr.ratio)  # an overflowed ratio never enters the cumulative _sum
+    total = torch.where(finite_ratio, lr.ratio, 0.0).double().sum()
+    g.summary("grpo_importance_weight", total, torch.count_nonzero(finite_ratio), weights, qs)
     g.histogram("grpo_token_importance_weight", weights.histogram, total)
 
 
@@ -457,9 +484,9 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     "grpo_upper_clip_reachable_tokens_total",
 )
 def _clipping(g: _Gather, c: _Context) -> None:
-    if c.lr is None or c.token_adv is None or c.x.old_logprobs is None:
+    if c.lr is None or c.x.advantages is None or c.x.old_logprobs is None:
         return
-    clip = samples.clip_counts(c.lr, c.token_adv, c.x.old_logprobs, c.cfg.clip_eps_low, c.cfg.clip_eps_high)
+    clip = samples.clip_counts(c.lr, c.x.advantages, c.x.old_logprobs, c.cfg.clip_eps_low, c.cfg.clip_eps_high)
     g.add("grpo_upper_clip_reachable_tokens_total", clip.reachable)
     g.add("grpo_clipped_tokens_total", clip.upper, bound="upper")
     g.add("grpo_clipped_tokens_total", clip.lower, bound="lower")
@@ -517,8 +544,8 @@ def _entropy(g: _Gather, c: _Context) -> None:
         g.histogram("grpo_token_entropy_nats", ent.top_mean.histogram, ent.mean.numerator)
     elif x.entropy is None and x.entropy_mean is not None:  # a framework's own token mean (verl, OpenRLHF)
         mean = torch.as_tensor(x.entropy_mean, dtype=torch.float64, device=g.device)
-        finite = torch.isfinite(mean)  # a non-finite report is absent, never published
-        g.add("grpo_entropy_mean_nats", fraction(torch.where(finite, mean, 0.0), finite.double()))
+        ok = torch.isfinite(mean)  # a non-finite report is absent, never published
+        g.add("grpo_entropy_mean_nats", fraction(torch.where(ok, mean, 0.0), ok.double()))
 
 
 @produces("grpo_pass_at_k_ratio")

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.histogram import masked_quantiles
-from grpo_exporter.functional.reading import Reading, fraction, masked_max, masked_mean
+from grpo_exporter.functional.reading import Reading, count, finite, fraction, masked_max, masked_mean, nonfinite
 
 
 class LogRatio(NamedTuple):
@@ -46,7 +46,7 @@ def log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor, clamp: 
     """
     value = masked_difference(logprobs, old_logprobs, loss_mask)
     exponent = value if clamp is None else value.clamp(-clamp, clamp)
-    return LogRatio(value, loss_mask & torch.isfinite(value), loss_mask, torch.exp(exponent), exponent)
+    return LogRatio(value, loss_mask & finite(value), loss_mask, torch.exp(exponent), exponent)
 
 
 class EngineGap(NamedTuple):
@@ -65,10 +65,10 @@ def engine_gap(
     track the worst tokens; max locates samples but never carries the 0.01 line.
     """
     gap = masked_difference(rollout_logprobs, old_logprobs, loss_mask).abs()
-    valid = loss_mask & torch.isfinite(gap)
+    valid = loss_mask & finite(gap)
     total = torch.where(valid, gap, 0.0).double().sum()
-    count = valid.sum()
-    return EngineGap(total, count, fraction(total, count), masked_quantiles(gap, valid, quantiles))
+    tokens = count(valid)
+    return EngineGap(total, tokens, fraction(total, tokens), masked_quantiles(gap, valid, quantiles))
 
 
 class OnPolicyCheck(NamedTuple):
@@ -87,22 +87,22 @@ def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float, rows: Tensor |
     """
     valid = lr.valid if rows is None else lr.valid & rows.unsqueeze(1)
     outside = valid & ((lr.ratio > 1.0 + eps_high) | (lr.ratio < 1.0 - eps_low))
-    checked = valid.sum()
-    return OnPolicyCheck(outside.sum(), checked, fraction(outside.sum(), checked), masked_max(lr.value.abs(), valid))
+    checked, out = count(valid), count(outside)
+    return OnPolicyCheck(out, checked, fraction(out, checked), masked_max(lr.value.abs(), valid))
 
 
 def nonfinite_count(x: Tensor, mask: Tensor | None = None) -> Tensor:
     """Number of NaN/Inf entries of ``x`` (only where ``mask`` is True, when given)."""
-    bad = ~torch.isfinite(x)
-    return (bad & mask).sum() if mask is not None else bad.sum()
+    bad = nonfinite(x)
+    return count(bad & mask) if mask is not None else count(bad)
 
 
 def nonfinite_ratio_count(lr: LogRatio) -> tuple[Tensor, Tensor]:
     """Non-finite log ratios and ratios on loss tokens; the ratio is exp(log ratio) in fp32 without clamp,
     so it also counts the tokens that would overflow where exp comes before the clamp (seed 4.2)."""
-    bad_lr = lr.loss_mask & ~torch.isfinite(lr.value)
-    bad_ratio = lr.loss_mask & ~torch.isfinite(lr.ratio)
-    return bad_lr.sum(), bad_ratio.sum()
+    bad_lr = lr.loss_mask & nonfinite(lr.value)
+    bad_ratio = lr.loss_mask & nonfinite(lr.ratio)
+    return count(bad_lr), count(bad_ratio)
 
 
 class MaskAudit(NamedTuple):
@@ -125,7 +125,7 @@ def mask_audit(loss_mask: Tensor, completion_lengths: Tensor, completion_mask: T
     * outside completion: loss tokens on positions that are not completion tokens (prompt, tool, padding),
       judged by ``completion_mask`` when given, else by t < completion_lengths.
     """
-    counts = loss_mask.sum(dim=1)
+    counts = count(loss_mask, dim=1)
     lengths = completion_lengths.to(counts.dtype)
     positions = completion_mask if completion_mask is not None else completion_positions(
         completion_lengths, loss_mask.shape[1]
@@ -133,7 +133,7 @@ def mask_audit(loss_mask: Tensor, completion_lengths: Tensor, completion_mask: T
     return MaskAudit(
         ((counts > 0) & (counts != lengths)).sum(),
         ((counts == 0) & (lengths > 0)).sum(),
-        (loss_mask & ~positions).sum(),
+        count(loss_mask & ~positions),
     )
 
 
@@ -148,7 +148,8 @@ def clamp_hits(lr: LogRatio, bound: float) -> ClampHits:
     Non-finite log ratios count as hits: they are what the fuse exists for.
     """
     reached = lr.loss_mask & ~(lr.value.abs() < bound * (1.0 - 1e-6))
-    return ClampHits(reached.sum(), fraction(reached.sum(), lr.loss_mask.sum()))
+    hits = count(reached)
+    return ClampHits(hits, fraction(hits, count(lr.loss_mask)))
 
 
 def total_norm(tensors: Sequence[Tensor]) -> Tensor:
@@ -175,6 +176,6 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Reading:
     """Mean per-token KL(pi_theta || pi_ref) by the k3 estimator exp(d) - d - 1, d = ref - logp (Schulman),
     in fp32 over finite loss tokens; unbiased and non-negative per token."""
     d = masked_difference(ref_logprobs, logprobs, loss_mask)
-    valid = loss_mask & torch.isfinite(d)
+    valid = loss_mask & finite(d)
     d = torch.where(valid, d, 0.0)
     return masked_mean(torch.exp(d) - d - 1.0, valid)

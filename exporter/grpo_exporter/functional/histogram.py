@@ -113,9 +113,8 @@ def nearest_edges(value: float) -> tuple[float, float]:
 def _order_statistics(h: Histogram, ranks: Tensor) -> Tensor:
     """The ``ranks``-th smallest values (0-based, fp64 ranks), read at bucket middles, clamped to [min, max]."""
     cum = h.counts.cumsum(0)
-    bucket = torch.searchsorted(cum, ranks.to(cum.dtype), right=True).clamp(max=BUCKETS - 1)
-    value = _midpoints(h.counts.device)[bucket]
-    return torch.minimum(torch.maximum(value, h.minimum.double()), h.maximum.double())
+    bucket = torch.searchsorted(cum, ranks.to(cum.dtype), right=True).clamp_(max=BUCKETS - 1)
+    return _midpoints(h.counts.device)[bucket].clamp_(h.minimum.double(), h.maximum.double())
 
 
 class Quantiles(NamedTuple):
@@ -144,7 +143,7 @@ def quantile_values(h: Histogram, quantiles: Sequence[float]) -> Tensor:
     position = (n - 1).clamp(min=0) * q
     lower = position.floor()
     upper = torch.minimum(lower + 1, (n - 1).clamp(min=0))
-    v0, v1 = _order_statistics(h, lower), _order_statistics(h, upper)
+    v0, v1 = _order_statistics(h, torch.cat([lower, upper])).chunk(2)
     t = position - lower
     value = torch.where((t > 0) & (v1 != v0), v0 + (v1 - v0) * t, v0)  # never inf - inf, never 0 * inf
     value = torch.where(q == 0, h.minimum.double(), torch.where(q == 1, h.maximum.double(), value))

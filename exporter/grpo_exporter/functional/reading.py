@@ -7,6 +7,7 @@ tensor beside the value; the value is forced to 0 where absent so no NaN ever le
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -44,21 +45,25 @@ def reading(value: Tensor, present: Tensor) -> Reading:
 
 
 def always(value: Tensor) -> Reading:
-    """A reading that is always present: counts, where 0 is a true zero."""
-    return Reading(value, torch.ones((), dtype=torch.bool, device=value.device))
+    """A reading that is always present: counts, where 0 is a true zero (one shared flag per device)."""
+    return Reading(value, _true(value.device))
+
+
+@functools.lru_cache(maxsize=16)
+def _true(device: torch.device) -> Tensor:
+    return torch.ones((), dtype=torch.bool, device=device)
 
 
 def fraction(numerator: Tensor, denominator: Tensor) -> Ratio:
     """numerator / denominator in fp64 (counts above 2^24 stay exact), absent when the denominator is 0."""
     num, den = numerator.double(), denominator.double()
     present = den > 0
-    value = torch.where(present, num / torch.where(present, den, 1.0), 0.0)
-    return Ratio(value, present, num, den)
+    return Ratio(torch.where(present, num / den, 0.0), present, num, den)  # 0/0 never leaves the where
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Ratio:
     """Mean of ``x`` over ``mask`` in fp32 (fp64 accumulation of the count), absent for an empty mask."""
-    return fraction(torch.where(mask, x.float(), 0.0).double().sum(), mask.sum())
+    return fraction(torch.where(mask, x.float(), 0.0).double().sum(), count(mask))
 
 
 def masked_max(x: Tensor, mask: Tensor) -> Extreme:
@@ -70,5 +75,21 @@ def masked_max(x: Tensor, mask: Tensor) -> Extreme:
 
 
 def finite(x: Tensor) -> Tensor:
-    """Bool tensor: ``x`` is neither NaN nor +-Inf."""
-    return torch.isfinite(x)
+    """Bool tensor: ``x`` is neither NaN nor +-Inf. ``x * 0 == 0`` is two elementwise passes where
+    ``torch.isfinite`` takes five on CPU (abs, ne, eq, mul, and); integers and bools are always finite."""
+    if not x.is_floating_point():
+        return torch.ones_like(x, dtype=torch.bool)
+    return (x * 0) == 0
+
+
+def nonfinite(x: Tensor) -> Tensor:
+    """Bool tensor: ``x`` is NaN or +-Inf (``x * 0 != 0``; see :func:`finite`)."""
+    if not x.is_floating_point():
+        return torch.zeros_like(x, dtype=torch.bool)
+    return (x * 0) != 0
+
+
+def count(mask: Tensor, dim: int | None = None) -> Tensor:
+    """True entries of a bool tensor (int64), over ``dim`` or all: ``count_nonzero`` reads a bool tensor ~4x
+    faster than ``sum`` on CPU."""
+    return torch.count_nonzero(mask, dim=dim)

@@ -19,7 +19,7 @@ from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.gradient import LogRatio
 from grpo_exporter.functional.groups import Groups, group_stats
 from grpo_exporter.functional.histogram import masked_quantiles
-from grpo_exporter.functional.reading import Ratio, Reading, fraction, masked_max
+from grpo_exporter.functional.reading import Ratio, Reading, count, finite, fraction, masked_max
 
 
 def clip_log_widths(eps_low: float, eps_high: float) -> tuple[float, float]:
@@ -36,9 +36,34 @@ def symmetric_eps_high(eps_low: float) -> float:
     return eps_low / (1.0 - eps_low)
 
 
-def token_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:
-    """Advantages per token: (N,) broadcast along the sequence, (N, T) as given; fp32."""
-    return advantages.float().unsqueeze(1).expand(shape) if advantages.dim() == 1 else advantages.float()
+class SignedRows(NamedTuple):
+    """Where the advantage has each sign: per row (``rows``: (N, 1) bool, broadcast over tokens) for
+    sequence-level advantages, per token for (N, T) ones; every mask already holds the loss mask's zeros only
+    for the token form (callers AND the loss mask, or count through ``row_tokens``)."""
+
+    positive: Tensor
+    negative: Tensor
+    zero: Tensor
+    per_row: bool
+
+
+def advantage_signs(advantages: Tensor, loss_mask: Tensor) -> SignedRows:
+    """Finite advantages by sign. An (N,) advantage is judged once per row, never expanded to (N, T): a
+    sequence-level advantage costs O(N), not O(N T)."""
+    if advantages.dim() == 1:
+        a = advantages.float().unsqueeze(1)
+        ok = finite(a)
+        return SignedRows(ok & (a > 0), ok & (a < 0), ok & (a == 0), True)
+    a = advantages.float()
+    signed = loss_mask & finite(a)
+    return SignedRows(signed & (a > 0), signed & (a < 0), signed & (a == 0), False)
+
+
+def _tokens(selected: Tensor, signs: SignedRows, row_tokens: Tensor) -> Tensor:
+    """Loss tokens in ``selected``: by rows (``row_tokens`` (N,) loss tokens per row) or by tokens."""
+    if signs.per_row:
+        return (row_tokens * selected.squeeze(1)).sum()
+    return count(selected)
 
 
 class Effective(NamedTuple):
@@ -51,10 +76,11 @@ class Effective(NamedTuple):
 
 
 def shifted_weight_sums(log_weights: Tensor, valid: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum w, sum w^2) with w = exp(log_weights - shift) over ``valid``, fp64; ``shift`` >= every log weight
-    keeps every w <= 1 (no overflow); ESS is scale invariant, so any common shift gives the same ratio."""
-    w = torch.where(valid, torch.exp((log_weights.double() - shift).clamp(max=0.0)), 0.0)
-    return w.sum(), w.square().sum()
+    """(sum w, sum w^2) with w = exp(log_weights - shift) over ``valid``; ``shift`` >= every log weight keeps
+    every w <= 1 (no overflow); ESS is scale invariant, so any common shift gives the same ratio. The weights
+    are fp32 (relative error ~1e-7 each; fp64 exp costs ~15x on CPU), the sums fp64."""
+    w = torch.where(valid, torch.exp((log_weights.float() - shift.float()).clamp(max=0.0)), 0.0)
+    return w.double().sum(), w.square().double().sum()
 
 
 def ess_from_sums(s1: Tensor, s2: Tensor, n: Tensor) -> Ratio:
@@ -67,7 +93,7 @@ def _ess(log_weights: Tensor, valid: Tensor) -> Effective:
     huge ratios neither overflow nor vanish."""
     shift = masked_max(log_weights, valid).value.double()
     s1, s2 = shifted_weight_sums(log_weights, valid, shift)
-    r = ess_from_sums(s1, s2, valid.sum())
+    r = ess_from_sums(s1, s2, count(valid))
     return Effective(r.value, r.present, log_weights, valid)
 
 
@@ -89,12 +115,10 @@ class SignCounts(NamedTuple):
     zero: Tensor
 
 
-def advantage_sign_tokens(token_adv: Tensor, loss_mask: Tensor) -> SignCounts:
-    """Loss tokens with a finite advantage, by sign."""
-    valid = loss_mask & torch.isfinite(token_adv)
-    return SignCounts(
-        (valid & (token_adv > 0)).sum(), (valid & (token_adv < 0)).sum(), (valid & (token_adv == 0)).sum()
-    )
+def advantage_sign_tokens(advantages: Tensor, loss_mask: Tensor) -> SignCounts:
+    """Loss tokens with a finite advantage, by sign (``advantages`` (N,) or (N, T))."""
+    signs, row_tokens = advantage_signs(advantages, loss_mask), count(loss_mask, dim=1)
+    return SignCounts(*(_tokens(m, signs, row_tokens) for m in (signs.positive, signs.negative, signs.zero)))
 
 
 class ClipCounts(NamedTuple):
@@ -108,7 +132,7 @@ class ClipCounts(NamedTuple):
 
 
 def clip_counts(
-    lr: LogRatio, token_adv: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float
+    lr: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float
 ) -> ClipCounts:
     """Truly clipped tokens by bound, the opposite-sign out-of-range tokens apart, and per-step fractions
     normalised by the tokens of the gating sign (upper / positive-advantage, lower / negative-advantage).
@@ -118,21 +142,32 @@ def clip_counts(
     a token whose log ratio is not finite cannot be classified and is never counted as clipped.
     ``reachable``: the positive-advantage tokens where the upper clip can bind at all, p_old < 1/(1+eps_high)
     (r = p_new/p_old <= 1/p_old): in a solved task most positive tokens sit at p_old ~1 and a missing upper
-    clip says nothing about asymmetry.
+    clip says nothing about asymmetry. ``advantages`` (N,) or (N, T); (N,) is counted per row (O(N) after one
+    row sum per token mask).
     """
-    signed = lr.loss_mask & torch.isfinite(token_adv)
-    positive, negative = signed & (token_adv > 0), signed & (token_adv < 0)
-    above, below = lr.valid & (lr.ratio > 1.0 + eps_high), lr.valid & (lr.ratio < 1.0 - eps_low)
-    upper, lower = (positive & above).sum(), (negative & below).sum()
+    signs = advantage_signs(advantages, lr.loss_mask)
+    above = lr.valid & (lr.ratio > 1.0 + eps_high)
+    below = lr.valid & (lr.ratio < 1.0 - eps_low)
     room = torch.where(lr.loss_mask, old_logprobs.float(), 0.0) < -math.log1p(eps_high)
+    if signs.per_row:
+        pos, neg = signs.positive.squeeze(1), signs.negative.squeeze(1)
+        above_rows, below_rows, room_rows = count(above, 1), count(below, 1), count(room, 1)
+        row_tokens = count(lr.loss_mask, 1)
+        upper, lower = (above_rows * pos).sum(), (below_rows * neg).sum()
+        return ClipCounts(
+            (room_rows * pos).sum(), upper, lower, (above_rows * neg).sum(), (below_rows * pos).sum(),
+            fraction(upper, (row_tokens * pos).sum()), fraction(lower, (row_tokens * neg).sum()),
+        )
+    positive, negative = signs.positive, signs.negative
+    upper, lower = count(positive & above), count(negative & below)
     return ClipCounts(
-        (positive & room).sum(),
+        count(positive & room),
         upper,
         lower,
-        (negative & above).sum(),
-        (positive & below).sum(),
-        fraction(upper, positive.sum()),
-        fraction(lower, negative.sum()),
+        count(negative & above),
+        count(positive & below),
+        fraction(upper, count(positive)),
+        fraction(lower, count(negative)),
     )
 
 
@@ -141,10 +176,10 @@ def importance_weight_quantiles(lr: LogRatio, quantiles: Sequence[float]) -> Rea
     return masked_quantiles(lr.ratio, lr.valid, quantiles)
 
 
-def zero_advantage_share(token_adv: Tensor, loss_mask: Tensor) -> Reading:
+def zero_advantage_share(advantages: Tensor, loss_mask: Tensor) -> Reading:
     """Share of loss tokens (finite advantage) whose advantage is exactly 0: gradient dilution."""
-    valid = loss_mask & torch.isfinite(token_adv)
-    return fraction((valid & (token_adv == 0)).sum(), valid.sum())
+    counts = advantage_sign_tokens(advantages, loss_mask)
+    return fraction(counts.zero, counts.positive + counts.negative + counts.zero)
 
 
 class ZeroVariance(NamedTuple):
