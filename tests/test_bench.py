@@ -63,8 +63,16 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     text = bench.table(results, long)
     assert "| 10," in text
     assert "After 30 steps" in text
-    assert main(["bench", "--sizes", "1e4", "--rounds", "1", "--long-steps", "20"]) == 0
-    assert "naive / monitor" in capsys.readouterr().out
+    assert main(["bench", "--sizes", "1e4", "--rounds", "1", "--long-steps", "20", "--worker-widths", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "naive / monitor" in out
+    assert "| 64 |" in out  # the edit-distance job's row
+
+
+def test_worker_cost_reports_every_pair_against_the_budgeted_draw() -> None:
+    cost = bench.worker_cost(4096)
+    assert cost.full_pairs == 4 * G * (G - 1) // 2
+    assert 1 <= cost.budgeted_pairs <= 8  # the pair cap at T = 4096
 
 
 def test_constant_vectors_are_made_once_per_device_and_dtype() -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter import catalog
-from grpo_exporter.edit_distance import median_normalized_edit_distance, rows_to_groups
+from grpo_exporter.edit_distance import median_normalized_edit_distance, pair_cap, rows_to_groups
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.publication import Publication
 
@@ -33,11 +33,17 @@ def edit_distance_carry(inputs: StepInputs, groups_sampled: int, group_size: int
 
 
 class EditDistanceWorker:
-    """One job at a time: a rollout's sampled groups arrive while the previous job runs are skipped."""
+    """One job at a time: a rollout's sampled groups arrive while the previous job runs are skipped. Each job
+    is bounded by ``budget_s`` of wall time and a pair cap that shrinks as 1/T^2
+    (:mod:`grpo_exporter.edit_distance`)."""
 
-    def __init__(self, publication: Publication, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self, publication: Publication, on_error: Callable[[BaseException], None], budget_s: float = 0.02
+    ) -> None:
         self._publication = publication
         self._on_error = on_error
+        self._budget_s = budget_s
+        self._jobs = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-exporter-edit-distance")
         self._job: Future[None] | None = None
 
@@ -45,12 +51,15 @@ class EditDistanceWorker:
         """Hand over the carried rows (``ed_ids``, ``ed_lengths``, ``ed_group``) of ``width`` tokens."""
         if "ed_ids" not in carried or (self._job is not None and not self._job.done()):
             return
-        groups = rows_to_groups(carried["ed_ids"], carried["ed_lengths"], carried["ed_group"], width)
-        self._job = self._pool.submit(self._run, groups)
+        self._jobs += 1
+        self._job = self._pool.submit(self._run, carried, width, self._jobs)
 
-    def _run(self, groups: list[list[list[int]]]) -> None:
+    def _run(self, carried: dict[str, list[float]], width: int, job: int) -> None:
         try:
-            median = median_normalized_edit_distance(groups)
+            groups = rows_to_groups(carried["ed_ids"], carried["ed_lengths"], carried["ed_group"], width)
+            median, _ = median_normalized_edit_distance(
+                groups, self._budget_s, pair_cap(width, self._budget_s), seed=job
+            )
             family = catalog.metric("grpo_edit_distance_median_ratio")
             with self._publication.writing:
                 self._publication.merge({} if median is None else {family.key(): median}, [family.name])

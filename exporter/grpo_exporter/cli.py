@@ -111,7 +111,8 @@ def _bench(args: argparse.Namespace) -> int:
     results, long = bench.run(sizes, args.rounds, args.long_steps, args.device)
     print(f"grpo-exporter bench on {platform.machine()}, {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}, device {args.device}; medians of {args.rounds} interleaved rounds\n")
-    print(bench.table(results, long))
+    widths = [int(w) for w in args.worker_widths.split(",") if w]
+    print(bench.table(results, long, [bench.worker_cost(w) for w in widths]))
     return 0
 
 
@@ -164,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=15, help="timed rounds per size (after two warm-up rounds)")
     bench.add_argument("--long-steps", type=int, default=10_000, help="small steps for the RSS and series check")
     bench.add_argument("--device", default="cpu", help="torch device of the synthetic step (e.g. cuda)")
+    bench.add_argument("--worker-widths", default="256,1024,4096",
+                       help="completion widths T for the edit-distance job's cost, comma-separated ('' = skip)")
     bench.set_defaults(run=_bench)
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")
     hashing.add_argument("--password", help="the password (prompted for when omitted)")

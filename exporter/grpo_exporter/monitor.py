@@ -122,7 +122,8 @@ class GRPOMonitor:
         self._components = ComponentNames(config.max_reward_components)
         self._closed = False
         self._edit_worker = EditDistanceWorker(
-            self._publication, lambda exc: self._report.error("rollout", exc, "edit distance worker")
+            self._publication, lambda exc: self._report.error("rollout", exc, "edit distance worker"),
+            self.config.edit_distance_budget_s,
         )
         self._publication.merge(static_values(config))
         self._publication.publish()

@@ -106,6 +106,10 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     edit_distance_groups: int = Field(
         4, ge=0, description="groups per rollout whose in-group edit distance is computed off-thread; 0 = off"
     )
+    edit_distance_budget_s: float = Field(
+        0.02, gt=0, le=10, description="wall time one rollout's edit-distance job may take on its worker thread; "
+        "its pairs are also capped at the work this buys (fewer as T grows, ~1/T^2), drawn in random order",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -9,6 +9,7 @@ runs off the step and is timed apart (``worker``).
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from prometheus_client import generate_latest
 from grpo_exporter.bench.naive import EPS_HIGH, EPS_LOW, floor_step, naive_step
 from grpo_exporter.bench.probes import counting, operators, rss_bytes
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, Workload, make
+from grpo_exporter.edit_distance import median_normalized_edit_distance, pair_cap
 from grpo_exporter.monitor import GRPOMonitor
 
 SIZES = (10_000, 64_000, 256_000, 1_000_000, 4_000_000)
@@ -151,7 +153,34 @@ def run(sizes: Sequence[int] = SIZES, rounds: int = 15, long_steps: int = 10_000
     return [measure_size(size, rounds, dev) for size in sizes], long_run(long_steps, dev)
 
 
-def table(results: Sequence[SizeResult], long: LongRun) -> str:
+WORKER_WIDTHS = (256, 1024, 4096)
+
+
+@dataclass(frozen=True)
+class WorkerCost:
+    """One rollout's edit-distance job (4 groups of G completions of ``width`` tokens): every pair, against
+    the default budget (time and pair cap)."""
+
+    width: int
+    full_s: float
+    full_pairs: int
+    budgeted_s: float
+    budgeted_pairs: int
+
+
+def worker_cost(width: int, budget_s: float = 0.02) -> WorkerCost:
+    gen = random.Random(width)
+    base = [gen.randrange(1000) for _ in range(width)]
+    groups = [[[t if gen.random() > 0.3 else gen.randrange(1000) for t in base] for _ in range(G)] for _ in range(4)]
+    start = time.perf_counter()
+    _, full_pairs = median_normalized_edit_distance(groups)
+    full_s = time.perf_counter() - start
+    start = time.perf_counter()
+    _, pairs = median_normalized_edit_distance(groups, budget_s, pair_cap(width, budget_s))
+    return WorkerCost(width, full_s, full_pairs, time.perf_counter() - start, pairs)
+
+
+def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[WorkerCost] = ()) -> str:
     """The bench's report as markdown."""
     lines = [
         "| loss tokens | N x T | monitor step | naive | floor | naive / monitor | monitor / floor | worker after step "
@@ -170,4 +199,9 @@ def table(results: Sequence[SizeResult], long: LongRun) -> str:
         f"After {long.steps:,} steps: RSS {long.rss_late_bytes / 2**20:.1f} MiB (at step {max(1, long.steps // 10):,}: "
         f"{long.rss_early_bytes / 2**20:.1f} MiB), series {long.series_late} (then {long.series_early})."
     )
+    if workers:
+        lines += ["", "| edit-distance job, T | every pair | pairs | with the default budget (0.02 s, pair cap) "
+                  "| pairs |", "|---|---|---|---|---|"]
+        lines += [f"| {c.width} | {c.full_s * 1e3:.1f} ms | {c.full_pairs} | {c.budgeted_s * 1e3:.1f} ms "
+                  f"| {c.budgeted_pairs} |" for c in workers]
     return "\n".join(lines)
