@@ -3,6 +3,8 @@ asserted as times here) and its probes."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from grpo_exporter import bench
@@ -41,6 +43,9 @@ def test_probes_count_host_reads_and_python_data_and_restore_torch() -> None:
         float(x[0])
         torch.tensor([1, 2])
         torch.tensor(x)  # from a tensor: not Python data
+        worker = threading.Thread(target=lambda: (x.tolist(), torch.tensor([3])))  # off the training thread
+        worker.start()
+        worker.join()
     assert counts.host_reads == 3
     assert counts.from_python == 1
     assert torch.Tensor.item is item

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_exporter import GRPOMonitor
-from grpo_exporter.edit_distance import MIN_PAIRS, median_normalized_edit_distance, pair_cap
+from grpo_exporter.edit_distance import MAX_PAIRS, MIN_PAIRS, median_normalized_edit_distance, pair_cap
 
 
 def levenshtein(a: list[int], b: list[int]) -> int:
@@ -40,8 +40,9 @@ def test_small_groups_are_exact():
 
 
 def test_the_pair_cap_shrinks_as_one_over_t_squared():
-    assert pair_cap(1024, 0.02) // 4 == pair_cap(2048, 0.02)  # int(122.07), int(30.5)
-    assert pair_cap(256, 0.02) > 16 * 15 // 2 * 4  # short completions: every pair of four groups of 16
+    assert pair_cap(1024, 0.02) == 122  # 2e6 word operations / (1024 x 16)
+    assert pair_cap(2048, 0.02) == 30  # a quarter at twice the width
+    assert pair_cap(256, 0.02) == MAX_PAIRS  # short completions: a sample of 128 pairs is enough for a median
     assert pair_cap(8192, 0.02) == MIN_PAIRS
 
 

@@ -6,7 +6,8 @@ edit distance between completions of the same prompt falls earlier.
 Cost: rapidfuzz's bit-parallel Levenshtein takes ~len(a) x ceil(len(b) / 64) word operations per pair, so a
 group of 16 completions of 4096 tokens (120 pairs) is ~3e7 operations, a quarter of a second on one core, on
 the cores training uses. Two bounds keep it off training's back: the pairs of one rollout are drawn in a seeded
-random order and capped at ``pair_cap`` (:func:`pair_cap`, a work budget: fewer pairs as T grows, as 1/T^2),
+random order and capped at ``pair_cap`` (:func:`pair_cap`: at most 128, and the work the budget buys: fewer
+pairs as T grows, as 1/T^2),
 and the worker stops drawing once ``budget_s`` of wall time has passed. The median is over the pairs computed:
 an unbiased sample of the sampled groups' pairs.
 """
@@ -20,16 +21,19 @@ import time
 from collections.abc import Sequence
 
 from rapidfuzz.distance import Levenshtein
+from torch import Tensor
 
 WORD_OPS_PER_SECOND = 1e8  # conservative single-core rate of the bit-parallel kernel (measured ~3e8 on CI)
 MIN_PAIRS = 8
+YIELD_EVERY_S = 0.001
+MAX_PAIRS = 128  # a median of 128 random pairs is within ~0.1 standard deviations of the groups' median
 
 
 def pair_cap(width: int, budget_s: float) -> int:
     """Pairs one rollout may compute at completion width ``width``: the work ``budget_s`` buys at
-    WORD_OPS_PER_SECOND, at least MIN_PAIRS (a median of fewer says little)."""
+    WORD_OPS_PER_SECOND, at least MIN_PAIRS (a median of fewer says little), at most MAX_PAIRS."""
     per_pair = max(1, width) * math.ceil(max(1, width) / 64)
-    return max(MIN_PAIRS, int(budget_s * WORD_OPS_PER_SECOND / per_pair))
+    return min(MAX_PAIRS, max(MIN_PAIRS, int(budget_s * WORD_OPS_PER_SECOND / per_pair)))
 
 
 def median_normalized_edit_distance(
@@ -44,19 +48,24 @@ def median_normalized_edit_distance(
         random.Random(seed).shuffle(pairs)
     if max_pairs is not None:
         pairs = pairs[:max_pairs]
-    start = time.perf_counter()
+    start = last_yield = time.perf_counter()
     distances: list[float] = []
     for g, i, j in pairs:
         distances.append(Levenshtein.normalized_distance(groups[g][i], groups[g][j]))
-        if time.perf_counter() - start > budget_s:
+        now = time.perf_counter()
+        if now - start > budget_s:
             break
+        if now - last_yield > YIELD_EVERY_S:  # hand the GIL back: training waits at most ~1 ms for this thread
+            time.sleep(0)
+            last_yield = time.perf_counter()
     return (statistics.median(distances) if distances else None), len(distances)
 
 
-def rows_to_groups(ids: list[float], lengths: list[float], group: list[float], width: int) -> list[list[list[int]]]:
-    """Rebuild token lists per group from the flattened carried rows (ids row-major, padded to ``width``)."""
+def rows_to_groups(ids: Tensor, lengths: Tensor, group: Tensor, width: int) -> list[list[list[int]]]:
+    """Token lists per group from the carried rows (CPU tensors: ids row-major, padded to ``width``; fp64
+    holds token ids exactly)."""
+    rows = ids.reshape(-1, width).long()
     by_group: dict[int, list[list[int]]] = {}
-    for row, (length, g) in enumerate(zip(lengths, group, strict=True)):
-        tokens = [int(t) for t in ids[row * width : row * width + int(length)]]
-        by_group.setdefault(int(g), []).append(tokens)
+    for row, (length, g) in enumerate(zip(lengths.long().tolist(), group.long().tolist(), strict=True)):
+        by_group.setdefault(g, []).append(rows[row, :length].tolist())
     return list(by_group.values())

@@ -162,10 +162,11 @@ class _Gather:
 
     def transfer(
         self, merger: Merger | None, stage_tags: set[str]
-    ) -> tuple[StepMetrics, dict[str, list[float]], frozenset[str]]:
+    ) -> tuple[StepMetrics, dict[str, Tensor], frozenset[str]]:
         """The single device-to-host transfer of the step: every reading, the value checks of the inputs (a
         numeric mask holding other values than 0 and 1), with ``merger`` what the merge across ranks needs,
-        and the carried vectors; then, on the host, the checks and the merge."""
+        and the carried vectors; then, on the host, the checks and the merge. The carried vectors stay CPU
+        tensors (views of the transferred block): whoever reads them converts them, off the training thread."""
         parts, positions = _pack(self.entries)
         width = sum(p.numel() for p in parts)
         parts += [count.reshape(1).double() for _, count in self.checks]
@@ -173,7 +174,10 @@ class _Gather:
         if extra is not None:
             parts.append(extra)
         parts += [t.reshape(-1).to(self.device, torch.float64) for t in self.carried.values()]
-        packed = torch.cat([p.to(self.device) for p in parts]).tolist() if parts else []
+        block = torch.cat([p.to(self.device) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+        host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
+        carried_width = sum(t.numel() for t in self.carried.values())
+        packed = host[: host.numel() - carried_width].tolist()
         out = {e.key: packed[v] for e, (v, p) in zip(self.entries, positions, strict=True) if packed[p]}
         families = frozenset(catalog.family_of(e.key.sample).name for e in self.entries)
         offset = width
@@ -193,7 +197,7 @@ class _Gather:
             offset += width
         carried = {}
         for name, t in self.carried.items():
-            carried[name] = packed[offset : offset + t.numel()]
+            carried[name] = host[offset : offset + t.numel()]
             offset += t.numel()
         return out, carried, families
 
@@ -213,7 +217,7 @@ class StepResult(NamedTuple):
     replaces; a family that failed keeps describing its last computation)."""
 
     metrics: StepMetrics
-    carried: dict[str, list[float]]
+    carried: dict[str, Tensor]
     errors: list[tuple[str, Exception]]
     families: frozenset[str]
 

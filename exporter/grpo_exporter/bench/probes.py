@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,20 +24,23 @@ class Counts:
 def counting() -> Iterator[Counts]:
     """Count, while inside, the host reads of tensors (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``,
     ``bool(t)``, ...: each a device-to-host transfer and a sync on an accelerator) and ``torch.tensor(data)``
-    calls from Python data (each a host-to-device copy on an accelerator)."""
+    calls from Python data (each a host-to-device copy on an accelerator), made on the calling (training)
+    thread: the edit-distance worker's conversions of rows already on the host are not the step's."""
     counts = Counts()
+    training = threading.get_ident()
     saved: dict[str, Any] = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
     make = torch.tensor
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            counts.host_reads += 1
+            if threading.get_ident() == training:
+                counts.host_reads += 1
             return original(self, *args, **kwargs)
 
         return counted
 
     def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not isinstance(data, torch.Tensor):
+        if not isinstance(data, torch.Tensor) and threading.get_ident() == training:
             counts.from_python += 1
         return make(data, *args, **kwargs)
 
