@@ -64,7 +64,8 @@ def test_constant_input_reads_back_exactly(value):
     exact = x[0].item()  # the value in fp32
     r = hist.masked_quantiles(x, torch.ones_like(x, dtype=torch.bool), QS)
     assert r.value.tolist() == [exact] * len(QS)  # clamped into [min, max] = [value, value]
-    assert hist.top_fraction_mean(x, torch.ones_like(x, dtype=torch.bool), 0.2).value.item() == exact
+    top = hist.top_fraction_mean(x, torch.ones_like(x, dtype=torch.bool), 0.2).value.item()
+    assert top == pytest.approx(exact, rel=TOL)  # no minimum is kept for it: within the bucket's error
 
 
 @settings(max_examples=100, deadline=None)

@@ -23,7 +23,7 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
 from grpo_exporter.functional.histogram import Histogram, Quantiles, cumulative_buckets
-from grpo_exporter.functional.reading import always, finite, fraction, reading
+from grpo_exporter.functional.reading import always, count, finite, fraction, nonfinite, reading
 from grpo_exporter.inputs import InputError, StepInputs
 
 StepMetrics = dict[str, float]
@@ -260,14 +260,27 @@ def compute_step_carrying(
 
 
 class _Context:
-    """The step's inputs, config, groups, and the log ratio computed once."""
+    """The step's inputs, config, groups, and what several blocks read, computed once: each token input on
+    the loss mask (fp32, 0 elsewhere), the loss tokens per row, the log ratio."""
 
     def __init__(self, x: StepInputs, cfg: MetricsConfig) -> None:
         self.x, self.cfg = x, cfg
-        mask = x.loss_mask
+        self._masked: dict[str, Tensor] = {}
         self.lr = None
-        if mask is not None and x.logprobs is not None and x.old_logprobs is not None:
-            self.lr = gradient.log_ratio(x.logprobs, x.old_logprobs, mask, cfg.log_ratio_clamp)
+        if x.loss_mask is not None and x.logprobs is not None and x.old_logprobs is not None:
+            difference = self.masked("logprobs") - self.masked("old_logprobs")
+            self.lr = gradient.log_ratio_of(difference, x.loss_mask, cfg.log_ratio_clamp)
+
+    def masked(self, name: str) -> Tensor:
+        """Input ``name`` on the loss mask in fp32, 0 elsewhere (padding never enters arithmetic)."""
+        if name not in self._masked:
+            self._masked[name] = torch.where(self.x.loss_mask, getattr(self.x, name).float(), 0.0)
+        return self._masked[name]
+
+    @functools.cached_property
+    def row_tokens(self) -> Tensor:
+        """(N,) loss tokens per row."""
+        return count(self.x.loss_mask, dim=1)
 
     @functools.cached_property
     def groups(self) -> Groups | None:
@@ -284,9 +297,8 @@ def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
     x, mask = c.x, c.x.loss_mask
     if mask is not None:
         for name in ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy"):
-            value = getattr(x, name)
-            if value is not None:
-                g.add("grpo_nonfinite_values_total", gradient.nonfinite_count(value, mask), tensor=name)
+            if getattr(x, name) is not None:  # 0 off the mask: counted over the whole masked tensor
+                g.add("grpo_nonfinite_values_total", count(nonfinite(c.masked(name))), tensor=name)
     if x.advantages is not None and (x.advantages.dim() == 1 or mask is not None):
         adv_mask = None if x.advantages.dim() == 1 else mask
         g.add("grpo_nonfinite_values_total", gradient.nonfinite_count(x.advantages, adv_mask), tensor="advantages")
@@ -305,7 +317,8 @@ def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
 def _engine_gap(g: _Gather, c: _Context) -> None:
     x, cfg = c.x, c.cfg
     if x.loss_mask is not None and x.rollout_logprobs is not None and x.old_logprobs is not None:
-        gap = gradient.engine_gap(x.rollout_logprobs, x.old_logprobs, x.loss_mask, cfg.gap_quantiles)
+        difference = c.masked("rollout_logprobs") - c.masked("old_logprobs")
+        gap = gradient.engine_gap_of(difference, x.loss_mask, cfg.gap_quantiles)
         g.summary("grpo_engine_logprob_gap_nats", gap.total, gap.count, gap.quantiles, cfg.gap_quantiles)
         g.histogram("grpo_token_engine_logprob_gap_nats", gap.quantiles.histogram, gap.total)
         g.add("grpo_engine_logprob_gap_mean_nats", gap.mean)
@@ -335,7 +348,7 @@ def _log_ratio_checks(g: _Gather, c: _Context) -> None:
         g.add("grpo_onpolicy_outside_clip_ratio", check.outside_ratio)
         g.add("grpo_onpolicy_log_ratio_abs_max_nats", check.abs_log_ratio_max)
     if cfg.log_ratio_clamp is not None:
-        hits = gradient.clamp_hits(lr, cfg.log_ratio_clamp)
+        hits = gradient.clamp_hits(lr, cfg.log_ratio_clamp, c.row_tokens.sum())
         g.add("grpo_log_ratio_clamp_hit_tokens_total", hits.hits)
         g.add("grpo_log_ratio_clamp_hit_ratio", hits.hit_ratio)
 
@@ -348,7 +361,7 @@ def _log_ratio_checks(g: _Gather, c: _Context) -> None:
 def _mask_audit(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.completion_lengths is not None:
-        audit = gradient.mask_audit(x.loss_mask, x.completion_lengths, x.completion_mask)
+        audit = gradient.mask_audit(x.loss_mask, x.completion_lengths, x.completion_mask, c.row_tokens)
         g.add("grpo_loss_mask_length_mismatch_sequences_total", audit.length_mismatch)
         g.add("grpo_loss_mask_empty_sequences_total", audit.empty)
         g.add("grpo_loss_mask_outside_completion_tokens_total", audit.outside_completion)
@@ -358,7 +371,7 @@ def _mask_audit(g: _Gather, c: _Context) -> None:
 def _kl(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.logprobs is not None and x.ref_logprobs is not None:
-        g.add("grpo_kl_ref_nats", gradient.kl_k3(x.logprobs, x.ref_logprobs, x.loss_mask))
+        g.add("grpo_kl_ref_nats", gradient.kl_k3_of(c.masked("ref_logprobs") - c.masked("logprobs"), x.loss_mask))
 
 
 @produces(
@@ -459,7 +472,7 @@ def _advantage_signs(g: _Gather, c: _Context) -> None:
     mask, advantages = c.x.loss_mask, c.x.advantages
     if mask is None or advantages is None:
         return
-    signs = samples.advantage_sign_tokens(advantages, mask)
+    signs = samples.advantage_sign_tokens(advantages, mask, c.row_tokens)
     for sign, value in zip(catalog.ADVANTAGE_SIGNS, signs, strict=True):
         g.add("grpo_update_tokens_total", value, advantage_sign=sign)
     total = signs.positive + signs.negative + signs.zero
@@ -490,7 +503,8 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
 def _clipping(g: _Gather, c: _Context) -> None:
     if c.lr is None or c.x.advantages is None or c.x.old_logprobs is None:
         return
-    clip = samples.clip_counts(c.lr, c.x.advantages, c.x.old_logprobs, c.cfg.clip_eps_low, c.cfg.clip_eps_high)
+    clip = samples.clip_counts(c.lr, c.x.advantages, c.masked("old_logprobs"), c.cfg.clip_eps_low,
+                               c.cfg.clip_eps_high, c.row_tokens, old_masked=True)
     g.add("grpo_upper_clip_reachable_tokens_total", clip.reachable)
     g.add("grpo_clipped_tokens_total", clip.upper, bound="upper")
     g.add("grpo_clipped_tokens_total", clip.lower, bound="lower")

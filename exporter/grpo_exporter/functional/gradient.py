@@ -44,7 +44,11 @@ def log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor, clamp: 
     ratio is then exp(clamp(log ratio)), as the loss sees it: a finite log ratio above 88.7 is a fuse hit,
     not an overflow. Without it the ratio is exp(log ratio) and such a token counts as a non-finite ratio.
     """
-    value = masked_difference(logprobs, old_logprobs, loss_mask)
+    return log_ratio_of(masked_difference(logprobs, old_logprobs, loss_mask), loss_mask, clamp)
+
+
+def log_ratio_of(value: Tensor, loss_mask: Tensor, clamp: float | None = None) -> LogRatio:
+    """:func:`log_ratio` from the fp32 difference already taken on loss tokens (0 elsewhere)."""
     exponent = value if clamp is None else value.clamp(-clamp, clamp)
     return LogRatio(value, loss_mask & finite(value), loss_mask, torch.exp(exponent), exponent)
 
@@ -64,7 +68,12 @@ def engine_gap(
     Seed (第 3 篇 §3): mean < 0.001 is usually healthy, mean near or above 0.01 stop and check; p99/p99.9
     track the worst tokens; max locates samples but never carries the 0.01 line.
     """
-    gap = masked_difference(rollout_logprobs, old_logprobs, loss_mask).abs()
+    return engine_gap_of(masked_difference(rollout_logprobs, old_logprobs, loss_mask), loss_mask, quantiles)
+
+
+def engine_gap_of(difference: Tensor, loss_mask: Tensor, quantiles: Sequence[float]) -> EngineGap:
+    """:func:`engine_gap` from rollout - old already taken on loss tokens (fp32, 0 elsewhere)."""
+    gap = difference.abs()
     valid = loss_mask & finite(gap)
     total = torch.where(valid, gap, 0.0).double().sum()
     tokens = count(valid)
@@ -117,7 +126,10 @@ def completion_positions(completion_lengths: Tensor, width: int) -> Tensor:
     return t.unsqueeze(0) < completion_lengths.unsqueeze(1)
 
 
-def mask_audit(loss_mask: Tensor, completion_lengths: Tensor, completion_mask: Tensor | None = None) -> MaskAudit:
+def mask_audit(
+    loss_mask: Tensor, completion_lengths: Tensor, completion_mask: Tensor | None = None,
+    row_tokens: Tensor | None = None,
+) -> MaskAudit:
     """Audit the loss mask against the rollout engine's completion lengths (seed 第 2 步).
 
     * length mismatch: sequences with loss tokens whose loss-token count differs from their length;
@@ -125,7 +137,7 @@ def mask_audit(loss_mask: Tensor, completion_lengths: Tensor, completion_mask: T
     * outside completion: loss tokens on positions that are not completion tokens (prompt, tool, padding),
       judged by ``completion_mask`` when given, else by t < completion_lengths.
     """
-    counts = count(loss_mask, dim=1)
+    counts = count(loss_mask, dim=1) if row_tokens is None else row_tokens
     lengths = completion_lengths.to(counts.dtype)
     positions = completion_mask if completion_mask is not None else completion_positions(
         completion_lengths, loss_mask.shape[1]
@@ -142,14 +154,14 @@ class ClampHits(NamedTuple):
     hit_ratio: Reading
 
 
-def clamp_hits(lr: LogRatio, bound: float) -> ClampHits:
+def clamp_hits(lr: LogRatio, bound: float, loss_tokens: Tensor | None = None) -> ClampHits:
     """Loss tokens whose |log ratio| reached the numerical clamp ``bound`` (the fuse; seed 4.2-4.3).
 
-    Non-finite log ratios count as hits: they are what the fuse exists for.
+    Non-finite log ratios count as hits: they are what the fuse exists for. The log ratio is 0 off the loss
+    mask, so the positions below the bound are counted over the whole tensor and the rest are the hits.
     """
-    reached = lr.loss_mask & ~(lr.value.abs() < bound * (1.0 - 1e-6))
-    hits = count(reached)
-    return ClampHits(hits, fraction(hits, count(lr.loss_mask)))
+    hits = lr.value.numel() - count(lr.value.abs() < bound * (1.0 - 1e-6))
+    return ClampHits(hits, fraction(hits, count(lr.loss_mask) if loss_tokens is None else loss_tokens))
 
 
 def total_norm(tensors: Sequence[Tensor]) -> Tensor:
@@ -175,7 +187,11 @@ def relative_update(before: Sequence[Tensor], after: Sequence[Tensor]) -> Readin
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Reading:
     """Mean per-token KL(pi_theta || pi_ref) by the k3 estimator exp(d) - d - 1, d = ref - logp (Schulman),
     in fp32 over finite loss tokens; unbiased and non-negative per token."""
-    d = masked_difference(ref_logprobs, logprobs, loss_mask)
+    return kl_k3_of(masked_difference(ref_logprobs, logprobs, loss_mask), loss_mask)
+
+
+def kl_k3_of(d: Tensor, loss_mask: Tensor) -> Reading:
+    """:func:`kl_k3` from d = ref - logp already taken on loss tokens (fp32, 0 elsewhere)."""
     valid = loss_mask & finite(d)
     d = torch.where(valid, d, 0.0)
     return masked_mean(torch.exp(d) - d - 1.0, valid)

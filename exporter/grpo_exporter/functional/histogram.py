@@ -50,19 +50,26 @@ class Histogram(NamedTuple):
     maximum: Tensor
 
 
-def histogram(x: Tensor, valid: Tensor) -> Histogram:
+def histogram(x: Tensor, valid: Tensor, exact_min: bool = True) -> Histogram:
     """The fine histogram of ``x`` over ``valid`` positions (any shape, same shape as ``valid``).
 
     One pass of integer ops on the bits and one ``bincount``; ``valid`` must exclude NaN (callers pass loss
-    mask and finiteness; +inf is a valid value and lands in the top bucket)."""
+    mask and finiteness; +inf is a valid value and lands in the top bucket). ``exact_min=False`` saves two
+    passes where no reading needs the minimum (no q = 0): it is then 0, a lower bound of these non-negative
+    distributions, and readings are clamped at 0 below."""
     values = x.float().contiguous()
     key = values.view(torch.int32).clamp(min=1)  # negatives and -0.0 (bits <= 0) go to bucket 0
     key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
     key = torch.where(valid, key, _TRASH)
     counts = torch.bincount(key.flatten(), minlength=BUCKETS + 1)[:BUCKETS]
-    lowest = torch.where(valid, values, math.inf).amin()
+    lowest = torch.where(valid, values, math.inf).amin() if exact_min else _zero(values.device)
     highest = torch.where(valid, values, -math.inf).amax()
     return Histogram(counts, lowest, highest)
+
+
+@functools.lru_cache(maxsize=8)
+def _zero(device: torch.device) -> Tensor:
+    return torch.zeros((), dtype=torch.float32, device=device)
 
 
 def upper_edges(device: torch.device) -> Tensor:
@@ -164,8 +171,9 @@ def top_mean_value(h: Histogram, fraction: float) -> Tensor:
 
 
 def masked_quantiles(x: Tensor, valid: Tensor, quantiles: Sequence[float]) -> Quantiles:
-    """Quantiles of ``x`` over ``valid`` positions (relative error <= 2^-8), absent when none is valid."""
-    h = histogram(x, valid)
+    """Quantiles of ``x`` (non-negative) over ``valid`` positions (relative error <= 2^-8), absent when none is
+    valid; the exact minimum is taken only when q = 0 is asked for."""
+    h = histogram(x, valid, exact_min=0.0 in quantiles)
     r = reading(quantile_values(h, quantiles).float(), h.counts.sum() > 0)
     return Quantiles(r.value, r.present, h, tuple(quantiles))
 
@@ -176,7 +184,7 @@ def top_fraction_mean(x: Tensor, valid: Tensor, fraction: float, h: Histogram | 
     The set has a fixed share of the step's positions, so the value is comparable across steps even as the
     policy sharpens (seed, 高不确定性位置的熵, remedy 3: quantile instead of an absolute threshold).
     """
-    h = histogram(x, valid) if h is None else h
+    h = histogram(x, valid, exact_min=False) if h is None else h
     r = reading(top_mean_value(h, fraction).float(), h.counts.sum() > 0)
     return TopMean(r.value, r.present, h, fraction)
 

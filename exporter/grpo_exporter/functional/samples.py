@@ -115,9 +115,11 @@ class SignCounts(NamedTuple):
     zero: Tensor
 
 
-def advantage_sign_tokens(advantages: Tensor, loss_mask: Tensor) -> SignCounts:
-    """Loss tokens with a finite advantage, by sign (``advantages`` (N,) or (N, T))."""
-    signs, row_tokens = advantage_signs(advantages, loss_mask), count(loss_mask, dim=1)
+def advantage_sign_tokens(advantages: Tensor, loss_mask: Tensor, row_tokens: Tensor | None = None) -> SignCounts:
+    """Loss tokens with a finite advantage, by sign (``advantages`` (N,) or (N, T); ``row_tokens``: the loss
+    tokens per row, when the caller has them)."""
+    signs = advantage_signs(advantages, loss_mask)
+    row_tokens = count(loss_mask, dim=1) if row_tokens is None else row_tokens
     return SignCounts(*(_tokens(m, signs, row_tokens) for m in (signs.positive, signs.negative, signs.zero)))
 
 
@@ -132,7 +134,8 @@ class ClipCounts(NamedTuple):
 
 
 def clip_counts(
-    lr: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float
+    lr: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float,
+    row_tokens: Tensor | None = None, old_masked: bool = False,
 ) -> ClipCounts:
     """Truly clipped tokens by bound, the opposite-sign out-of-range tokens apart, and per-step fractions
     normalised by the tokens of the gating sign (upper / positive-advantage, lower / negative-advantage).
@@ -143,16 +146,18 @@ def clip_counts(
     ``reachable``: the positive-advantage tokens where the upper clip can bind at all, p_old < 1/(1+eps_high)
     (r = p_new/p_old <= 1/p_old): in a solved task most positive tokens sit at p_old ~1 and a missing upper
     clip says nothing about asymmetry. ``advantages`` (N,) or (N, T); (N,) is counted per row (O(N) after one
-    row sum per token mask).
+    row sum per token mask). ``old_logprobs`` may hold anything off the loss mask (padding), unless
+    ``old_masked`` (it is 0 there); ``row_tokens``: the loss tokens per row, when the caller has them.
     """
     signs = advantage_signs(advantages, lr.loss_mask)
     above = lr.valid & (lr.ratio > 1.0 + eps_high)
     below = lr.valid & (lr.ratio < 1.0 - eps_low)
-    room = torch.where(lr.loss_mask, old_logprobs.float(), 0.0) < -math.log1p(eps_high)
+    old = old_logprobs.float() if old_masked else torch.where(lr.loss_mask, old_logprobs.float(), 0.0)
+    room = old < -math.log1p(eps_high)  # 0 off the mask: never below
     if signs.per_row:
         pos, neg = signs.positive.squeeze(1), signs.negative.squeeze(1)
         above_rows, below_rows, room_rows = count(above, 1), count(below, 1), count(room, 1)
-        row_tokens = count(lr.loss_mask, 1)
+        row_tokens = count(lr.loss_mask, 1) if row_tokens is None else row_tokens
         upper, lower = (above_rows * pos).sum(), (below_rows * neg).sum()
         return ClipCounts(
             (room_rows * pos).sum(), upper, lower, (above_rows * neg).sum(), (below_rows * pos).sum(),
