@@ -743,7 +743,11 @@ for _m in CATALOG:
 
 def is_additive(key: str) -> bool:
     """Whether a sample accumulates across steps: counters, and the _sum/_count/_bucket samples."""
-    sample = key.sample if isinstance(key, SampleKey) else parse_key(key)[0]
+    return _is_additive_sample(key.sample if isinstance(key, SampleKey) else parse_key(key)[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_additive_sample(sample: str) -> bool:
     family = family_of(sample)
     return family.type is MetricType.COUNTER or sample != family.name
 

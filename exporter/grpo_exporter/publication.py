@@ -15,6 +15,7 @@ anchored families, :mod:`grpo_exporter.anchors`) on its way in, whichever thread
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Iterable, Mapping
@@ -72,9 +73,18 @@ class Publication:
 
 def duration_increments(stage: str, seconds: float) -> dict[str, float]:
     """One observation of ``grpo_observe_duration_seconds{stage}`` as histogram increments."""
-    family = metric("grpo_observe_duration_seconds")
-    increments = {family.key("_sum", stage=stage): seconds, family.key("_count", stage=stage): 1.0}
-    for bound in (*family.buckets, math.inf):
-        le = "+Inf" if bound == math.inf else format_quantile(bound)
-        increments[family.key("_bucket", stage=stage, le=le)] = float(seconds <= bound)
+    total, number, buckets = _duration_keys(stage)
+    increments = {total: seconds, number: 1.0}
+    for key, bound in buckets:
+        increments[key] = float(seconds <= bound)
     return increments
+
+
+@functools.lru_cache(maxsize=32)
+def _duration_keys(stage: str) -> tuple[SampleKey, SampleKey, tuple[tuple[SampleKey, float], ...]]:
+    family = metric("grpo_observe_duration_seconds")
+    buckets = tuple(
+        (family.key("_bucket", stage=stage, le="+Inf" if bound == math.inf else format_quantile(bound)), bound)
+        for bound in (*family.buckets, math.inf)
+    )
+    return family.key("_sum", stage=stage), family.key("_count", stage=stage), buckets

@@ -109,6 +109,20 @@ def families_of(blocks: Sequence[Block]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for block in blocks for name in block.families))  # type: ignore[attr-defined]
 
 
+@functools.lru_cache(maxsize=256)
+def _quantile_keys(name: str, qs: tuple[float, ...], labels: tuple[tuple[str, str], ...]) -> tuple[SampleKey, ...]:
+    family = catalog.metric(name)
+    return tuple(family.key(quantile=format_quantile(q), **dict(labels)) for q in qs)
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_keys(name: str, labels: tuple[tuple[str, str], ...]) -> tuple[SampleKey, ...]:
+    """The ``_bucket`` keys of a histogram family, +Inf last."""
+    family = catalog.metric(name)
+    return tuple(family.key("_bucket", le="+Inf" if b == math.inf else format_quantile(b), **dict(labels))
+                 for b in (*family.buckets, math.inf))
+
+
 class _Gather:
     """Collects readings keyed by catalogue sample keys, then transfers them to the host in one go."""
 
@@ -131,9 +145,8 @@ class _Gather:
     def summary(
         self, name: str, total: Tensor, count: Tensor, r: Quantiles, qs: Sequence[float], **labels: str
     ) -> None:
-        family = catalog.metric(name)
-        for i, q in enumerate(qs):
-            self.entries.append(Entry(family.key(quantile=format_quantile(q), **labels), r, i))
+        for i, key in enumerate(_quantile_keys(name, tuple(qs), tuple(labels.items()))):
+            self.entries.append(Entry(key, r, i))
         self.add(name, total, "_sum", **labels)
         self.add(name, count, "_count", **labels)
 
@@ -142,11 +155,11 @@ class _Gather:
         catalogue's bounds, which are fine edges), ``_sum`` (``total``) and ``_count`` (the +Inf bucket)."""
         family = catalog.metric(name)
         buckets = always(cumulative_buckets(h, family.buckets))  # one vector reading: one part of the transfer
-        for i, bound in enumerate((*family.buckets, math.inf)):
-            le = "+Inf" if bound == math.inf else format_quantile(bound)
-            self.entries.append(Entry(family.key("_bucket", le=le, **labels), buckets, i))
+        keys = _bucket_keys(name, tuple(labels.items()))
+        for i, key in enumerate(keys):
+            self.entries.append(Entry(key, buckets, i))
         self.add(name, total, "_sum", **labels)
-        self.entries.append(Entry(family.key("_count", **labels), buckets, len(family.buckets)))
+        self.entries.append(Entry(family.key("_count", **labels), buckets, len(keys) - 1))
 
     def run(self, block: Block, ctx: _Context, strict: bool) -> None:
         """Run one metric block; on error drop what it added and mark its families failed (strict: re-raise)."""

@@ -9,10 +9,12 @@ runs off the step and is timed apart (``worker``).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,8 @@ class SizeResult:
     from_python: int
     render_s: float
     exposition_bytes: int
+    syncs: int | None = None  # CUDA: synchronising calls per step (set_sync_debug_mode("warn"))
+    update_sync_error: str = ""  # CUDA: what "error" mode around the micro-batch updates raised
 
     @property
     def vs_naive(self) -> float:
@@ -68,18 +72,54 @@ def new_monitor() -> GRPOMonitor:
                        guard="off")
 
 
-def monitor_step(mon: GRPOMonitor, w: Workload, step: int) -> None:
-    """One training step as a loop hands it to the monitor."""
+def monitor_step(mon: GRPOMonitor, w: Workload, step: int, update_sync: str | None = None) -> None:
+    """One training step as a loop hands it to the monitor; ``update_sync`` (CUDA): the
+    ``torch.cuda.set_sync_debug_mode`` around the micro-batch ``observe_update`` calls, which must never
+    synchronise ("error" raises on the first that does)."""
     mon.observe_rollout(step, rewards=w.rewards, correct=w.correct, truncated=w.truncated,
                         rollout_logprobs=w.rollout, old_logprobs=w.old, loss_mask=w.mask,
                         completion_lengths=w.lengths, completion_ids=w.completion_ids, prompt_ids=w.prompt_ids)
     rows = w.n // MICRO_BATCHES
     for k in range(MICRO_BATCHES):
         s = slice(k * rows, (k + 1) * rows)
-        mon.observe_update(step, logprobs=w.new[s], old_logprobs=w.old[s], advantages=w.advantages[s],
-                           loss_mask=w.mask[s], entropy=w.entropy[s], ref_logprobs=w.ref[s], on_policy=step % 2 == 0)
+        with _sync_debug(update_sync):
+            mon.observe_update(step, logprobs=w.new[s], old_logprobs=w.old[s], advantages=w.advantages[s],
+                               loss_mask=w.mask[s], entropy=w.entropy[s], ref_logprobs=w.ref[s],
+                               on_policy=step % 2 == 0)
     mon.observe_update(step, grad_norm_pre_clip=torch.ones((), device=w.old.device), max_grad_norm=1.0)
     mon.end_step()
+
+
+@contextlib.contextmanager
+def _sync_debug(mode: str | None) -> Iterator[None]:
+    if mode is None:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def synchronizations(mon: GRPOMonitor, w: Workload, step: int) -> tuple[int, str]:
+    """On CUDA: (synchronising calls in one whole step, counted with set_sync_debug_mode("warn") - the
+    step's transfers; what "error" mode around the micro-batch observe_update calls raised, "" if nothing)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _sync_debug("warn"):
+            monitor_step(mon, w, step)
+    syncs = sum(1 for c in caught if "synchroniz" in str(c.message).lower())
+    strict = GRPOMonitor(run="bench-sync", group_size=G, clip_eps=(EPS_LOW, EPS_HIGH), port=None,
+                         close_linger_s=0, guard="off", strict=True)  # contained, an error would only be counted
+    try:
+        monitor_step(strict, w, step, update_sync="error")
+        raised = ""
+    except RuntimeError as exc:
+        raised = str(exc).splitlines()[0][:200]
+    finally:
+        strict.close()
+    return syncs, raised
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -112,6 +152,12 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         with counting() as counts:
             monitor_step(mon, w, step)
         mon.wait_for_workers()
+        syncs: int | None = None
+        raised = ""
+        if w.old.device.type == "cuda":
+            step += 1
+            syncs, raised = synchronizations(mon, w, step)
+            mon.wait_for_workers()
         renders = [_timed(lambda: generate_latest(mon.registry)) for _ in range(20)]
         size = len(generate_latest(mon.registry))
     finally:
@@ -121,6 +167,7 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         loss_tokens=w.loss_tokens, n=w.n, t=w.t, monitor_s=median["monitor"], naive_s=median["naive"],
         floor_s=median["floor"], worker_s=median["worker"], operators=ops, host_reads=counts.host_reads,
         from_python=counts.from_python, render_s=statistics.median(renders), exposition_bytes=size,
+        syncs=syncs, update_sync_error=raised,
     )
 
 
@@ -199,6 +246,11 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
         f"After {long.steps:,} steps: RSS {long.rss_late_bytes / 2**20:.1f} MiB (at step {max(1, long.steps // 10):,}: "
         f"{long.rss_early_bytes / 2**20:.1f} MiB), series {long.series_late} (then {long.series_early})."
     )
+    cuda = [r for r in results if r.syncs is not None]
+    if cuda:
+        lines += ["", "| loss tokens | synchronising calls per step (sync debug \"warn\") "
+                  "| micro-batch observe_update under sync debug \"error\" |", "|---|---|---|"]
+        lines += [f"| {r.loss_tokens:,} | {r.syncs} | {r.update_sync_error or 'no synchronisation'} |" for r in cuda]
     if workers:
         lines += ["", "| edit-distance job, T | every pair | pairs | with the default budget (0.02 s, pair cap) "
                   "| pairs |", "|---|---|---|---|---|"]
