@@ -3,8 +3,11 @@ long completions, published by the monitor's worker thread."""
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
+import sys
+import threading
 
 import pytest
 import torch
@@ -69,3 +72,13 @@ def test_the_monitor_publishes_the_median_from_its_worker():
         got = mon.metrics()["grpo_edit_distance_median_ratio"]
     rows = [ids[i, : lengths[i]].tolist() for i in range(4)]
     assert got == pytest.approx(reference([rows]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are a Linux feature")
+def test_the_worker_thread_runs_at_the_lowest_priority():
+    """On cores training keeps busy the job takes only what training leaves (nice 19 for its thread only)."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with GRPOMonitor(run="nice", group_size=4, port=None, guard="off", close_linger_s=0.0) as mon:
+        job = mon._edit_worker._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert job.result(timeout=10) == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the training thread's: untouched

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -32,6 +35,13 @@ def edit_distance_carry(inputs: StepInputs, groups_sampled: int, group_size: int
     return {"ed_ids": inputs.completion_ids[rows], "ed_lengths": lengths[rows], "ed_group": groups.index[rows]}
 
 
+def _lowest_priority() -> None:
+    """Nice 19 for this thread (Linux schedules threads as tasks): on cores training keeps busy, the
+    edit-distance job takes only what training leaves. Elsewhere, or when refused, it keeps the default."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 class EditDistanceWorker:
     """One job at a time: a rollout's sampled groups arrive while the previous job runs are skipped. Each job
     is bounded by ``budget_s`` of wall time and a pair cap that shrinks as 1/T^2
@@ -44,7 +54,9 @@ class EditDistanceWorker:
         self._on_error = on_error
         self._budget_s = budget_s
         self._jobs = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-exporter-edit-distance")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="grpo-exporter-edit-distance", initializer=_lowest_priority
+        )
         self._job: Future[None] | None = None
 
     def submit(self, carried: dict[str, list[float]], width: int) -> None:
