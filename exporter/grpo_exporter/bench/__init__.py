@@ -149,7 +149,7 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         ops = operators(lambda s=step: monitor_step(mon, w, s))
         mon.wait_for_workers()
         step += 1
-        with counting() as counts:
+        with counting(device) as counts:
             monitor_step(mon, w, step)
         mon.wait_for_workers()
         syncs: int | None = None

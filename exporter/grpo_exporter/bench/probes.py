@@ -21,19 +21,22 @@ class Counts:
 
 
 @contextlib.contextmanager
-def counting() -> Iterator[Counts]:
+def counting(device: torch.device | str = "cpu") -> Iterator[Counts]:
     """Count, while inside, the host reads of tensors (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``,
     ``bool(t)``, ...: each a device-to-host transfer and a sync on an accelerator) and ``torch.tensor(data)``
     calls from Python data (each a host-to-device copy on an accelerator), made on the calling (training)
-    thread: the edit-distance worker's conversions of rows already on the host are not the step's."""
+    thread: the edit-distance worker's conversions of rows already on the host are not the step's. A read
+    counts when its tensor lives on ``device`` (the bench's): on an accelerator, reading values already
+    copied to the host is not another transfer."""
     counts = Counts()
     training = threading.get_ident()
+    kind = torch.device(device).type
     saved: dict[str, Any] = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
     make = torch.tensor
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == training:
+            if threading.get_ident() == training and self.device.type == kind:
                 counts.host_reads += 1
             return original(self, *args, **kwargs)
 

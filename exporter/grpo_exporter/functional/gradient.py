@@ -60,19 +60,13 @@ class EngineGap(NamedTuple):
     quantiles: Reading
 
 
-def engine_gap(
-    rollout_logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor, quantiles: Sequence[float]
-) -> EngineGap:
-    """|rollout_logprobs - old_logprobs| on finite loss tokens, nats: sum, count, mean and quantiles.
+def engine_gap_of(difference: Tensor, loss_mask: Tensor, quantiles: Sequence[float]) -> EngineGap:
+    """|rollout_logprobs - old_logprobs| on finite loss tokens, nats, from ``difference`` = rollout - old
+    already taken on loss tokens (fp32, 0 elsewhere): sum, count, mean and quantiles.
 
     Seed (第 3 篇 §3): mean < 0.001 is usually healthy, mean near or above 0.01 stop and check; p99/p99.9
     track the worst tokens; max locates samples but never carries the 0.01 line.
     """
-    return engine_gap_of(masked_difference(rollout_logprobs, old_logprobs, loss_mask), loss_mask, quantiles)
-
-
-def engine_gap_of(difference: Tensor, loss_mask: Tensor, quantiles: Sequence[float]) -> EngineGap:
-    """:func:`engine_gap` from rollout - old already taken on loss tokens (fp32, 0 elsewhere)."""
     gap = difference.abs()
     valid = loss_mask & finite(gap)
     total = torch.where(valid, gap, 0.0).double().sum()
@@ -184,14 +178,10 @@ def relative_update(before: Sequence[Tensor], after: Sequence[Tensor]) -> Readin
     return fraction(delta, total_norm(before))
 
 
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Reading:
-    """Mean per-token KL(pi_theta || pi_ref) by the k3 estimator exp(d) - d - 1, d = ref - logp (Schulman),
-    in fp32 over finite loss tokens; unbiased and non-negative per token."""
-    return kl_k3_of(masked_difference(ref_logprobs, logprobs, loss_mask), loss_mask)
-
-
 def kl_k3_of(d: Tensor, loss_mask: Tensor) -> Reading:
-    """:func:`kl_k3` from d = ref - logp already taken on loss tokens (fp32, 0 elsewhere)."""
+    """Mean per-token KL(pi_theta || pi_ref) by the k3 estimator exp(d) - d - 1 (Schulman), from d = ref - logp
+    already taken on loss tokens (fp32, 0 elsewhere), over finite loss tokens; unbiased and non-negative per
+    token."""
     valid = loss_mask & finite(d)
     d = torch.where(valid, d, 0.0)
     return masked_mean(torch.exp(d) - d - 1.0, valid)

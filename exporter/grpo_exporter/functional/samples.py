@@ -37,9 +37,9 @@ def symmetric_eps_high(eps_low: float) -> float:
 
 
 class SignedRows(NamedTuple):
-    """Where the advantage has each sign: per row (``rows``: (N, 1) bool, broadcast over tokens) for
-    sequence-level advantages, per token for (N, T) ones; every mask already holds the loss mask's zeros only
-    for the token form (callers AND the loss mask, or count through ``row_tokens``)."""
+    """Where the advantage is finite and of each sign: (N, 1) bool per row for sequence-level advantages
+    (``per_row``; count loss tokens through the loss tokens per row), (N, T) for token-level ones, where the
+    loss mask is already applied."""
 
     positive: Tensor
     negative: Tensor
@@ -179,12 +179,6 @@ def clip_counts(
 def importance_weight_quantiles(lr: LogRatio, quantiles: Sequence[float]) -> Reading:
     """Quantiles of the per-token ratio exp(log ratio) over finite loss tokens (may be +Inf, never NaN)."""
     return masked_quantiles(lr.ratio, lr.valid, quantiles)
-
-
-def zero_advantage_share(advantages: Tensor, loss_mask: Tensor) -> Reading:
-    """Share of loss tokens (finite advantage) whose advantage is exactly 0: gradient dilution."""
-    counts = advantage_sign_tokens(advantages, loss_mask)
-    return fraction(counts.zero, counts.positive + counts.negative + counts.zero)
 
 
 class ZeroVariance(NamedTuple):
