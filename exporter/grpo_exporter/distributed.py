@@ -17,7 +17,7 @@ merges as the catalogue says (:class:`~grpo_exporter.catalog.Merge`):
   (component names registered in another order) is absent, and the error is counted.
 
 Counts, sums, means, fractions and extremes equal those of the concatenated batch (up to fp64 rounding), ESS
-within ~1e-7 (its weights are fp32);
+within 1e-6 (its weights are fp32);
 quantiles and top-fraction means are exactly those the single process reads from the concatenated batch's
 histogram (within relative error 2^-8 of the exact order statistics, min and max exact).
 Group metrics assume every group lives on one rank, as GRPO data loaders do.
@@ -156,7 +156,7 @@ class StageMerge:
         self.ess = [i for i, s in enumerate(slots) if s.merge is Merge.ESS]
         self.extreme = [i for i, s in enumerate(slots) if s.merge in (Merge.MAX, Merge.SAME)]
         self.additive = [i for i, s in enumerate(slots) if s.merge is Merge.SUM]
-        self.sketched = [i for i, s in enumerate(slots) if s.merge is Merge.HISTOGRAM]
+        self.histogrammed = [i for i, s in enumerate(slots) if s.merge is Merge.HISTOGRAM]
         self.problems: list[str] = []
         self.readings: dict[int, Entry] = {}
 
@@ -164,7 +164,7 @@ class StageMerge:
 
     def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor:
         """[numerator, denominator] per RATIO slot, [max log weight, sum w, sum w^2, n] per ESS slot, and
-        [max, -min, counts...] per sketched distribution; fp64, absent = 0. Each slot's own value and presence
+        [max, -min, counts...] per distribution; fp64, absent = 0. Each slot's own value and presence
         are not repeated here: they reach the host with the step's local values (:meth:`merge`)."""
         slots = self.layout.slots
         readings: dict[int, Entry] = {}
@@ -196,7 +196,7 @@ class StageMerge:
             s1, s2 = samples.shifted_weight_sums(log_w, valid, torch.where(torch.isfinite(top), top, 0.0))
             parts.append(torch.stack([top, s1, s2, valid.sum().double()]))
         for d in range(self.layout.distributions):
-            member = next((readings[i] for i in self.sketched if self.layout.slots[i].distribution == d
+            member = next((readings[i] for i in self.histogrammed if self.layout.slots[i].distribution == d
                            and i in readings), None)
             if member is None:
                 parts.append(torch.cat([torch.full((2,), -math.inf, dtype=torch.float64, device=device),
@@ -287,7 +287,7 @@ class StageMerge:
             merged[i] = float(r.value)
             g_present[i] = float(r.present)
         hists = sum_pack[o:].view(self.layout.distributions, histogram.BUCKETS)
-        for i in self.sketched:
+        for i in self.histogrammed:
             s = slots[i]
             counts, largest, smallest = hists[s.distribution], g_dist[s.distribution, 0], -g_dist[s.distribution, 1]
             if counts.sum() <= 0:

@@ -72,21 +72,16 @@ def _zero(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.float32, device=device)
 
 
-def upper_edges(device: torch.device) -> Tensor:
-    """(BUCKETS,) fp64 upper edge of each bucket (the top one +inf)."""
-    return _upper_edges(torch.device(device))
-
-
-@functools.lru_cache(maxsize=8)
-def _upper_edges(device: torch.device) -> Tensor:
+def _upper_edges() -> Tensor:
+    """(BUCKETS,) fp64 upper edge of each bucket (the top one +inf), on the CPU."""
     bits = (torch.arange(BUCKETS - 1, dtype=torch.int64) + _FIRST) << _SHIFT
     edges = bits.to(torch.int32).view(torch.float32).double()
-    return torch.cat([edges, torch.tensor([math.inf], dtype=torch.float64)]).to(device)
+    return torch.cat([edges, torch.tensor([math.inf], dtype=torch.float64)])
 
 
 @functools.lru_cache(maxsize=8)
 def _midpoints(device: torch.device) -> Tensor:
-    upper = _upper_edges(torch.device("cpu"))
+    upper = _upper_edges()
     lower = torch.cat([torch.zeros(1, dtype=torch.float64), upper[:-1]])
     middle = (lower + upper) / 2
     middle[0] = 0.0  # [0, 2^-32] reads as 0 (or the minimum): an engine gap of exact zeros reads 0
