@@ -11,7 +11,18 @@ import pytest
 import torch
 from torch import nn
 
-from grpo_exporter.checks import abc_consistency, accumulation_equivalence, mask_table, nll_reach
+from grpo_exporter import GRPOMonitor
+from grpo_exporter.catalog import PREFLIGHT_CHECKS
+from grpo_exporter.checks import (
+    ABCReport,
+    AccumulationReport,
+    MaskTableReport,
+    ReachReport,
+    abc_consistency,
+    accumulation_equivalence,
+    mask_table,
+    nll_reach,
+)
 
 V, T, N = 32, 12, 8
 
@@ -239,3 +250,25 @@ def test_the_guide_example_runs_as_written():
     text = (Path(__file__).parent.parent / "docs" / "checks.md").read_text()
     code = text.split("```py\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "docs/checks.md", "exec"), {"__name__": "guide"})
+
+
+def test_the_monitor_publishes_each_checks_last_verdict():
+    good = mask_table(TOKENS, ATTENTION, LOSS, SOURCES)
+    bad = mask_table(TOKENS, ATTENTION, [1, *LOSS[1:]], SOURCES)
+    with GRPOMonitor(run="pre", group_size=4, port=None, guard="off", close_linger_s=0.0) as mon:
+        mon.publish_check(good)
+        tokens, mask = batch()
+        model = TinyLM().eval()
+        mon.publish_check(abc_consistency(lambda: model(tokens), lambda: model(tokens), mask))
+        mon.publish_check(bad)  # the last run of a check replaces its verdict
+        values = mon.metrics()
+        with pytest.raises(TypeError, match=r"publish_check: report: expected a report of .*got dict"):
+            mon.publish_check({"passed": True})
+    assert values['grpo_preflight_check_passed{check="mask_table"}'] == 0.0
+    assert values['grpo_preflight_check_passed{check="abc_consistency"}'] == 1.0
+    assert not any("nll_reach" in k for k in values)
+
+
+def test_every_report_names_a_check_the_catalogue_declares():
+    reports = (ABCReport, AccumulationReport, ReachReport, MaskTableReport)
+    assert sorted(r.CHECK for r in reports) == sorted(PREFLIGHT_CHECKS)

@@ -14,6 +14,7 @@ import torch
 from batches import make_batch
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.catalog import CATALOG, family_of
+from grpo_exporter.checks import mask_table
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.dashboards import NOT_SHOWN, build, dashboard_files, specs, training_health
 from grpo_exporter.mixin.render import rules_outputs
@@ -111,6 +112,7 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
         )
         stop = threading.Event()
         fed: list[int] = []
+        mon.publish_check(mask_table([1, 2], [1, 1], [0, 1], ["prompt", "completion"]))  # preflight, before training
 
         def train() -> None:  # training goes on while someone reads the dashboards, as in real life
             model = torch.nn.Linear(4, 3)

@@ -20,6 +20,7 @@ import torch
 from batches import make_batch
 from grpo_exporter import GRPOMonitor, PortInUseError, hash_password
 from grpo_exporter.catalog import CATALOG, MetricType
+from grpo_exporter.checks import mask_table
 from grpo_exporter.metric_docs import series_per_run
 from monitor_helpers import feed, parse_exposition, registry_value, rollout_kwargs, scrape, update_kwargs
 
@@ -140,6 +141,7 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
         mon.observe_retrieval(step, torch.randn(48, 6), torch.arange(48) // 8)
     mon.observe_update(3, logprobs=x.logprobs[:, :3], old_logprobs=x.old_logprobs)  # counted error
     mon.flush()
+    mon.publish_check(mask_table([1, 2], [1, 1], [0, 1], ["prompt", "completion"]))
     mon.wait_for_workers()
     return mon, scrape(mon.url)
 

@@ -229,6 +229,7 @@ NONFINITE_TENSORS = (
     "grad_norm",
 )
 ADVANTAGE_SIGNS = ("positive", "negative", "zero")
+PREFLIGHT_CHECKS = ("abc_consistency", "accumulation_equivalence", "nll_reach", "mask_table")
 CLIP_BOUNDS = ("upper", "lower")
 OUTCOMES = ("correct", "incorrect", "all")
 ZERO_VARIANCE_OUTCOMES = ("all_correct", "all_incorrect", "unknown")
@@ -625,6 +626,13 @@ CATALOG: tuple[Metric, ...] = (
         "a slow drift or absorb a persistent fault into a trailing baseline. Labels as grpo_reference_baseline.",
         L, labels=(Label("metric", bound="anchored families"), Label("labels", bound="their sample labels")),
         source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_preflight_check_passed", GA,
+        "1 when the last run of a preflight check (grpo_exporter.checks, published with "
+        "GRPOMonitor.publish_check) passed, 0 when it failed: the seed's 0/1 tests before any curve (fix, never "
+        "tune). Absent until a check is published.",
+        G, labels=(Label("check", PREFLIGHT_CHECKS),), inputs=("preflight_report",), source=Source.MONITOR,
     ),
     Metric(
         "grpo_reference_baseline", GA,

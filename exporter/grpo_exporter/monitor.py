@@ -35,6 +35,7 @@ from torch import Tensor
 from grpo_exporter import catalog, distributed, guard
 from grpo_exporter.anchors import FrozenMean, RunAnchors
 from grpo_exporter.background import EditDistanceWorker, edit_distance_carry
+from grpo_exporter.checks import ABCReport, AccumulationReport, MaskTableReport, ReachReport
 from grpo_exporter.collector import CatalogCollector
 from grpo_exporter.components import ComponentNames
 from grpo_exporter.functional.diversity import retrieval_accuracy
@@ -58,6 +59,8 @@ from grpo_exporter.step import (
     families_of,
 )
 from grpo_exporter.stitching import StepStitcher
+
+PreflightReport = ABCReport | AccumulationReport | ReachReport | MaskTableReport
 
 log = logging.getLogger("grpo_exporter")
 
@@ -121,6 +124,7 @@ class GRPOMonitor:
         self._param_snapshot: list[Tensor] | None = None
         self._components = ComponentNames(config.max_reward_components)
         self._closed = False
+        self._checks: dict[catalog.SampleKey, float] = {}
         self._edit_worker = EditDistanceWorker(
             self._publication, lambda exc: self._report.error("rollout", exc, "edit distance worker"),
             self.config.edit_distance_budget_s,
@@ -327,6 +331,18 @@ class GRPOMonitor:
             if present:
                 values[accuracy.key()] = value
             self._publication.merge(values, [accuracy.name])
+
+    def publish_check(self, report: PreflightReport) -> None:
+        """Publish a preflight check's verdict (:mod:`grpo_exporter.checks`) as
+        ``grpo_preflight_check_passed{check}``; the last report of each check stays published."""
+        if not isinstance(report, ABCReport | AccumulationReport | ReachReport | MaskTableReport):
+            raise TypeError("publish_check: report: expected a report of grpo_exporter.checks (ABCReport, "
+                            f"AccumulationReport, ReachReport, MaskTableReport), got {type(report).__name__}")
+        family = catalog.metric("grpo_preflight_check_passed")
+        with self._publication.writing:
+            self._checks[family.key(check=report.CHECK)] = 1.0 if report.passed else 0.0
+            self._publication.merge(dict(self._checks), [family.name])
+            self._publication.publish()
 
     def flush(self) -> None:
         """Compute and publish the pending update step now (:meth:`end_step`)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -24,6 +25,8 @@ class AccumulationReport:
     """``norm_ratio``: |g accumulated| / |g one batch|; ``delta_relative_difference``: |d2 - d1| / |d1| of the
     parameter deltas after one step of the given optimizer (None without one); ``multiple``: the integer
     multiple the norms differ by, and what it matches, when they do."""
+
+    CHECK: ClassVar[str] = "accumulation_equivalence"  # the ``check`` label of grpo_preflight_check_passed
 
     micro_batches: int
     cosine: float

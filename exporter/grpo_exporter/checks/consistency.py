@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -36,6 +37,8 @@ class ABCReport:
 
     ``repeat``: |A - B|; ``engine``: |A - C|; ``outside_clip_ratio``: loss tokens whose exp(A - C) lies
     outside [1 - eps_low, 1 + eps_high]; ``passed`` and a ``diagnosis`` naming what to fix first."""
+
+    CHECK: ClassVar[str] = "abc_consistency"  # the ``check`` label of grpo_preflight_check_passed
 
     tokens: int
     repeat: Spread

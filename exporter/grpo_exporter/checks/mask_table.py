@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 
@@ -31,6 +32,8 @@ class MaskRow:
 class MaskTableReport:
     """The table, the loss tokens against the completion tokens (less tool tokens), and every violated
     assertion (``passed`` when there is none)."""
+
+    CHECK: ClassVar[str] = "mask_table"  # the ``check`` label of grpo_preflight_check_passed
 
     rows: tuple[MaskRow, ...]
     loss_tokens: int

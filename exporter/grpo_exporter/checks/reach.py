@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -19,6 +20,8 @@ from torch import Tensor
 class ReachReport:
     """``losses``: the NLL (nats per completion token) before each step; ``without_gradient``: trainable
     parameter tensors that got no (or an all-zero) gradient on the first backward."""
+
+    CHECK: ClassVar[str] = "nll_reach"  # the ``check`` label of grpo_preflight_check_passed
 
     steps: int
     factor: float

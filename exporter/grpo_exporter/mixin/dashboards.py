@@ -47,7 +47,8 @@ class PanelSpec:
     queries: tuple[Query, ...]
     unit: str
     kind: str = "timeseries"  # or "stat"
-    thresholds: tuple[tuple[float, str], ...] = ()  # (value, color) above the green base
+    thresholds: tuple[tuple[float, str], ...] = ()  # (value, color) above the base
+    base: str = "green"  # the color below the first threshold
     width: int = 8
     min: float | None = None
 
@@ -265,13 +266,17 @@ def crash_triage(c: MixinConfig) -> DashboardSpec:
             PanelSpec("Which step was the first anomalous one?",
                       "Smallest step in the time range with a non-finite value or a mask fault; save the last normal step, this one and the next.",
                       (q(f"min_over_time((max by (run) (grpo_last_step{{{SEL}}}) and on(run) ({faults}))[$__range:])"),),
-                      "none", "stat", width=8),
+                      "none", "stat", width=6),
             PanelSpec("Which layer-1 alerts fired?", "GRPO layer-1 alerts of this run in the time range.",
                       (q(f'count by (alertname) (max_over_time(ALERTS{{alertstate="firing",layer=~"1-.*",{SEL}}}[$__range]))', "{{alertname}}"),),
-                      "short", "stat", ((1, "red"),), width=8),
+                      "short", "stat", ((1, "red"),), width=6),
             PanelSpec("Where is the evidence?",
                       "No flight-record metric is published yet: capture the last normal step, the first bad step and the next (prompts, completions, rewards per component, ratio quantiles, masks, grad norms, seeds) by hand; see the runbooks.",
-                      (q(f"max by (run) (grpo_last_step{{{SEL}}})"),), "none", "stat", width=8),
+                      (q(f"max by (run) (grpo_last_step{{{SEL}}})"),), "none", "stat", width=6),
+            PanelSpec("Did the preflight checks pass?",
+                      "The last verdict of each preflight check published with GRPOMonitor.publish_check (A/B/C consistency, gradient-accumulation equivalence, plain-NLL reach, the mask table): 0 = fix before reading any curve (docs/checks.md).",
+                      (q(f"min by (check) (grpo_preflight_check_passed{{{SEL}}})", "{{check}}"),), "none", "stat",
+                      ((0.5, "green"),), width=6, base="red"),
         )),
         RowSpec("Probability path: do the two sides agree, is the ratio sane?", (
             PanelSpec("Engine gap quantiles", "p50/p99/p99.9/max of |rollout - trainer| log-prob on loss tokens, and the windowed mean.",
@@ -359,7 +364,7 @@ def build(spec: DashboardSpec) -> dict[str, Any]:
 
 
 def _panel(p: PanelSpec, panel_id: int, pos: GridPos) -> Any:
-    steps = [Threshold(value=None, color="green"), *(Threshold(value=v, color=color) for v, color in p.thresholds)]
+    steps = [Threshold(value=None, color=p.base), *(Threshold(value=v, color=color) for v, color in p.thresholds)]
     panel = (stat.Panel() if p.kind == "stat" else timeseries.Panel()).id(panel_id).title(p.title)
     panel = panel.description(p.description).unit(p.unit).datasource(DATASOURCE).grid_pos(pos)
     panel = panel.thresholds(db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(steps))
