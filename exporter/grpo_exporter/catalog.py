@@ -496,8 +496,8 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_token_importance_weight", H,
-        "Per-token importance ratio pi_theta/pi_old on loss tokens as a histogram, cumulative (buckets dense "
-        "around 1, +-1/128 to +-1/2, then 2 and 4; an overflowed ratio counts in +Inf but not in _sum).",
+        "Per-token importance ratio pi_theta/pi_old on loss tokens as a histogram, cumulative (buckets 0.25, then "
+        "dense around 1 from +-1/2 to +-1/128, then 2 and 4; an overflowed ratio counts in +Inf but not in _sum).",
         S, inputs=("logprobs", "old_logprobs", *_TOKEN), buckets=RATIO_BUCKETS,
     ),
     Metric(
