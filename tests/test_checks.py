@@ -244,6 +244,8 @@ def test_mask_table_names_a_length_that_does_not_match():
         mask_table(TOKENS, ATTENTION, [1, 0, 1], SOURCES)
     with pytest.raises(ValueError, match=r"sources: expected values in .* got \['assistant'\]"):
         mask_table(TOKENS, ATTENTION, LOSS, ["assistant"] * 11)
+    with pytest.raises(ValueError, match="advantages: expected one value or 11 entries like token_ids, got 2"):
+        mask_table(TOKENS, ATTENTION, LOSS, SOURCES, advantages=[0.5, 0.5])
 
 
 def test_the_guide_example_runs_as_written():

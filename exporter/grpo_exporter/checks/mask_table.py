@@ -88,7 +88,10 @@ def mask_table(
         per_token: list[float | None] = [None if advantages is None else float(advantages)] * n
     else:
         values = advantages.tolist() if isinstance(advantages, Tensor) else list(advantages)
-        per_token = [float(v) for v in values] if len(values) == n else [None] * n
+        if len(values) != n:
+            raise ValueError(f"mask_table: advantages: expected one value or {n} entries like token_ids, got "
+                             f"{len(values)}")
+        per_token = [float(v) for v in values]
     rows = tuple(
         MaskRow(i, ids[i], decode(ids[i]) if decode is not None else str(ids[i]), sources[i], attention[i], loss[i],
                 per_token[i] if sources[i] in ("completion", "tool") else None)
