@@ -59,14 +59,14 @@ class EditDistanceWorker:
         )
         self._job: Future[None] | None = None
 
-    def submit(self, carried: dict[str, list[float]], width: int) -> None:
+    def submit(self, carried: dict[str, Tensor], width: int) -> None:
         """Hand over the carried rows (``ed_ids``, ``ed_lengths``, ``ed_group``) of ``width`` tokens."""
         if "ed_ids" not in carried or (self._job is not None and not self._job.done()):
             return
         self._jobs += 1
         self._job = self._pool.submit(self._run, carried, width, self._jobs)
 
-    def _run(self, carried: dict[str, list[float]], width: int, job: int) -> None:
+    def _run(self, carried: dict[str, Tensor], width: int, job: int) -> None:
         try:
             groups = rows_to_groups(carried["ed_ids"], carried["ed_lengths"], carried["ed_group"], width)
             median, _ = median_normalized_edit_distance(

@@ -7,9 +7,8 @@ Cost: rapidfuzz's bit-parallel Levenshtein takes ~len(a) x ceil(len(b) / 64) wor
 group of 16 completions of 4096 tokens (120 pairs) is ~3e7 operations, a quarter of a second on one core, on
 the cores training uses. Two bounds keep it off training's back: the pairs of one rollout are drawn in a seeded
 random order and capped at ``pair_cap`` (:func:`pair_cap`: at most 128, and the work the budget buys: fewer
-pairs as T grows, as 1/T^2),
-and the worker stops drawing once ``budget_s`` of wall time has passed. The median is over the pairs computed:
-an unbiased sample of the sampled groups' pairs.
+pairs as T grows, as 1/T^2), and the worker stops drawing once ``budget_s`` of wall time has passed. The median
+is over the pairs computed: an unbiased sample of the sampled groups' pairs.
 """
 
 from __future__ import annotations

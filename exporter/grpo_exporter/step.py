@@ -49,16 +49,15 @@ def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[tuple[int, int]]]:
     where: list[tuple[Any, int, int]] = []  # (group, index in the group, flag number)
     for e in entries:
         value, present = e.reading.value, e.reading.present
+        flag = flags.setdefault(id(present), (len(flags), present))[0]
         if value.dim() == 0:
             kind = (value.dtype, value.device)
             group = scalars.setdefault(kind, [])
-            where.append((kind, len(group), 0))
+            where.append((kind, len(group), flag))
             group.append(value)
         else:
             vectors.setdefault(id(value), value)
-            where.append((id(value), e.index, 0))
-        flag = flags.setdefault(id(present), (len(flags), present))
-        where[-1] = (*where[-1][:2], flag[0])
+            where.append((id(value), e.index, flag))
     parts: list[Tensor] = []
     start: dict[Any, int] = {}
     offset = 0
@@ -503,7 +502,7 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     weights = samples.importance_weight_quantiles(lr, qs)
     finite_ratio = lr.valid & finite(lr.ratio)  # an overflowed ratio never enters the cumulative _sum
     total = torch.where(finite_ratio, lr.ratio, 0.0).double().sum()
-    g.summary("grpo_importance_weight", total, torch.count_nonzero(finite_ratio), weights, qs)
+    g.summary("grpo_importance_weight", total, count(finite_ratio), weights, qs)
     g.histogram("grpo_token_importance_weight", weights.histogram, total)
 
 
