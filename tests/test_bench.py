@@ -62,6 +62,8 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert r.operators > 0
     assert r.host_reads >= 1
     assert r.from_python == 0  # constant vectors are cached per device: no host-to-device copy in the step
+    assert r.recorder_s > 0
+    assert r.recorder_host_reads == r.host_reads  # the flight recorder reads nothing on a healthy step
     assert r.exposition_bytes > 0
     assert long.steps == 30
     assert long.series_late >= long.series_early > 0
@@ -71,6 +73,7 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert main(["bench", "--sizes", "1e4", "--rounds", "1", "--long-steps", "20", "--worker-widths", "64"]) == 0
     out = capsys.readouterr().out
     assert "naive / monitor" in out
+    assert "recorder on / off" in out
     assert "| 64 |" in out  # the edit-distance job's row
 
 

@@ -103,7 +103,7 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
     baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.6\n')
     # Prometheus stops before the exporter closes: nobody is left to scrape the end, so no linger
     with GRPOMonitor(run="dash", group_size=8, port=0, guard="off", log_ratio_clamp=20.0,
-                     reference_baseline=str(baseline), close_linger_s=0.0) as mon:
+                     reference_baseline=str(baseline), close_linger_s=0.0, recorder_dir=tmp_path / "incidents") as mon:
         config = tmp_path / "prometheus.yml"
         config.write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
@@ -119,7 +119,10 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
             step = 0
             while not stop.is_set():
                 x = make_batch(step % 4).inputs()
-                mon.observe_rollout(step, **rollout_kwargs(x), prompt_ids=torch.arange(48) // 8)
+                rollout = rollout_kwargs(x)
+                if step == 3:  # one NaN reward: the flight recorder writes an incident (the evidence panel)
+                    rollout["rewards"] = rollout["rewards"].clone().index_fill_(0, torch.tensor([5]), float("nan"))
+                mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8)
                 mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step)
                 model(torch.randn(5, 4)).square().sum().backward()
                 mon.clip_grad_norm_(model.parameters(), 0.5)

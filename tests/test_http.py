@@ -128,11 +128,15 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
     baseline = tmp_path / "baseline.yaml"
     baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.61\n')
     mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=1,
-                      max_pending_micro_steps=1, gap_baseline_steps=1, anchor_steps=1, **BASE)
+                      max_pending_micro_steps=1, gap_baseline_steps=1, anchor_steps=1,
+                      recorder_dir=tmp_path / "incidents", **BASE)
     model = torch.nn.Linear(4, 3)
     for step in range(3):
         x = make_batch(step).inputs()
-        mon.observe_rollout(step, **rollout_kwargs(x), prompt_ids=torch.arange(48) // 8)
+        rollout = rollout_kwargs(x)
+        if step == 0:  # a NaN reward: the flight recorder writes an incident once step 1 ends
+            rollout["rewards"] = rollout["rewards"].clone().index_fill_(0, torch.tensor([2]), float("nan"))
+        mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8)
         mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step)
         if step == 0:
             mon.observe_update(step, **update_kwargs(x))  # over max_pending_micro_steps: dropped, counted

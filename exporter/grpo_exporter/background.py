@@ -35,7 +35,7 @@ def edit_distance_carry(inputs: StepInputs, groups_sampled: int, group_size: int
     return {"ed_ids": inputs.completion_ids[rows], "ed_lengths": lengths[rows], "ed_group": groups.index[rows]}
 
 
-def _lowest_priority() -> None:
+def lowest_priority() -> None:
     """Nice 19 for this thread (Linux schedules threads as tasks): on cores training keeps busy, the
     edit-distance job takes only what training leaves. Elsewhere, or when refused, it keeps the default."""
     with contextlib.suppress(AttributeError, OSError):
@@ -55,7 +55,7 @@ class EditDistanceWorker:
         self._budget_s = budget_s
         self._jobs = 0
         self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="grpo-exporter-edit-distance", initializer=_lowest_priority
+            max_workers=1, thread_name_prefix="grpo-exporter-edit-distance", initializer=lowest_priority
         )
         self._job: Future[None] | None = None
 

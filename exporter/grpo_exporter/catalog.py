@@ -235,6 +235,7 @@ OUTCOMES = ("correct", "incorrect", "all")
 ZERO_VARIANCE_OUTCOMES = ("all_correct", "all_incorrect", "unknown")
 ESS_LEVELS = ("token", "sequence")
 STAGES = ("rollout", "update", "grad", "guard", "publish", "scrape", "distributed")
+ERROR_STAGES = (*STAGES, "recorder")  # the flight recorder's writer thread fails apart from any observe call
 
 _COMPONENT = Label("component", bound="max_reward_components (names from reward_components, plus 'total')")
 _K = Label("k", bound="pass_k (plus 1 and group_size)")
@@ -606,7 +607,7 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_exporter_errors_total", C,
         "Errors caught inside the exporter, by stage; training went on.",
-        L, "errors", labels=(Label("stage", STAGES),), source=Source.MONITOR,
+        L, "errors", labels=(Label("stage", ERROR_STAGES),), source=Source.MONITOR,
     ),
     Metric(
         "grpo_dropped_reward_components_total", C,
@@ -633,6 +634,31 @@ CATALOG: tuple[Metric, ...] = (
         "GRPOMonitor.publish_check) passed, 0 when it failed: the seed's 0/1 tests before any curve (fix, never "
         "tune). Absent until a check is published.",
         G, labels=(Label("check", PREFLIGHT_CHECKS),), inputs=("preflight_report",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_recorder_incidents_total", C,
+        "Incidents the flight recorder wrote (recorder_dir): last normal, first anomalous and next step of each "
+        "episode of layer-1 triggers, for `grpo-exporter inspect` (seed: 三态保存 before any curve).",
+        G, "incidents", inputs=("recorder_dir",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_recorder_latest_incident_step", GA,
+        "First anomalous step of the latest incident written, labelled with its directory name (`incident`) "
+        "and the recorder directory (`directory`, its last 128 characters); one series at a time. Layer-1 "
+        "alert descriptions show it. No prompt or completion text ever goes into a label.",
+        G, labels=(Label("incident", bound="the latest incident only"), Label("directory", bound="recorder_dir")),
+        inputs=("recorder_dir",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_recorder_disk_usage_bytes", GA,
+        "Bytes held by complete incidents in recorder_dir after the latest write (kept within "
+        "recorder_disk_budget_bytes by removing the oldest incidents first).",
+        L, "bytes", inputs=("recorder_dir",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_recorder_removed_incidents_total", C,
+        "Incidents removed, oldest first, to keep recorder_dir within recorder_disk_budget_bytes.",
+        L, "incidents", inputs=("recorder_dir",), source=Source.MONITOR,
     ),
     Metric(
         "grpo_reference_baseline", GA,

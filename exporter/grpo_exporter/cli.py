@@ -116,6 +116,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from grpo_exporter.recorder.inspect import InspectError, load, render
+
+    try:
+        manifest = load(Path(args.dir))
+    except InspectError as exc:
+        print(f"grpo-exporter inspect: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(json.dumps(manifest, indent=1) + "\n" if args.json else render(manifest, args.rows))
+    return 0
+
+
 def _scenario_names() -> list[str]:
     from grpo_exporter.demo.scenarios import SCENARIOS
 
@@ -168,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--worker-widths", default="256,1024,4096",
                        help="completion widths T for the edit-distance job's cost, comma-separated ('' = skip)")
     bench.set_defaults(run=_bench)
+    inspect = commands.add_parser("inspect", help="a flight-recorder incident: the three states, then the rows "
+                                  "that drove the trigger")
+    inspect.add_argument("dir", metavar="DIR", help="an incident directory, or a recorder_dir (its latest incident)")
+    inspect.add_argument("--rows", type=int, default=20, help="rows of the first anomalous step to show (default 20)")
+    inspect.add_argument("--json", action="store_true", help="print the incident's manifest as JSON, for tools")
+    inspect.set_defaults(run=_inspect)
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")
     hashing.add_argument("--password", help="the password (prompted for when omitted)")
     hashing.set_defaults(run=_hash_password)

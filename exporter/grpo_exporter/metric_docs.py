@@ -45,6 +45,7 @@ def series_per_run(cfg: MonitorConfig) -> dict[str, int]:
         "metric": len(cfg.reference_baseline),
         "labels": 1,
         "version": 1, "torch_version": 1, "group_size": 1, "clip_eps_low": 1, "clip_eps_high": 1,
+        "incident": 1, "directory": 1,  # the latest incident only
     }
     counts: dict[str, int] = {}
     for m in CATALOG:

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import operator
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +40,12 @@ from grpo_exporter.collector import CatalogCollector
 from grpo_exporter.components import ComponentNames
 from grpo_exporter.functional.diversity import retrieval_accuracy
 from grpo_exporter.ids import id_tensor
-from grpo_exporter.inputs import InputError, StepInputs
+from grpo_exporter.inputs import InputError, StepInputs, describe
 from grpo_exporter.layout import Layout
 from grpo_exporter.monitor_config import MonitorConfig
 from grpo_exporter.param_sample import sample_parameters
 from grpo_exporter.publication import Publication, duration_increments
+from grpo_exporter.recorder import FlightRecorder
 from grpo_exporter.reporting import Reporter
 from grpo_exporter.run_info import static_values
 from grpo_exporter.server import MetricsServer
@@ -76,6 +77,18 @@ def _key(name: str, **labels: str) -> catalog.SampleKey:
     return catalog.metric(name).key(**labels)
 
 
+def _prompt_tokens(tokens: Tensor | None, inputs: StepInputs | None) -> Tensor | None:
+    """``prompt_tokens`` checked for the recorder: (N, S) integers on the inputs' device."""
+    if tokens is None:
+        return None
+    n = inputs.n if inputs is not None else None
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point() or (
+        n is not None and tokens.shape[0] != n
+    ):
+        raise InputError("prompt_tokens", f"an (N, S) integer tensor with N = {n}", describe(tokens))
+    return tokens
+
+
 class MonitorClosedError(RuntimeError):
     """An observe call after :meth:`GRPOMonitor.close`."""
 
@@ -96,6 +109,7 @@ class GRPOMonitor:
         config: MonitorConfig | None = None,
         config_file: str | Path | None = None,
         registry: CollectorRegistry | None = None,
+        decode: Callable[[list[int]], str] | None = None,
         **settings: Any,
     ) -> None:
         if config is None:
@@ -129,6 +143,15 @@ class GRPOMonitor:
             self._publication, lambda exc: self._report.error("rollout", exc, "edit distance worker"),
             self.config.edit_distance_budget_s,
         )
+        self._recorder: FlightRecorder | None = None
+        if config.recorder_dir is not None:
+            self._recorder = FlightRecorder(
+                config.recorder_dir, run=config.run, rank=self._rank, world=self._world, rows=config.recorder_rows,
+                history_steps=config.recorder_history_steps, budget_bytes=config.recorder_disk_budget_bytes,
+                triggers=config.recorder_triggers, lines=config.stop_lines,
+                flush_timeout_s=config.recorder_flush_timeout_s, publication=self._publication,
+                on_error=lambda exc: self._report.error("recorder", exc, "flight recorder"), decode=decode,
+            )
         self._publication.merge(static_values(config))
         self._publication.publish()
         self._server: MetricsServer | None = None
@@ -166,12 +189,14 @@ class GRPOMonitor:
         completion_ids: Tensor | None = None,
         completion_mask: Tensor | None = None,
         prompt_ids: Tensor | Sequence[Any] | None = None,
+        prompt_tokens: Tensor | None = None,
     ) -> None:
         """Rollout-level metrics, once per rollout batch (one host transfer).
 
         ``group_ids`` and ``prompt_ids`` may be integer tensors or sequences of strings or integers (verl's
         ``uid``, prompt text): strings are hashed stably (:mod:`grpo_exporter.ids`), a host-to-device copy of N
-        integers."""
+        integers. ``prompt_tokens`` (N, S) prompt token ids are read only by the flight recorder
+        (``recorder_dir``), for its rows."""
         step = self._check_call("observe_rollout", step)
         violations: list[guard.Violation] = []
         with self._stage("rollout"):
@@ -218,7 +243,14 @@ class GRPOMonitor:
             if clean is not None:
                 metrics[_key("grpo_engine_logprob_gap_clean_baseline_nats")] = clean
             violations += self._publish(metrics, result.families - _AUDIT)
-        self._report.enforce(violations, self._last_step)
+            if self._recorder is not None:
+                with self._contained("recorder", "flight recorder"):
+                    tokens = None
+                    with self._contained("recorder", "flight recorder: prompt_tokens (the rows are kept without)"):
+                        tokens = _prompt_tokens(prompt_tokens, inputs)
+                    extra = {"prompt_ids": prompt_ids, "prompt_tokens": tokens}
+                    self._recorder.observe("rollout", step, inputs, result.metrics, extra)
+        self._enforce(violations)
 
     def observe_update(
         self,
@@ -272,7 +304,7 @@ class GRPOMonitor:
                             "counted (grpo_dropped_micro_steps_total). Call clip_grad_norm_() or end_step() once "
                             "per optimizer step.", self.config.max_pending_micro_steps, step,
                         )
-        self._report.enforce(violations, self._last_step)
+        self._enforce(violations)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter] | Tensor, max_norm: float, norm_type: float = 2.0
@@ -296,7 +328,7 @@ class GRPOMonitor:
             self._stitcher.record_grad(grad)
             self._param_snapshot = current
             violations = self._finish_update()
-        self._report.enforce(violations, self._last_step)
+        self._enforce(violations)
         return pre_clip
 
     def end_step(self) -> None:
@@ -310,7 +342,7 @@ class GRPOMonitor:
         violations: list[guard.Violation] = []
         with self._stage("update"):
             violations = self._finish_update()
-        self._report.enforce(violations, self._last_step)
+        self._enforce(violations)
 
     def observe_retrieval(self, step: int, scores: Tensor, own_prompt: Tensor) -> None:
         """Retrieval accuracy: ``scores`` (N, P) of each completion under each of the batch's P prompts (e.g.
@@ -353,8 +385,11 @@ class GRPOMonitor:
         return self._publication.snapshot()
 
     def wait_for_workers(self, timeout: float = 10.0) -> None:
-        """Block until the off-thread edit-distance job (if any) is done; for tests and shutdown."""
+        """Block until the off-thread jobs (the edit-distance job, the flight recorder's writes) are done; for
+        tests and shutdown."""
         self._edit_worker.wait(timeout)
+        if self._recorder is not None:
+            self._recorder.wait(timeout)
 
     def close(self) -> None:
         """Publish what is pending, mark the run finished (``grpo_run_finished`` 1: a normal end pages nothing),
@@ -363,6 +398,9 @@ class GRPOMonitor:
             return
         with contextlib.suppress(guard.TrainingSignalError):
             self.end_step()
+        if self._recorder is not None:
+            with self._contained("recorder", "flight recorder", publish=True):
+                self._recorder.close()
         with self._publication.writing:
             self._publish_held_audit()
             self._publication.merge({_key("grpo_run_finished"): 1.0})
@@ -392,6 +430,14 @@ class GRPOMonitor:
         self.close()
 
     # ---- step life cycle -------------------------------------------------------------------------------
+
+    def _enforce(self, violations: list[guard.Violation]) -> None:
+        """The guard's verdict; before it raises (training is about to stop), the flight recorder writes what
+        it holds."""
+        if violations and self.config.guard == "raise" and self._recorder is not None:
+            with self._contained("recorder", "flight recorder", publish=True):
+                self._recorder.flush("the guard raised TrainingSignalError")
+        self._report.enforce(violations, self._last_step)
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -425,7 +471,7 @@ class GRPOMonitor:
         """Compute the pending update step, if one is open (every rank opens and ends steps alike)."""
         if not self._stitcher.open:
             return []
-        failed = self._stitcher.failed
+        failed, step = self._stitcher.failed, self._stitcher.step
         try:
             inputs = self._stitcher.take()
         except Exception as exc:  # micro-steps that cannot be stitched: the step still merges, as failed
@@ -435,8 +481,12 @@ class GRPOMonitor:
             inputs = None  # merged as failed, like a rank whose inputs were rejected
         result = self._compute("update", inputs, {}, failed=failed)
         norm = result.metrics.get(_key("grpo_grad_norm_pre_clip"))
-        if norm is not None and self._spikes.observe(norm):
+        spike = norm is not None and self._spikes.observe(norm)
+        if spike:
             self._publication.add({_key("grpo_grad_norm_spike_steps_total"): 1.0})
+        if self._recorder is not None and step is not None:
+            with self._contained("recorder", "flight recorder"):
+                self._recorder.observe("update", step, inputs, result.metrics, spike=spike)
         on_policy = result.metrics.get(_key("grpo_onpolicy_log_ratio_abs_max_nats"))
         noise = self._onpolicy_noise.observe(on_policy) if on_policy is not None else None
         if noise is not None:

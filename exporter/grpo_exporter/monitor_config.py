@@ -22,6 +22,7 @@ from rapidfuzz import process
 
 from grpo_exporter import catalog
 from grpo_exporter.config import MetricsConfig, load_yaml_mapping
+from grpo_exporter.recorder.triggers import TRIGGERS
 from grpo_exporter.thresholds import EventLines, StopLines
 
 ENV_PREFIX = "GRPO_EXPORTER_"
@@ -110,6 +111,35 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         0.02, gt=0, le=10, description="wall time one rollout's edit-distance job may take on its worker thread; "
         "its pairs are also capped at the work this buys (fewer as T grows, ~1/T^2), drawn in random order",
     )
+    recorder_dir: Path | None = Field(
+        None, description="flight recorder: write an incident (last normal, first anomalous and next step: metrics "
+        "and raw rows) here when a layer-1 trigger fires; None = off. Holds prompts and completions: owner-only",
+    )
+    recorder_rows: int = Field(
+        16, ge=1, le=4096, description="rows kept per step and stage; on an anomalous step up to half are the rows "
+        "that drove the trigger",
+    )
+    recorder_history_steps: int = Field(
+        32, ge=1, le=100_000, description="steps whose key metrics an incident carries (the ring before it)",
+    )
+    recorder_disk_budget_bytes: int = Field(
+        1 << 30, ge=1 << 16, description="bytes all incidents in recorder_dir may take; the oldest are removed first",
+    )
+    recorder_triggers: tuple[str, ...] = Field(
+        TRIGGERS, description=f"what opens an incident, any of {', '.join(TRIGGERS)} (the guard's lines)",
+    )
+    recorder_flush_timeout_s: float = Field(
+        30.0, ge=0, description="at close, when the guard raises and at exit: longest wait for pending incidents",
+    )
+
+    @field_validator("recorder_triggers", mode="before")
+    @classmethod
+    def _known_triggers(cls, value: Any) -> Any:
+        items = [value] if isinstance(value, str) else list(value)
+        unknown = [t for t in items if t not in TRIGGERS]
+        if unknown:
+            raise ValueError(f"expected any of {list(TRIGGERS)}, got {unknown}")
+        return tuple(items)
 
     @model_validator(mode="before")
     @classmethod

@@ -4,7 +4,8 @@ it printed and the command.
 
 Per size, one full training step of the monitor is one ``observe_rollout``, four ``observe_update``
 micro-batches and the end of the step (the framework's pre-clip grad norm); the edit-distance worker it starts
-runs off the step and is timed apart (``worker``).
+runs off the step and is timed apart (``worker``). ``recorder``: the same step with the flight recorder on
+(healthy steps: it keeps spread rows, no host read; an incident is written off the step).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import random
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +46,8 @@ class SizeResult:
     from_python: int
     render_s: float
     exposition_bytes: int
+    recorder_s: float = 0.0  # the step with the flight recorder on
+    recorder_host_reads: int = 0
     syncs: int | None = None  # CUDA: synchronising calls per step (set_sync_debug_mode("warn"))
     update_sync_error: str = ""  # CUDA: what "error" mode around the micro-batch updates raised
 
@@ -51,6 +55,11 @@ class SizeResult:
     def vs_naive(self) -> float:
         """naive / monitor: above 1 the monitor is faster."""
         return self.naive_s / self.monitor_s
+
+    @property
+    def vs_recorder(self) -> float:
+        """recorder on / off: 1 = free."""
+        return self.recorder_s / self.monitor_s
 
     @property
     def vs_floor(self) -> float:
@@ -67,9 +76,9 @@ class LongRun:
     series_late: int
 
 
-def new_monitor() -> GRPOMonitor:
+def new_monitor(**settings: Any) -> GRPOMonitor:
     return GRPOMonitor(run="bench", group_size=G, clip_eps=(EPS_LOW, EPS_HIGH), port=None, close_linger_s=0,
-                       guard="off")
+                       guard="off", **settings)
 
 
 def monitor_step(mon: GRPOMonitor, w: Workload, step: int, update_sync: str | None = None) -> None:
@@ -131,20 +140,24 @@ def _timed(fn: Callable[[], Any]) -> float:
 def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeResult:
     w = make(loss_tokens, device)
     mon = new_monitor()
+    records = tempfile.TemporaryDirectory(prefix="grpo-bench-recorder-")
+    recording = new_monitor(recorder_dir=records.name)
     step = 0
-    times: dict[str, list[float]] = {"monitor": [], "naive": [], "floor": [], "worker": []}
+    times: dict[str, list[float]] = {"monitor": [], "naive": [], "floor": [], "worker": [], "recorder": []}
     try:
         for r in range(rounds + 2):  # two warm-up rounds
             step += 1
             sample = {
                 "monitor": _timed(lambda s=step: monitor_step(mon, w, s)),
                 "worker": _timed(mon.wait_for_workers),
+                "recorder": _timed(lambda s=step: monitor_step(recording, w, s)),
+                "_": _timed(recording.wait_for_workers),
                 "naive": _timed(lambda: naive_step(w)),
                 "floor": _timed(lambda: floor_step(w)),
             }
             if r >= 2:
                 for key, value in sample.items():
-                    times[key].append(value)
+                    times.setdefault(key, []).append(value)
         step += 1
         ops = operators(lambda s=step: monitor_step(mon, w, s))
         mon.wait_for_workers()
@@ -152,6 +165,9 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         with counting(device) as counts:
             monitor_step(mon, w, step)
         mon.wait_for_workers()
+        with counting(device) as recorded:
+            monitor_step(recording, w, step)
+        recording.wait_for_workers()
         syncs: int | None = None
         raised = ""
         if w.old.device.type == "cuda":
@@ -162,12 +178,15 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         size = len(generate_latest(mon.registry))
     finally:
         mon.close()
+        recording.close()
+        records.cleanup()
     median = {k: statistics.median(v) for k, v in times.items()}
     return SizeResult(
         loss_tokens=w.loss_tokens, n=w.n, t=w.t, monitor_s=median["monitor"], naive_s=median["naive"],
         floor_s=median["floor"], worker_s=median["worker"], operators=ops, host_reads=counts.host_reads,
         from_python=counts.from_python, render_s=statistics.median(renders), exposition_bytes=size,
-        syncs=syncs, update_sync_error=raised,
+        recorder_s=median["recorder"], recorder_host_reads=recorded.host_reads, syncs=syncs,
+        update_sync_error=raised,
     )
 
 
@@ -231,15 +250,16 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
     """The bench's report as markdown."""
     lines = [
         "| loss tokens | N x T | monitor step | naive | floor | naive / monitor | monitor / floor | worker after step "
-        "| aten ops / step | host reads / step | tensors from Python data / step | scrape render | exposition |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| aten ops / step | host reads / step | tensors from Python data / step | scrape render | exposition "
+        "| recorder on / off | host reads, recorder on |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.loss_tokens:,} | {r.n} x {r.t} | {r.monitor_s * 1e3:.1f} ms | {r.naive_s * 1e3:.1f} ms "
             f"| {r.floor_s * 1e3:.2f} ms | {r.vs_naive:.2f}x | {r.vs_floor:.0f}x | {r.worker_s * 1e3:.1f} ms "
             f"| {r.operators} | {r.host_reads} | {r.from_python} | {r.render_s * 1e3:.2f} ms "
-            f"| {r.exposition_bytes / 1024:.1f} KiB |"
+            f"| {r.exposition_bytes / 1024:.1f} KiB | {r.vs_recorder:.2f}x | {r.recorder_host_reads} |"
         )
     lines.append("")
     lines.append(

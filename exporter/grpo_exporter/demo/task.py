@@ -17,6 +17,13 @@ FIRST_SYMBOL = 4
 
 
 TASKS = ("permute", "reverse")
+_SPECIAL = {PAD: "<pad>", BOS: "<bos>", SEP: "|", EOS: "<eos>"}
+
+
+def decode(tokens: list[int]) -> str:
+    """Token ids as text: symbols as letters (4 -> a, 5 -> b, ...), specials in angle brackets (the flight
+    recorder's ``decode``)."""
+    return "".join(_SPECIAL.get(t, chr(ord("a") + t - FIRST_SYMBOL)) for t in tokens)
 
 
 @dataclass(frozen=True)

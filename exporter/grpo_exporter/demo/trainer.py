@@ -158,6 +158,7 @@ class Trainer:
             step, rewards=rewards, correct=correct, truncated=rollout.truncated, reward_components=components,
             rollout_logprobs=rollout.rollout_logprobs, old_logprobs=old_logprobs, loss_mask=positions,
             completion_lengths=rollout.lengths, completion_ids=rollout.completions, prompt_ids=rollout.prompt_ids,
+            prompt_tokens=rollout.prompts,
         )
 
         n = rewards.shape[0]
@@ -188,6 +189,7 @@ class Trainer:
                 entropy=entropy.detach(), on_policy=rollout.policy_version == self.version,
                 policy_version=self.version, rollout_policy_version=rollout.policy_version,
                 rewards=rewards[rows], completion_lengths=rollout.lengths[rows],
+                completion_ids=rollout.completions[rows],
             )
         pre_clip = self.monitor.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)
         skipped = not bool(torch.isfinite(pre_clip))  # a real trainer skips a non-finite step

@@ -271,8 +271,9 @@ def crash_triage(c: MixinConfig) -> DashboardSpec:
                       (q(f'count by (alertname) (max_over_time(ALERTS{{alertstate="firing",layer=~"1-.*",{SEL}}}[$__range]))', "{{alertname}}"),),
                       "short", "stat", ((1, "red"),), width=6),
             PanelSpec("Where is the evidence?",
-                      "No flight-record metric is published yet: capture the last normal step, the first bad step and the next (prompts, completions, rewards per component, ratio quantiles, masks, grad norms, seeds) by hand; see the runbooks.",
-                      (q(f"max by (run) (grpo_last_step{{{SEL}}})"),), "none", "stat", width=6),
+                      "The flight recorder's latest incident (recorder_dir): its first anomalous step, labelled with the incident and its directory, and the incidents written. `grpo-exporter inspect DIR` shows the last normal step, that step and the next, the rows that drove the trigger first (docs/recorder.md). Empty: the recorder is off, or nothing fired.",
+                      (q(f"max by (run, incident, directory) (grpo_recorder_latest_incident_step{{{SEL}}})", "step of {{incident}} in {{directory}}"),
+                       q(f"max by (run) (grpo_recorder_incidents_total{{{SEL}}})", "incidents")), "none", "stat", width=6),
             PanelSpec("Did the preflight checks pass?",
                       "The last verdict of each preflight check published with GRPOMonitor.publish_check (A/B/C consistency, gradient-accumulation equivalence, plain-NLL reach, the mask table): 0 = fix before reading any curve (docs/checks.md).",
                       (q(f"min by (check) (grpo_preflight_check_passed{{{SEL}}})", "{{check}}"),), "none", "stat",
@@ -312,6 +313,8 @@ def specs(c: MixinConfig) -> tuple[DashboardSpec, ...]:
 
 NOT_SHOWN: dict[str, str] = {
     "grpo_observe_duration_seconds": "exporter self-timing; read it in Prometheus when tuning the exporter",
+    "grpo_recorder_disk_usage_bytes": "flight-recorder housekeeping: the incidents' bytes, kept within its disk budget",
+    "grpo_recorder_removed_incidents_total": "flight-recorder housekeeping: incidents removed, oldest first, for the budget",
     "grpo_dropped_reward_components_total": "configuration feedback (raise max_reward_components), not a training signal",
     "grpo_dropped_micro_steps_total": "API-use feedback (a step that never ends), logged by the exporter too",
     "grpo_stale_update_steps_total": "GRPORolloutsStale's counter; the staleness panel shows the versions and the line",

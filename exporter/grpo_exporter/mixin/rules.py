@@ -78,10 +78,18 @@ class Alert:
             },
             "annotations": {
                 "summary": self.summary,
-                "description": self.description,
+                "description": self.description + (INCIDENT if self.layer in (Layer.GRADIENT, OPTIMIZER) else ""),
                 "runbook_url": f"{c.runbook_url}#{self.name.lower()}",
             },
         }
+
+
+# Layer-1 descriptions end with where the flight recorder's latest incident of the run lies, when it wrote one
+INCIDENT = (
+    '{{ with printf "grpo_recorder_latest_incident_step{run=%q}" $labels.run | query }}{{ with first . }} Flight '
+    'recorder: incident {{ label "incident" . }} (first anomalous step {{ value . | printf "%.0f" }}) in '
+    '{{ label "directory" . }}; read it with `grpo-exporter inspect`.{{ end }}{{ end }}'
+)
 
 
 def _value(fmt: str = "%.3g") -> str:

@@ -1,0 +1,289 @@
+"""The flight recorder: the seed's 三态保存 (last normal step, first anomalous step, the step after), written as
+one incident per episode from a background thread.
+
+Each observe call hands the recorder its stage's host metrics and inputs. The recorder keeps the rows of the
+open steps, of the last normal step and of a pending incident (device tensors, ``rows`` rows each), and the
+key metrics of the last ``history_steps`` steps. A step is *sealed* when its update ended, when a call of a
+step two or more later arrives, or at close. A sealed step with a trigger (:mod:`.triggers`) after a normal
+one opens an incident; the next sealed step completes it and the incident goes to the writer thread. While
+steps stay anomalous no new incident opens: the first anomalous step of each episode is the one to read.
+When the guard raises, at close and at interpreter exit, open steps are sealed and what is pending is written
+(``next`` absent when training ended there), waiting at most ``flush_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import json
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_exporter import catalog
+from grpo_exporter.background import lowest_priority
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.publication import Publication
+from grpo_exporter.recorder.rows import Decode, describe_rows, json_number, select_rows, take_rows
+from grpo_exporter.recorder.store import (
+    INCIDENT_PREFIX,
+    RecorderError,
+    ensure_root,
+    incidents,
+    size_of,
+    sweep_partials,
+    write_incident,
+)
+from grpo_exporter.recorder.triggers import triggers_of
+from grpo_exporter.thresholds import StopLines
+
+log = logging.getLogger("grpo_exporter")
+
+FORMAT = 1
+ROLES = ("last_normal", "first_anomalous", "next")
+MAX_QUEUED = 4  # incidents waiting for the writer; more are dropped and counted (a disk that cannot keep up)
+# the metrics an incident summarises per step and `inspect` tabulates (every sample of these families,
+# quantiles and buckets left out)
+KEY_FAMILIES = (
+    "grpo_reward_mean", "grpo_completions_total", "grpo_truncated_completions_total", "grpo_nonfinite_values_total",
+    "grpo_loss_mask_length_mismatch_sequences_total", "grpo_loss_mask_outside_completion_tokens_total",
+    "grpo_engine_logprob_gap_mean_nats", "grpo_onpolicy_outside_clip_ratio", "grpo_onpolicy_log_ratio_abs_max_nats",
+    "grpo_log_ratio_clamp_hit_ratio", "grpo_clipped_tokens_ratio", "grpo_grad_norm_pre_clip",
+    "grpo_grad_norm_post_clip", "grpo_advantage_abs_max", "grpo_advantage_bound",
+    "grpo_advantage_over_bound_sequences_total", "grpo_entropy_mean_nats", "grpo_ess_ratio", "grpo_kl_ref_nats",
+    "grpo_rollout_staleness_versions", "grpo_zero_variance_groups_ratio",
+)
+_KEY = frozenset(KEY_FAMILIES)
+_INCIDENTS = catalog.metric("grpo_recorder_incidents_total")
+_LATEST = catalog.metric("grpo_recorder_latest_incident_step")
+_USAGE = catalog.metric("grpo_recorder_disk_usage_bytes")
+_REMOVED = catalog.metric("grpo_recorder_removed_incidents_total")
+
+
+def key_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The :data:`KEY_FAMILIES` samples of a step (no quantile or bucket samples)."""
+    return {str(k): v for k, v in metrics.items()
+            if getattr(k, "sample", None) in _KEY and not any(n in ("quantile", "le") for n, _ in k.labels)}
+
+
+@dataclass
+class State:
+    """One step as the recorder keeps it."""
+
+    step: int
+    time: float = field(default_factory=time.time)
+    metrics: dict[str, float] = field(default_factory=dict)
+    triggers: list[str] = field(default_factory=list)
+    rows: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # stage -> field -> (R, ...) device tensor
+    drivers: dict[str, dict[int, str]] = field(default_factory=dict)  # stage -> row -> trigger it drove
+    ready: Any = None  # a CUDA event recorded after the rows were taken: the writer waits on it
+    update_ended: bool = False
+
+    def summary(self) -> dict[str, Any]:
+        return {"step": self.step, "time": self.time, "triggers": list(self.triggers),
+                "metrics": {k: json_number(v) for k, v in key_metrics(self.metrics).items()}}
+
+
+@dataclass
+class Incident:
+    first: State
+    last_normal: State | None
+    history: list[dict[str, Any]]
+    next: State | None = None
+    ended: str = ""  # why there is no next state
+
+
+_LIVE: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    for recorder in list(_LIVE):
+        with contextlib.suppress(Exception):
+            recorder.flush("the process exited")
+
+
+class FlightRecorder:
+    """Rows and key metrics around the first anomalous step, written as incidents under ``root``."""
+
+    def __init__(
+        self, root: Path, *, run: str, rank: int, world: int, rows: int, history_steps: int, budget_bytes: int,
+        triggers: tuple[str, ...], lines: StopLines, flush_timeout_s: float, publication: Publication,
+        on_error: Callable[[BaseException], None], decode: Decode | None = None,
+    ) -> None:
+        self.root = ensure_root(root)
+        for path in sweep_partials(self.root):
+            log.warning("grpo-exporter: removed %s, an incident a killed process left half-written", path)
+        self._run, self._rank, self._world = run, rank, world
+        self._rows, self._budget, self._enabled, self._lines = rows, budget_bytes, triggers, lines
+        self._flush_timeout_s = flush_timeout_s
+        self._publication, self._on_error, self._decode = publication, on_error, decode
+        self._open: dict[int, State] = {}
+        self._history: deque[dict[str, Any]] = deque(maxlen=history_steps)
+        self._last_normal: State | None = None
+        self._pending: Incident | None = None
+        self._armed = True
+        self._serial = 0
+        self._lock = threading.Lock()
+        self._queued: list[Future[None]] = []
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="grpo-exporter-recorder", initializer=lowest_priority
+        )
+        self.between_files: Callable[[], None] | None = None  # test hook: called after each file written
+        self.written: list[Path] = []
+        # counters start at 0, so the first incident is an increase; the usage of what the directory holds
+        publication.add({_INCIDENTS.key(): 0.0, _REMOVED.key(): 0.0})
+        publication.merge({_USAGE.key(): float(sum(size_of(p) for p in incidents(self.root)))})
+        _LIVE.add(self)
+
+    # ---- called from observe (training thread) ------------------------------------------------------------
+
+    def observe(self, stage: str, step: int, inputs: StepInputs | None, metrics: Mapping[str, float],
+                extra: Mapping[str, Tensor | None] | None = None, spike: bool = False) -> tuple[str, ...]:
+        """Keep this stage's metrics and rows for ``step``; returns the triggers it fired. Seals steps two or
+        more before ``step`` (and, for an update, ``step`` and everything before it)."""
+        with self._lock:
+            self._seal(lambda s: s <= step - 2)
+            state = self._open.setdefault(step, State(step))
+            state.metrics.update(metrics)
+            fired = triggers_of(metrics, self._lines, spike, self._enabled)
+            state.triggers += [t for t in fired if t not in state.triggers]
+            if inputs is not None and inputs.n:
+                index, drivers = select_rows(inputs, fired, self._rows)
+                state.rows[stage] = take_rows(inputs, index, extra or {})
+                state.drivers[stage] = drivers
+                if index.is_cuda:
+                    state.ready = torch.cuda.Event()
+                    state.ready.record()
+            if stage == "update":
+                state.update_ended = True
+                self._seal(lambda s: s <= step)
+            return fired
+
+    def flush(self, why: str, timeout: float | None = None) -> None:
+        """Seal every open step, write a pending incident without its next state (``why`` says why), and wait
+        for the writer (at most ``timeout``, default ``flush_timeout_s``)."""
+        with self._lock:
+            self._seal(lambda s: True)
+            if self._pending is not None:
+                self._pending.ended = why
+                self._submit(self._pending)
+                self._pending = None
+            self.wait(self._flush_timeout_s if timeout is None else timeout)
+
+    def wait(self, timeout: float) -> None:
+        """Block until the incidents handed to the writer are written (at most ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        for job in list(self._queued):
+            with contextlib.suppress(Exception):
+                job.result(timeout=max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        self.flush("the run ended (close)")
+        self._pool.shutdown(wait=False)
+        _LIVE.discard(self)
+
+    # ---- sealing --------------------------------------------------------------------------------------------
+
+    def _seal(self, due: Callable[[int], bool]) -> None:
+        for step in sorted(s for s in self._open if due(s)):
+            state = self._open.pop(step)
+            self._history.append(state.summary())
+            if self._pending is not None:
+                self._pending.next = state
+                self._submit(self._pending)
+                self._pending = None
+            elif state.triggers and self._armed:
+                self._pending = Incident(state, self._last_normal, list(self._history))
+                self._armed = False
+                continue
+            if not state.triggers:
+                self._armed = True
+                self._last_normal = state
+
+    def _submit(self, incident: Incident) -> None:
+        self._queued = [job for job in self._queued if not job.done()]
+        if len(self._queued) >= MAX_QUEUED:
+            self._on_error(RecorderError(
+                f"incident at step {incident.first.step} dropped: {MAX_QUEUED} incidents are still being written"))
+            return
+        self._serial += 1
+        try:
+            self._queued.append(self._pool.submit(self._write, incident, self._serial))
+        except RuntimeError:  # interpreter shutdown: the pool takes no more work, so write here
+            self._write(incident, self._serial)
+
+    # ---- the writer thread ----------------------------------------------------------------------------------
+
+    def _write(self, incident: Incident, serial: int) -> None:
+        try:
+            name, files = self._serialise(incident)
+            written = write_incident(self.root, name, files, self._budget, serial, self.between_files)
+            self.written.append(written.path)
+            with self._publication.writing:
+                self._publication.add({_INCIDENTS.key(): 1.0})
+                if written.removed:
+                    self._publication.add({_REMOVED.key(): float(len(written.removed))})
+                latest = _LATEST.key(incident=written.path.name, directory=str(self.root)[-128:])
+                self._publication.merge(
+                    {latest: float(incident.first.step), _USAGE.key(): float(written.usage_bytes)},
+                    [_LATEST.name, _USAGE.name],
+                )
+                self._publication.publish()
+            log.warning("grpo-exporter flight recorder: incident %s written (%s at step %d); read it with "
+                        "`grpo-exporter inspect %s`", written.path.name, ", ".join(incident.first.triggers),
+                        incident.first.step, written.path)
+        except Exception as exc:
+            with self._publication.writing:
+                self._on_error(exc)
+                self._publication.publish()
+
+    def _serialise(self, incident: Incident) -> tuple[str, dict[str, bytes]]:
+        first = incident.first
+        stamp = datetime.fromtimestamp(first.time, UTC).strftime("%Y%m%dT%H%M%SZ")
+        name = f"{INCIDENT_PREFIX}s{first.step:09d}-{stamp}-r{self._rank}"
+        states = dict(zip(ROLES, (incident.last_normal, first, incident.next), strict=True))
+        files: dict[str, bytes] = {}
+        described: dict[str, Any] = {}
+        for role, state in states.items():
+            if state is None:
+                continue
+            if state.ready is not None:
+                state.ready.synchronize()
+            host = {stage: {k: v.cpu() for k, v in rows.items()} for stage, rows in state.rows.items()}
+            described[role] = state.summary() | {
+                "rows": {stage: _offending_first(describe_rows(rows, state.drivers.get(stage, {}), self._decode))
+                         for stage, rows in host.items()},
+            }
+            buffer = io.BytesIO()
+            torch.save(host, buffer)
+            files[f"{role}.pt"] = buffer.getvalue()
+        manifest = {
+            "format": FORMAT, "id": name, "run": self._run, "rank": self._rank, "world": self._world,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"), "triggers": list(first.triggers),
+            "steps": {role: (s.step if s is not None else None) for role, s in states.items()},
+            "next_missing": incident.ended or None,
+            "stop_lines": self._lines.model_dump(), "torch_initial_seed": torch.initial_seed(),
+            "history": incident.history, "states": described,
+        }
+        files["incident.json"] = json.dumps(manifest, indent=1, allow_nan=False).encode()
+        if sum(len(b) for b in files.values()) > self._budget:  # the rows alone break the budget: keep the summary
+            files = {"incident.json": json.dumps(manifest | {"raw_rows": "left out: over the disk budget"},
+                                                 indent=1, allow_nan=False).encode()}
+        return name, files
+
+
+def _offending_first(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(rows, key=lambda r: r.get("driver") is None)

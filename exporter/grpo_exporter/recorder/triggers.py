@@ -1,0 +1,42 @@
+"""What makes a step anomalous for the flight recorder: the guard's layer-1 stop criteria at the same lines,
+plus the per-step events the exporter counts in process (seed 第 6 篇 三态保存: lock the first anomalous step).
+
+The triggers read the step's host metrics only, so judging a step costs nothing on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from grpo_exporter import catalog, guard
+from grpo_exporter.thresholds import StopLines
+
+TRIGGERS = (
+    "nonfinite",  # a NaN/Inf on a loss token, a reward, an advantage, the loss or the grad norm
+    "mask_mismatch",  # the loss mask disagrees with the completions
+    "engine_gap",  # mean engine log-prob gap at or above the stop line (seed: >= 0.01 nats)
+    "clipped_before_update",  # ratio outside the clip range on an on-policy update (seed: stop)
+    "grad_norm_spike",  # pre-clip grad norm above grad_spike_factor x the rolling median (seed: 10x)
+    "advantage_bound",  # |A| above (G-1)/sqrt(G) (seed: the group normalisation's bound)
+)
+
+_BY_ALERT = {
+    "GRPONonFiniteValues": "nonfinite",
+    "GRPOLossMaskMismatch": "mask_mismatch",
+    "GRPOEngineLogprobGapCritical": "engine_gap",
+    "GRPORatioClippedBeforeUpdate": "clipped_before_update",
+}
+_OVER_BOUND = catalog.metric("grpo_advantage_over_bound_sequences_total").key()
+
+
+def triggers_of(
+    metrics: Mapping[str, float], lines: StopLines, spike: bool, enabled: Collection[str] = TRIGGERS
+) -> tuple[str, ...]:
+    """The enabled triggers one stage's metrics fire, in :data:`TRIGGERS` order. ``spike``: the grad-norm spike
+    judge (:class:`~grpo_exporter.spikes.GradNormSpikes`) flagged this step."""
+    found = {_BY_ALERT[v.alert] for v in guard.check(metrics, lines)}
+    if spike:
+        found.add("grad_norm_spike")
+    if metrics.get(_OVER_BOUND, 0.0) > 0:
+        found.add("advantage_bound")
+    return tuple(t for t in TRIGGERS if t in found and t in enabled)
