@@ -134,7 +134,8 @@ def test_without_the_binaries_the_demo_says_how_to_get_them_and_runs_the_exporte
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no prometheus, no prometheus-alertmanager
     lines: list[str] = []
-    pages = run_demo("mask-bug", inject_at=1, steps=3, steps_per_second=100.0, out=lines.append)
+    pages = run_demo("mask-bug", inject_at=1, steps=3, steps_per_second=100.0, out=lines.append,
+                     record=tmp_path / "incidents")
     assert pages == []
     assert "apt-get install -y prometheus prometheus-alertmanager" in lines[0]
     assert lines[1].startswith("exporter:     http://127.0.0.1:")
@@ -142,3 +143,11 @@ def test_without_the_binaries_the_demo_says_how_to_get_them_and_runs_the_exporte
     assert not any(line.startswith("prometheus:") for line in lines)
     assert "guard [layer 1-gradient] run=demo-mask-bug-3" in caplog.text  # the in-process guard caught it
     assert "runbooks.md#grpolossmaskmismatch" in caplog.text
+    # --record: the flight recorder wrote the three states around the fault, and the demo says where
+    from grpo_exporter.recorder.inspect import load
+
+    incident = load(tmp_path / "incidents")
+    assert incident["steps"] == {"last_normal": 0, "first_anomalous": 1, "next": 2}
+    assert incident["triggers"] == ["mask_mismatch"]
+    assert lines[-1] == (f"flight recorder: 1 incident(s) in {tmp_path / 'incidents'}; read the latest with: "
+                         f"grpo-exporter inspect {incident['path']}")

@@ -4,6 +4,7 @@ functions, 3 optimizer steps. TRL is installed by scripts/setup.sh (the `[trl]` 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import os
@@ -24,6 +25,8 @@ from trl import GRPOConfig
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.integrations import IntegrationError, check_signature, require
 from grpo_exporter.integrations.trl import TRL_METRICS, MonitoredGRPOTrainer
+from grpo_exporter.integrations.trl_preflight import preflight
+from grpo_exporter.recorder.store import incidents
 from monitor_helpers import parse_exposition, scrape
 
 WORDS = [
@@ -88,19 +91,24 @@ def drifting_engine(drift_nats: float, tok: PreTrainedTokenizerFast):
     return rollout
 
 
-def train(model_dir: tuple[str, PreTrainedTokenizerFast], tmp_path: Path, **kwargs: Any) -> MonitoredGRPOTrainer:
+def build(model_dir: tuple[str, PreTrainedTokenizerFast], tmp_path: Path, cls: type = MonitoredGRPOTrainer,
+          model: Any = None, config: dict[str, Any] | None = None, **kwargs: Any) -> MonitoredGRPOTrainer:
     path, tok = model_dir
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"), run_name="trl-test", per_device_train_batch_size=8, num_generations=G,
-        max_completion_length=MAX_NEW, max_steps=3, num_iterations=2, beta=0.1, learning_rate=1e-2,
-        gradient_accumulation_steps=2, max_grad_norm=1.0, report_to=[], logging_steps=1, use_cpu=True,
-        save_strategy="no", seed=0,
-    )
+    args = GRPOConfig(**{
+        "output_dir": str(tmp_path / "out"), "run_name": "trl-test", "per_device_train_batch_size": 8,
+        "num_generations": G, "max_completion_length": MAX_NEW, "max_steps": 3, "num_iterations": 2, "beta": 0.1,
+        "learning_rate": 1e-2, "gradient_accumulation_steps": 2, "max_grad_norm": 1.0, "report_to": [],
+        "logging_steps": 1, "use_cpu": True, "save_strategy": "no", "seed": 0, **(config or {}),
+    })
     dataset = Dataset.from_dict({"prompt": [f"add {a} plus {b}" for a, b in itertools.pairwise(WORDS[1:10])]})
-    trainer = MonitoredGRPOTrainer(
-        model=path, reward_funcs=[accuracy, brevity], args=args, train_dataset=dataset, processing_class=tok,
-        verifier="accuracy", **kwargs,
+    return cls(
+        model=path if model is None else model, reward_funcs=[accuracy, brevity], args=args, train_dataset=dataset,
+        processing_class=tok, verifier="accuracy", **kwargs,
     )
+
+
+def train(model_dir: tuple[str, PreTrainedTokenizerFast], tmp_path: Path, **kwargs: Any) -> MonitoredGRPOTrainer:
+    trainer = build(model_dir, tmp_path, **kwargs)
     trainer.train()
     return trainer
 
@@ -161,7 +169,7 @@ def test_engine_logprobs_that_drift_show_as_engine_gap_and_the_guard_says_so(mod
     caplog.set_level(logging.WARNING, logger="grpo_exporter")
     trainer = train(
         model_dir, tmp_path, rollout_func=drifting_engine(0.05, model_dir[1]),
-        monitor_settings={"port": None, "close_linger_s": 0, "strict": True},
+        monitor_settings={"port": None, "close_linger_s": 0, "strict": True, "recorder_dir": tmp_path / "incidents"},
     )
     published = trainer.monitor.metrics()
     assert published["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(0.05, abs=1e-4)
@@ -170,6 +178,16 @@ def test_engine_logprobs_that_drift_show_as_engine_gap_and_the_guard_says_so(mod
     assert trainer.monitor.config.run == "trl-test"
     assert trainer.monitor.config.group_size == G
     assert any("engine log-prob gap mean 0.05" in r.getMessage() for r in caplog.records)
+    # the flight recorder: one episode (the drift is there from the first step), rows with TRL's prompts decoded
+    [incident] = incidents(tmp_path / "incidents")
+    manifest = json.loads((incident / "incident.json").read_text())
+    assert manifest["triggers"] == ["engine_gap"]
+    assert manifest["steps"]["first_anomalous"] == 0
+    assert manifest["steps"]["last_normal"] is None
+    rows = manifest["states"]["first_anomalous"]["rows"]["rollout"]
+    assert rows[0]["driver"] == "engine_gap"
+    assert rows[0]["engine_gap_mean"] == pytest.approx(0.05, abs=1e-4)
+    assert all("add" in r["prompt"] and "plus" in r["prompt"] for r in rows)
 
 
 def test_an_error_reading_trl_objects_is_counted_and_training_goes_on(model_dir, tmp_path, caplog) -> None:
@@ -290,3 +308,97 @@ def test_two_ranks_merge_and_rank_zero_serves(model_dir, tmp_path) -> None:
     assert served["grpo_groups_total"][(("run", "trl-ranks"),)] == 2 * (2 * 8 // G)  # 2 steps x 2 ranks x 8 rows
     assert served["grpo_steps_total"][(("run", "trl-ranks"),)] == 2
     assert ranks[1]["published"]['grpo_reward_mean{component="total"}'] == pytest.approx(total)
+
+
+# ---- the preflight checks on a TRL trainer (grpo_exporter.integrations.trl_preflight) ----------------------
+
+QUIET = {"port": None, "close_linger_s": 0, "strict": True}
+
+
+def test_preflight_passes_on_a_healthy_trainer_and_leaves_it_as_found(model_dir, tmp_path) -> None:
+    trainer = build(model_dir, tmp_path, monitor_settings=QUIET)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    rng = torch.random.get_rng_state()
+    result = preflight(trainer, reach=True, reach_steps=30)
+    assert result.passed, result.render()
+    assert [r.CHECK for r in result.reports] == ["abc_consistency", "mask_table", "accumulation_equivalence",
+                                                  "nll_reach"]
+    assert result.abc.repeat.max == 0.0
+    assert result.abc.tokens > 0
+    assert result.accumulation is not None
+    assert result.accumulation.multiple is None
+    assert result.reach is not None
+    assert result.reach.final_nll <= result.reach.initial_nll / 2
+    assert "| completion | 1 | 1 |" in result.render()  # the mask table of a sample that ended in EOS
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert not any(trainer._metrics["train"].values())
+    assert not any(trainer._metrics["eval"].values())
+    published = trainer.monitor.metrics()
+    assert {k: v for k, v in published.items() if k.startswith("grpo_preflight")} == {
+        f'grpo_preflight_check_passed{{check="{c}"}}': 1.0
+        for c in ("abc_consistency", "mask_table", "accumulation_equivalence", "nll_reach")
+    }
+    assert "grpo_completions_total" not in published  # the preflight batch is no training step
+    trainer.train()
+    assert trainer.monitor.metrics()["grpo_steps_total"] == 3
+
+
+def test_preflight_finds_dropout_left_on(model_dir, tmp_path) -> None:
+    """The seed's A != B: dropout active in the pass that computes the loss's log-probs."""
+    model = Qwen2ForCausalLM.from_pretrained(model_dir[0], attention_dropout=0.5)
+    trainer = build(model_dir, tmp_path, model=model, config={"beta": 0.0}, monitor_settings=QUIET)
+    result = preflight(trainer)
+    assert not result.abc.passed
+    assert "A != B" in result.abc.diagnosis
+    assert "dropout" in result.abc.diagnosis
+    assert result.accumulation is None
+    assert "not repeatable" in result.skipped["accumulation_equivalence"]
+    assert trainer.monitor.metrics()['grpo_preflight_check_passed{check="abc_consistency"}'] == 0.0
+
+
+def test_preflight_finds_an_engine_that_disagrees_with_the_trainer(model_dir, tmp_path) -> None:
+    """An engine (a rollout_func, as vLLM would be) whose log-probs are 0.05 nats off: C differs from A."""
+    trainer = build(model_dir, tmp_path, rollout_func=drifting_engine(0.05, model_dir[1]), monitor_settings=QUIET)
+    result = preflight(trainer)
+    assert not result.abc.passed
+    assert result.abc.engine.mean == pytest.approx(0.05, abs=1e-4)
+    assert "mean |A-C| 0.05 nats >= 0.01" in result.abc.diagnosis
+    assert result.mask.passed
+
+
+class _LossNotDivided(MonitoredGRPOTrainer):
+    """A custom loss that undoes TRL's division by the accumulation steps (the seed's scaling bug)."""
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        return super().compute_loss(model, inputs) * self.current_gradient_accumulation_steps
+
+
+class _MaskCoversPadding(MonitoredGRPOTrainer):
+    """A batch whose completion mask (TRL's loss mask) covers the padding after EOS."""
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        output = super()._generate_and_score_completions(inputs)
+        output["completion_mask"] = torch.ones_like(output["completion_mask"])
+        return output
+
+
+def test_preflight_finds_a_loss_scaled_once_too_few_times(model_dir, tmp_path) -> None:
+    trainer = build(model_dir, tmp_path, cls=_LossNotDivided, monitor_settings=QUIET)
+    result = preflight(trainer)
+    assert result.abc.passed
+    assert result.mask.passed
+    assert result.accumulation is not None
+    assert not result.accumulation.passed
+    assert result.accumulation.multiple is not None
+    assert "micro-batch count" in result.accumulation.multiple
+    assert result.accumulation.norm_ratio == pytest.approx(2.0, rel=1e-2)
+
+
+def test_preflight_finds_padding_in_the_loss_mask(model_dir, tmp_path) -> None:
+    trainer = build(model_dir, tmp_path, cls=_MaskCoversPadding, monitor_settings=QUIET)
+    result = preflight(trainer)
+    assert not result.mask.passed
+    assert "padding" in result.mask.diagnosis
+    assert not result.passed

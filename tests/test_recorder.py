@@ -139,6 +139,33 @@ def test_a_healthy_run_records_nothing_and_a_new_episode_opens_a_new_incident(tm
         {"last_normal": 7, "first_anomalous": 8, "next": 9}, ["mask_mismatch"])
 
 
+def test_steps_that_cannot_judge_a_trigger_neither_end_nor_restart_its_episode(tmp_path):
+    """One rollout per two optimizer steps (num_iterations=2): the update-only steps have no engine gap. A gap
+    at the stop line from step 2 on is one episode; it ends at the first rollout without it (step 8), and
+    returns at step 12 as a new one."""
+    def gap(step: int) -> dict[str, torch.Tensor]:
+        x = _inputs(step, bad=False)
+        if 2 <= step < 8 or step >= 12:
+            x["rollout_logprobs"] = x["old_logprobs"] - 0.05  # mean gap 0.05 nats >= 0.01
+        return x
+
+    model = torch.nn.Linear(3, 1)
+    with GRPOMonitor(run="it", group_size=8, port=None, guard="off", recorder_dir=tmp_path,
+                     edit_distance_groups=0) as mon:
+        for step in range(16):
+            if step % 2 == 0:
+                mon.observe_rollout(step, **gap(step))
+            x = _inputs(step, bad=False)
+            mon.observe_update(step, logprobs=x["old_logprobs"], old_logprobs=x["old_logprobs"],
+                               loss_mask=x["loss_mask"], advantages=torch.zeros(32))
+            model(torch.ones(2, 3)).sum().backward()
+            mon.clip_grad_norm_(model.parameters(), 1.0)
+    first, second = manifests(tmp_path)
+    assert first["steps"] == {"last_normal": 1, "first_anomalous": 2, "next": 3}
+    assert second["steps"] == {"last_normal": 11, "first_anomalous": 12, "next": 13}
+    assert first["triggers"] == second["triggers"] == ["engine_gap"]
+
+
 def test_the_guard_raising_writes_the_incident_first(tmp_path):
     with pytest.raises(TrainingSignalError):
         train(tmp_path, faults={INJECT: "exp-before-clamp"}, guard="raise")

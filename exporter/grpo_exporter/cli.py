@@ -78,7 +78,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        run_demo(args.scenario, args.inject_at, args.steps, not args.no_stack, args.seed, args.steps_per_second)
+        run_demo(args.scenario, args.inject_at, args.steps, not args.no_stack, args.seed, args.steps_per_second,
+                 record=args.record)
     except ValueError as exc:
         print(f"grpo-exporter demo: {exc}", file=sys.stderr)
         return 2
@@ -173,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps-per-second", type=float, default=None,
                       help="pace, so that Prometheus sees each phase (default: 2)")
     demo.add_argument("--no-stack", action="store_true", help="no Prometheus/Alertmanager: exporter and guard only")
+    demo.add_argument("--record", metavar="DIR", help="flight recorder directory: layer-1 faults write an incident "
+                      "there for `grpo-exporter inspect` (e.g. with --scenario exp-before-clamp)")
     demo.set_defaults(run=_demo)
     bench = commands.add_parser("bench", help="the monitor's step cost against naive code and the one-pass floor")
     bench.add_argument("--sizes", default="1e4,6.4e4,2.56e5,1e6,4e6", help="loss tokens per step, comma-separated")

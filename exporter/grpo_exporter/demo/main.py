@@ -6,13 +6,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.scenarios import SCENARIOS, STEPS_PER_SECOND
 from grpo_exporter.demo.stack import INSTALL_HINT, Page, Stack, missing_binaries
+from grpo_exporter.demo.task import decode
 from grpo_exporter.demo.trainer import Trainer
+from grpo_exporter.recorder.store import incidents
 
 
 def run_demo(
@@ -23,10 +26,11 @@ def run_demo(
     seed: int | None = None,
     steps_per_second: float | None = None,
     out: Callable[[str], None] = print,
+    record: str | Path | None = None,
 ) -> list[str]:
     """Run the demo; returns the page lines received. ``inject_at`` and ``seed`` default to the scenario's
-    (docs/demo.md), ``steps_per_second`` to the pace the scenarios are calibrated for. Ctrl-C
-    (KeyboardInterrupt) stops it and everything it started."""
+    (docs/demo.md), ``steps_per_second`` to the pace the scenarios are calibrated for; ``record``: a flight
+    recorder directory (docs/recorder.md). Ctrl-C (KeyboardInterrupt) stops it and everything it started."""
     if scenario not in SCENARIOS:
         raise ValueError(f"--scenario: expected one of {', '.join(SCENARIOS)}, got {scenario!r}")
     s = SCENARIOS[scenario]
@@ -47,7 +51,8 @@ def run_demo(
     cfg = s.config(seed)
     # the demo's own stack stops before the exporter closes (below): nobody is left to see the end, so no linger
     with GRPOMonitor(run=f"demo-{scenario}-{seed}", group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=0,
-                     log_ratio_clamp=cfg.log_ratio_clamp, guard="warn", close_linger_s=0.0) as mon:
+                     log_ratio_clamp=cfg.log_ratio_clamp, guard="warn", close_linger_s=0.0, recorder_dir=record,
+                     decode=decode) as mon:
         out(f"exporter:     {mon.url}")
         local = Stack(on_page=page, targets=(mon.port or 0,)) if stack else None
         try:  # the stack stops first: no scrape of a closed exporter, no "exporter down" page at the end
@@ -72,4 +77,8 @@ def run_demo(
             if local is not None:
                 local.close()
     out(f"{len(pages)} page(s) received")
+    if record is not None:
+        written = incidents(Path(record))
+        out(f"flight recorder: {len(written)} incident(s) in {record}"
+            + (f"; read the latest with: grpo-exporter inspect {written[-1]}" if written else ""))
     return pages

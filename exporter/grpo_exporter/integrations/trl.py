@@ -132,8 +132,11 @@ class GRPOMonitorMixin:
                 "run": run, "group_size": self.num_generations,
                 "clip_eps": (self.epsilon_low, self.epsilon_high), **(monitor_settings or {}),
             }
-            monitor = GRPOMonitor(**settings)
+            tok = self.processing_class
+            decode = (lambda ids: tok.decode(ids)) if hasattr(tok, "decode") else None  # the flight recorder's rows
+            monitor = GRPOMonitor(**settings, decode=decode)
         self.monitor = monitor
+        self._grpo_preflight = False  # grpo_exporter.integrations.trl_preflight: observe nothing meanwhile
         self._grpo_rollout_step: int | None = None
         self._grpo_generated: tuple[list[bool], list[int]] | None = None
         self._grpo_rewards: Tensor | None = None
@@ -164,7 +167,7 @@ class GRPOMonitorMixin:
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._grpo_rewards = None
         output = super()._generate_and_score_completions(inputs)
-        if self.model.training:
+        if self.model.training and not self._grpo_preflight:
             with self.monitor.contained("rollout", "trl _generate_and_score_completions"):
                 self._observe_rollout(inputs, output)
         return output
@@ -185,6 +188,7 @@ class GRPOMonitorMixin:
             "completion_mask": completion_mask,
             "old_logprobs": output.get("old_per_token_logps"),
             "rollout_logprobs": output.get("sampling_per_token_logps"),
+            "prompt_tokens": output.get("prompt_ids"),  # read by the flight recorder only
         }
         if self._grpo_generated is not None and len(self._grpo_generated[0]) == n:
             truncated, lengths = self._grpo_generated
@@ -219,7 +223,7 @@ class GRPOMonitorMixin:
         return result
 
     def _compute_loss(self, model: Any, inputs: Mapping[str, Any]) -> Tensor:
-        self._grpo_capture = [] if self.model.training else None
+        self._grpo_capture = [] if self.model.training and not self._grpo_preflight else None
         try:
             loss = super()._compute_loss(model, inputs)
         finally:

@@ -4,9 +4,11 @@ one incident per episode from a background thread.
 Each observe call hands the recorder its stage's host metrics and inputs. The recorder keeps the rows of the
 open steps, of the last normal step and of a pending incident (device tensors, ``rows`` rows each), and the
 key metrics of the last ``history_steps`` steps. A step is *sealed* when its update ended, when a call of a
-step two or more later arrives, or at close. A sealed step with a trigger (:mod:`.triggers`) after a normal
-one opens an incident; the next sealed step completes it and the incident goes to the writer thread. While
-steps stay anomalous no new incident opens: the first anomalous step of each episode is the one to read.
+step two or more later arrives, or at close. A sealed step whose trigger (:mod:`.triggers`) is not already
+active opens an incident; the next sealed step completes it and the incident goes to the writer thread. A
+trigger stays active, opening nothing more, until a step that judged it no longer fires it (a step without a
+rollout, e.g. the second update of ``num_iterations=2``, has no engine gap: it neither fires nor clears that
+trigger): the first anomalous step of each episode is the one to read.
 When the guard raises, at close and at interpreter exit, open steps are sealed and what is pending is written
 (``next`` absent when training ended there), waiting at most ``flush_timeout_s``.
 """
@@ -46,7 +48,7 @@ from grpo_exporter.recorder.store import (
     sweep_partials,
     write_incident,
 )
-from grpo_exporter.recorder.triggers import triggers_of
+from grpo_exporter.recorder.triggers import judged, triggers_of
 from grpo_exporter.thresholds import StopLines
 
 log = logging.getLogger("grpo_exporter")
@@ -89,7 +91,6 @@ class State:
     rows: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # stage -> field -> (R, ...) device tensor
     drivers: dict[str, dict[int, str]] = field(default_factory=dict)  # stage -> row -> trigger it drove
     ready: Any = None  # a CUDA event recorded after the rows were taken: the writer waits on it
-    update_ended: bool = False
 
     def summary(self) -> dict[str, Any]:
         return {"step": self.step, "time": self.time, "triggers": list(self.triggers),
@@ -134,7 +135,7 @@ class FlightRecorder:
         self._history: deque[dict[str, Any]] = deque(maxlen=history_steps)
         self._last_normal: State | None = None
         self._pending: Incident | None = None
-        self._armed = True
+        self._active: set[str] = set()  # the triggers of the episodes in progress
         self._serial = 0
         self._lock = threading.Lock()
         self._queued: list[Future[None]] = []
@@ -142,7 +143,6 @@ class FlightRecorder:
             max_workers=1, thread_name_prefix="grpo-exporter-recorder", initializer=lowest_priority
         )
         self.between_files: Callable[[], None] | None = None  # test hook: called after each file written
-        self.written: list[Path] = []
         # counters start at 0, so the first incident is an increase; the usage of what the directory holds
         publication.add({_INCIDENTS.key(): 0.0, _REMOVED.key(): 0.0})
         publication.merge({_USAGE.key(): float(sum(size_of(p) for p in incidents(self.root)))})
@@ -168,7 +168,6 @@ class FlightRecorder:
                     state.ready = torch.cuda.Event()
                     state.ready.record()
             if stage == "update":
-                state.update_ended = True
                 self._seal(lambda s: s <= step)
             return fired
 
@@ -181,7 +180,7 @@ class FlightRecorder:
                 self._pending.ended = why
                 self._submit(self._pending)
                 self._pending = None
-            self.wait(self._flush_timeout_s if timeout is None else timeout)
+        self.wait(self._flush_timeout_s if timeout is None else timeout)
 
     def wait(self, timeout: float) -> None:
         """Block until the incidents handed to the writer are written (at most ``timeout``)."""
@@ -198,19 +197,21 @@ class FlightRecorder:
     # ---- sealing --------------------------------------------------------------------------------------------
 
     def _seal(self, due: Callable[[int], bool]) -> None:
+        """Seal the due open steps in order. A trigger not already active opens an incident (its episode);
+        a trigger stays active until a step that judged it (:func:`~.triggers.judged`) no longer fires it."""
         for step in sorted(s for s in self._open if due(s)):
             state = self._open.pop(step)
             self._history.append(state.summary())
+            new = [t for t in state.triggers if t not in self._active]
+            self._active = {t for t in self._active if t in state.triggers or not judged(t, state.metrics)}
+            self._active |= set(state.triggers)
             if self._pending is not None:
                 self._pending.next = state
                 self._submit(self._pending)
                 self._pending = None
-            elif state.triggers and self._armed:
+            if new:
                 self._pending = Incident(state, self._last_normal, list(self._history))
-                self._armed = False
-                continue
-            if not state.triggers:
-                self._armed = True
+            elif not state.triggers:
                 self._last_normal = state
 
     def _submit(self, incident: Incident) -> None:
@@ -231,7 +232,6 @@ class FlightRecorder:
         try:
             name, files = self._serialise(incident)
             written = write_incident(self.root, name, files, self._budget, serial, self.between_files)
-            self.written.append(written.path)
             with self._publication.writing:
                 self._publication.add({_INCIDENTS.key(): 1.0})
                 if written.removed:

@@ -112,9 +112,10 @@ def select_rows(x: StepInputs, triggers: Sequence[str], rows: int) -> tuple[Tens
     n = x.n
     if n is None or n == 0:
         return torch.zeros(0, dtype=torch.long), {}
-    device = next(t.device for t in (x.rewards, x.logprobs, x.old_logprobs, x.rollout_logprobs, x.advantages,
-                                     x.loss_mask, x.completion_ids, x.completion_lengths, x.correct, x.truncated,
-                                     x.group_ids, x.completion_mask, x.entropy, x.ref_logprobs) if t is not None)
+    device = next((t.device for t in (x.rewards, x.logprobs, x.old_logprobs, x.rollout_logprobs, x.advantages,
+                                      x.loss_mask, x.completion_ids, x.completion_lengths, x.correct, x.truncated,
+                                      x.group_ids, x.completion_mask, x.entropy, x.ref_logprobs,
+                                      *x.reward_components.values()) if t is not None), torch.device("cpu"))
     spread = spread_rows(n, rows, device)
     kinds = [(trigger, kind) for trigger in triggers for kind in SCORES_OF.get(trigger, ())]
     scores = row_scores(x) if kinds else {}

@@ -20,6 +20,19 @@ TRIGGERS = (
     "advantage_bound",  # |A| above (G-1)/sqrt(G) (seed: the group normalisation's bound)
 )
 
+# the families whose presence in a step's metrics means the step judged the trigger: a step that did not (an
+# update-only step of num_iterations > 1 has no engine gap) neither fires it nor clears it
+JUDGED_BY = {
+    "nonfinite": ("grpo_nonfinite_values_total",),
+    "mask_mismatch": (
+        "grpo_loss_mask_length_mismatch_sequences_total", "grpo_loss_mask_outside_completion_tokens_total",
+    ),
+    "engine_gap": ("grpo_engine_logprob_gap_mean_nats",),
+    "clipped_before_update": ("grpo_onpolicy_outside_clip_ratio",),
+    "grad_norm_spike": ("grpo_grad_norm_pre_clip",),
+    "advantage_bound": ("grpo_advantage_over_bound_sequences_total",),
+}
+
 _BY_ALERT = {
     "GRPONonFiniteValues": "nonfinite",
     "GRPOLossMaskMismatch": "mask_mismatch",
@@ -40,3 +53,9 @@ def triggers_of(
     if metrics.get(_OVER_BOUND, 0.0) > 0:
         found.add("advantage_bound")
     return tuple(t for t in TRIGGERS if t in found and t in enabled)
+
+
+def judged(trigger: str, metrics: Mapping[str, float]) -> bool:
+    """Whether a step with these metrics judged ``trigger`` (its inputs were there)."""
+    families = JUDGED_BY[trigger]
+    return any(getattr(k, "sample", k) in families for k in metrics)
