@@ -63,6 +63,25 @@ def _worker(rank: int, port: int, out: str, test_path: str) -> None:
         result["served"] = mon.port is not None
         if rank == 0:
             result["scraped"] = 'grpo_completions_total{run="ddp"} 48.0' in scrape(mon.url)
+    # the flight recorder on both ranks, on clean batches of 3 groups per rank: a NaN reward in rank 1's half
+    # at step 1; both ranks judge the merged count
+    with GRPOMonitor(run="ddp-rec", port=None, recorder_dir=Path(out, "incidents"), **SETTINGS) as mon:
+        g = torch.Generator().manual_seed(rank)
+        for step in range(3):
+            logprobs = -torch.rand(24, 16, generator=g)
+            rewards = torch.rand(24, generator=g)
+            if step == 1 and rank == 1:
+                rewards[3] = float("nan")
+            mon.observe_rollout(step, rewards=rewards, rollout_logprobs=logprobs, old_logprobs=logprobs.clone(),
+                                loss_mask=torch.ones(24, 16, dtype=torch.bool), group_ids=torch.arange(24) // 8
+                                + 3 * rank)
+    from grpo_exporter.recorder.inspect import load
+
+    [own] = [p for p in Path(out, "incidents").iterdir() if p.name.endswith(f"-r{rank}")]
+    incident = load(own)
+    result["incident"] = {"steps": incident["steps"], "triggers": incident["triggers"], "world": incident["world"],
+                          "drivers": [r["row"] for r in incident["states"]["first_anomalous"]["rows"]["rollout"]
+                                      if r["driver"]]}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -114,3 +133,15 @@ def test_two_collectives_per_reduction(ranks):
     for r in ranks:
         assert r["rollout_collectives"] == [str(dist.ReduceOp.MAX), str(dist.ReduceOp.SUM)]
         assert r["update_collectives"] == [str(dist.ReduceOp.MAX), str(dist.ReduceOp.SUM)]
+
+
+def test_each_rank_records_its_own_rows_of_the_same_incident(ranks):
+    """The NaN reward sits in rank 1's half: the merged count fires the trigger on both ranks, so both write
+    the same three states (their own rows, -r0 and -r1 in one shared directory the two ranks created at the
+    same moment); only rank 1 holds the offending row (its local row 3)."""
+    for r in ranks:
+        assert r["incident"]["steps"] == {"last_normal": 0, "first_anomalous": 1, "next": 2}
+        assert r["incident"]["triggers"] == ["nonfinite"]
+        assert r["incident"]["world"] == WORLD
+    assert ranks[0]["incident"]["drivers"] == []
+    assert ranks[1]["incident"]["drivers"] == [3]

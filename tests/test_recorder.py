@@ -80,6 +80,7 @@ def test_exactly_the_three_states_around_an_injected_fault_offending_rows_first(
     assert m["steps"] == {"last_normal": INJECT - 1, "first_anomalous": INJECT, "next": INJECT + 1}
     assert m["next_missing"] is None
     assert [h["step"] for h in m["history"]] == list(range(INJECT + 1))
+    assert [h["policy_version"] for h in m["history"]] == list(range(INJECT + 1))  # the demo syncs every step
     assert [bool(h["triggers"]) for h in m["history"]] == [False] * INJECT + [True]
     assert mon.metrics()["grpo_recorder_incidents_total"] == 1
     [latest] = [k for k in mon.metrics() if k.startswith("grpo_recorder_latest_incident_step")]

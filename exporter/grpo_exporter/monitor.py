@@ -6,6 +6,8 @@
   ends (:mod:`grpo_exporter.stitching`): at ``clip_grad_norm_``, ``end_step``, ``flush``/``close``, or an
   ``observe_update`` of another step number.
 * ``clip_grad_norm_`` clips like ``torch.nn.utils.clip_grad_norm_`` and records the norm before and after.
+* With ``recorder_dir`` set, the flight recorder (:mod:`grpo_exporter.recorder`) keeps a few rows of each step
+  and writes the last normal, first anomalous and next step of each layer-1 episode from a background thread.
 
 Inside a training process the monitor never crashes or stalls training: an exception is caught, counted in
 ``grpo_exporter_errors_total{stage}``, logged at most once per stage per minute, and training goes on;

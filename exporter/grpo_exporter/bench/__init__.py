@@ -147,11 +147,12 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
     try:
         for r in range(rounds + 2):  # two warm-up rounds
             step += 1
-            sample = {
-                "monitor": _timed(lambda s=step: monitor_step(mon, w, s)),
-                "worker": _timed(mon.wait_for_workers),
-                "recorder": _timed(lambda s=step: monitor_step(recording, w, s)),
-                "_": _timed(recording.wait_for_workers),
+            sample: dict[str, float] = {}
+            pair = [("monitor", mon, "worker"), ("recorder", recording, "_")]
+            for key, monitor, after in pair if r % 2 == 0 else pair[::-1]:  # neither always runs first
+                sample[key] = _timed(lambda s=step, m=monitor: monitor_step(m, w, s))
+                sample[after] = _timed(monitor.wait_for_workers)
+            sample |= {
                 "naive": _timed(lambda: naive_step(w)),
                 "floor": _timed(lambda: floor_step(w)),
             }

@@ -91,9 +91,10 @@ class State:
     rows: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # stage -> field -> (R, ...) device tensor
     drivers: dict[str, dict[int, str]] = field(default_factory=dict)  # stage -> row -> trigger it drove
     ready: Any = None  # a CUDA event recorded after the rows were taken: the writer waits on it
+    versions: dict[str, int] = field(default_factory=dict)  # policy_version, rollout_policy_version
 
     def summary(self) -> dict[str, Any]:
-        return {"step": self.step, "time": self.time, "triggers": list(self.triggers),
+        return {"step": self.step, "time": self.time, "triggers": list(self.triggers), **self.versions,
                 "metrics": {k: json_number(v) for k, v in key_metrics(self.metrics).items()}}
 
 
@@ -160,6 +161,9 @@ class FlightRecorder:
             state.metrics.update(metrics)
             fired = triggers_of(metrics, self._lines, spike, self._enabled)
             state.triggers += [t for t in fired if t not in state.triggers]
+            for name in ("policy_version", "rollout_policy_version"):
+                if inputs is not None and getattr(inputs, name) is not None:
+                    state.versions[name] = int(getattr(inputs, name))
             if inputs is not None and inputs.n:
                 index, drivers = select_rows(inputs, fired, self._rows)
                 state.rows[stage] = take_rows(inputs, index, extra or {})
