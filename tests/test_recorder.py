@@ -25,6 +25,7 @@ from grpo_exporter.demo.scenarios import SCENARIOS
 from grpo_exporter.demo.task import Task, decode
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 from grpo_exporter.guard import TrainingSignalError
+from grpo_exporter.recorder import RecorderError
 from grpo_exporter.recorder.inspect import InspectError, load, render
 from grpo_exporter.recorder.store import incidents, size_of
 
@@ -223,6 +224,7 @@ def _episodes(root: Path, count: int, t: int = 64, **settings: object) -> GRPOMo
                      **settings) as mon:
         for step in range(3 * count + 1):
             mon.observe_rollout(step, **_inputs(step, bad=step % 3 == 1, t=t))
+            mon.wait_for_workers()  # at most MAX_QUEUED incidents wait for the writer; more would be dropped
     return mon
 
 
@@ -240,6 +242,21 @@ def test_the_disk_budget_removes_the_oldest_incidents_first(tmp_path):
     assert m["grpo_recorder_incidents_total"] == 8
     assert m["grpo_recorder_removed_incidents_total"] == 5
     assert 0 < m["grpo_recorder_disk_usage_bytes"] <= budget
+
+
+def test_a_disk_that_cannot_keep_up_drops_incidents_counted_never_blocking(tmp_path):
+    """The writer stuck in its first file: four incidents wait (MAX_QUEUED), the next two are dropped and
+    counted as recorder errors, and training went on; once the disk answers, the four are written."""
+    release = threading.Event()
+    with GRPOMonitor(run="q", group_size=8, port=None, guard="off", recorder_dir=tmp_path,
+                     edit_distance_groups=0) as mon:
+        mon._recorder.between_files = lambda: release.wait(60)
+        for step in range(3 * 6 + 2):  # rollouts only: step 19 seals 17, the last incident's next step
+            mon.observe_rollout(step, **_inputs(step, bad=step % 3 == 1))
+        assert incidents(tmp_path) == []
+        assert mon.metrics()['grpo_exporter_errors_total{stage="recorder"}'] == 2
+        release.set()
+    assert [load(p)["steps"]["first_anomalous"] for p in incidents(tmp_path)] == [1, 4, 7, 10]
 
 
 def test_an_incident_over_the_budget_keeps_its_summary_or_is_counted_as_an_error(tmp_path):
@@ -360,8 +377,17 @@ def test_hostile_recorder_inputs_are_counted_never_raised_unless_strict(tmp_path
         mon.observe_rollout(0, **_inputs(0, bad=False), prompt_tokens=torch.zeros(32, 3))
 
 
+def test_a_recorder_dir_that_cannot_be_used_fails_at_construction_naming_the_field(tmp_path):
+    """Before training starts, not at the first incident: a file where the directory should be."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RecorderError, match=r"recorder_dir: expected a directory.*file"):
+        GRPOMonitor(run="v", group_size=8, port=None, recorder_dir=tmp_path / "file")
+    with pytest.raises(RecorderError, match="recorder_dir: expected a directory this process can create"):
+        GRPOMonitor(run="v", group_size=8, port=None, recorder_dir=tmp_path / "file" / "below")
+
+
 def test_recorder_settings_are_validated():
     with pytest.raises(ValueError, match="recorder_triggers"):
-        GRPOMonitor(run="v", port=None, recorder_triggers=["nonfinite", "nan"])
+        GRPOMonitor(run="v", group_size=8, port=None, recorder_triggers=["nonfinite", "nan"])
     with pytest.raises(ValueError, match="recorder_rows"):
-        GRPOMonitor(run="v", port=None, recorder_rows=0)
+        GRPOMonitor(run="v", group_size=8, port=None, recorder_rows=0)

@@ -41,14 +41,17 @@ def ensure_root(root: Path) -> Path:
     """The recorder directory, created owner-only (0700) when missing; an existing one keeps its mode (each
     incident inside is 0700 anyway)."""
     root = root.expanduser().resolve()
-    root.parent.mkdir(parents=True, exist_ok=True)
     try:
-        root.mkdir(mode=0o700)
+        root.mkdir(parents=True, mode=0o700)
         os.chmod(root, 0o700)
     except FileExistsError:  # made before, or by another rank at the same moment
         pass
+    except OSError as exc:
+        raise RecorderError(f"recorder_dir: expected a directory this process can create, got {root} ({exc})") from exc
     if not root.is_dir():
         raise RecorderError(f"recorder_dir: expected a directory, got {root} (exists and is not one)")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise RecorderError(f"recorder_dir: expected a directory this process can write, got {root} (no permission)")
     return root
 
 
