@@ -166,7 +166,7 @@ class FlightRecorder:
                     state.versions[name] = int(getattr(inputs, name))
             if inputs is not None and inputs.n:
                 index, drivers = select_rows(inputs, fired, self._rows)
-                state.rows[stage] = take_rows(inputs, index, extra or {})
+                state.rows[stage] = take_rows(inputs, index, extra)
                 state.drivers[stage] = drivers
                 if index.is_cuda:
                     state.ready = torch.cuda.Event()

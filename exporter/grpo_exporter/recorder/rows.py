@@ -36,11 +36,15 @@ TEXT_CHARS = 2000  # prompt/completion text kept per row in incident.json (the .
 
 
 @functools.lru_cache(maxsize=64)
-def spread_rows(n: int, rows: int, device: torch.device) -> Tensor:
+def spread_rows(n: int, rows: int) -> tuple[int, ...]:
     """``min(rows, n)`` row indices spread evenly over ``0..n-1`` (first and last included), cached."""
     k = min(rows, n)
-    return torch.linspace(0, n - 1, k, device=device).round().long() if k > 1 else torch.zeros(k, dtype=torch.long,
-                                                                                                   device=device)
+    return tuple(round(i * (n - 1) / (k - 1)) for i in range(k)) if k > 1 else tuple(range(k))
+
+
+@functools.lru_cache(maxsize=64)
+def _spread_index(n: int, rows: int, device: torch.device) -> Tensor:
+    return torch.tensor(spread_rows(n, rows), dtype=torch.long, device=device)  # made once per shape and device
 
 
 def _positions(x: StepInputs) -> Tensor | None:
@@ -112,38 +116,26 @@ def select_rows(x: StepInputs, triggers: Sequence[str], rows: int) -> tuple[Tens
     n = x.n
     if n is None or n == 0:
         return torch.zeros(0, dtype=torch.long), {}
-    device = next((t.device for t in (x.rewards, x.logprobs, x.old_logprobs, x.rollout_logprobs, x.advantages,
-                                      x.loss_mask, x.completion_ids, x.completion_lengths, x.correct, x.truncated,
-                                      x.group_ids, x.completion_mask, x.entropy, x.ref_logprobs,
-                                      *x.reward_components.values()) if t is not None), torch.device("cpu"))
-    spread = spread_rows(n, rows, device)
     kinds = [(trigger, kind) for trigger in triggers for kind in SCORES_OF.get(trigger, ())]
     scores = row_scores(x) if kinds else {}
     kinds = [(trigger, kind) for trigger, kind in kinds if kind in scores]
     if not kinds:
-        return spread, {}
-    per_kind = max(1, (rows // 2) // len(kinds))
-    k = min(per_kind, n)
+        return _spread_index(n, rows, x.device), {}
+    k = min(max(1, (rows // 2) // len(kinds)), n)
     tops = [torch.topk(scores[kind], k) for _, kind in kinds]
-    values = torch.stack([t.values.float() for t in tops]).tolist()  # the anomalous step's one extra host read
-    indices = torch.stack([t.indices for t in tops]).tolist()
+    # the anomalous step's one extra host read: scores and rows together (row indices < 2^53 are exact)
+    read = torch.stack([torch.stack([t.values.double(), t.indices.double()]) for t in tops]).tolist()
     drivers: dict[int, str] = {}
-    for (trigger, _), vs, ids in zip(kinds, values, indices, strict=True):
-        for v, i in zip(vs, ids, strict=True):
-            if v > 0 and i not in drivers and len(drivers) < rows:
-                drivers[i] = trigger
+    for (trigger, _), (values, ids) in zip(kinds, read, strict=True):
+        for v, i in zip(values, ids, strict=True):
+            if v > 0 and int(i) not in drivers and len(drivers) < rows:
+                drivers[int(i)] = trigger
     chosen = list(drivers)
-    taken = set(chosen)
-    for i in spread.tolist():
-        if len(chosen) >= rows:
-            break
-        if i not in taken:
-            chosen.append(i)
-            taken.add(i)
-    return torch.tensor(chosen, dtype=torch.long, device=device), drivers
+    chosen += [i for i in spread_rows(n, rows) if i not in drivers][: rows - len(chosen)]
+    return torch.tensor(chosen, dtype=torch.long, device=x.device), drivers
 
 
-def take_rows(x: StepInputs, index: Tensor, extra: Mapping[str, Tensor | None] = {}) -> dict[str, Tensor]:
+def take_rows(x: StepInputs, index: Tensor, extra: Mapping[str, Tensor | None] | None = None) -> dict[str, Tensor]:
     """The inputs' rows at ``index`` (new tensors, detached), plus ``extra`` (N, ...) tensors, ``row`` the index."""
     taken: dict[str, Tensor] = {"row": index}
     n = x.n
@@ -153,7 +145,7 @@ def take_rows(x: StepInputs, index: Tensor, extra: Mapping[str, Tensor | None] =
             taken[name] = t.detach().index_select(0, index)
     for name, t in x.reward_components.items():
         taken[f"reward_components.{name}"] = t.detach().index_select(0, index)
-    for name, t in extra.items():
+    for name, t in (extra or {}).items():
         if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == n:
             taken[name] = t.detach().index_select(0, index)
     return taken
