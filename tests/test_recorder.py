@@ -265,7 +265,11 @@ def test_an_incident_over_the_budget_keeps_its_summary_or_is_counted_as_an_error
     [single] = incidents(one)
     summary = (single / "incident.json").stat().st_size
     assert summary < size_of(single)
-    assert summary > 1 << 16
+    assert summary > 1 << 16  # completions of 1024 token ids, the first 512 kept as ids
+    row = load(single)["states"]["first_anomalous"]["rows"]["rollout"][0]
+    assert len(row["completion"]) == 512
+    raw = torch.load(single / "first_anomalous.pt", weights_only=True)
+    assert raw["rollout"]["completion_ids"].shape == (16, 1024)  # every token in the raw rows
     _episodes(tmp_path / "tight", 1, t=1024, recorder_disk_budget_bytes=summary + 100)
     [tight] = incidents(tmp_path / "tight")
     assert sorted(p.name for p in tight.iterdir()) == ["incident.json"]

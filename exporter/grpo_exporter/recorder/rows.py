@@ -33,6 +33,7 @@ SCORES_OF = {
     "advantage_bound": ("advantage",),
 }
 TEXT_CHARS = 2000  # prompt/completion text kept per row in incident.json (the .pt file keeps every token)
+TEXT_IDS = 512  # token ids kept per row in incident.json when there is no decode function
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,7 +159,7 @@ def json_number(value: float) -> float | str:
 
 def _text(ids: list[int], decode: Decode | None) -> str | list[int]:
     if decode is None:
-        return ids
+        return ids[:TEXT_IDS]
     try:
         return decode(ids)[:TEXT_CHARS]
     except Exception as exc:  # a tokenizer that fails on this row: its ids instead, and why
