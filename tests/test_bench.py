@@ -64,6 +64,7 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert r.from_python == 0  # constant vectors are cached per device: no host-to-device copy in the step
     assert r.recorder_s > 0
     assert r.recorder_host_reads == r.host_reads  # the flight recorder reads nothing on a healthy step
+    assert r.anomalous_host_reads == r.host_reads + 1  # an anomalous step: its offending rows, in one read
     assert r.exposition_bytes > 0
     assert long.steps == 30
     assert long.series_late >= long.series_early > 0

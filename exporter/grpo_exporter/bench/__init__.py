@@ -5,12 +5,15 @@ it printed and the command.
 Per size, one full training step of the monitor is one ``observe_rollout``, four ``observe_update``
 micro-batches and the end of the step (the framework's pre-clip grad norm); the edit-distance worker it starts
 runs off the step and is timed apart (``worker``). ``recorder``: the same step with the flight recorder on
-(healthy steps: it keeps spread rows, no host read; an incident is written off the step).
+(healthy steps: it keeps spread rows, no host read; an incident is written off the step); ``anomalous``: with
+the recorder on and one NaN reward in every step, so that each step is judged anomalous and its offending rows
+are scored and picked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -48,6 +51,8 @@ class SizeResult:
     exposition_bytes: int
     recorder_s: float = 0.0  # the step with the flight recorder on
     recorder_host_reads: int = 0
+    anomalous_s: float = 0.0  # the step with the recorder on, every step anomalous (a NaN reward)
+    anomalous_host_reads: int = 0
     syncs: int | None = None  # CUDA: synchronising calls per step (set_sync_debug_mode("warn"))
     update_sync_error: str = ""  # CUDA: what "error" mode around the micro-batch updates raised
 
@@ -60,6 +65,11 @@ class SizeResult:
     def vs_recorder(self) -> float:
         """recorder on / off: 1 = free."""
         return self.recorder_s / self.monitor_s
+
+    @property
+    def vs_anomalous(self) -> float:
+        """recorder on, anomalous step / off."""
+        return self.anomalous_s / self.monitor_s
 
     @property
     def vs_floor(self) -> float:
@@ -142,15 +152,19 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
     mon = new_monitor()
     records = tempfile.TemporaryDirectory(prefix="grpo-bench-recorder-")
     recording = new_monitor(recorder_dir=records.name)
+    anomalous = new_monitor(recorder_dir=records.name)
+    bad = dataclasses.replace(w, rewards=w.rewards.clone().index_fill_(0, torch.tensor([1], device=w.rewards.device),
+                                                                       float("nan")))
     step = 0
-    times: dict[str, list[float]] = {"monitor": [], "naive": [], "floor": [], "worker": [], "recorder": []}
+    times: dict[str, list[float]] = {"monitor": [], "naive": [], "floor": [], "worker": [], "recorder": [],
+                                     "anomalous": []}
     try:
         for r in range(rounds + 2):  # two warm-up rounds
             step += 1
             sample: dict[str, float] = {}
-            pair = [("monitor", mon, "worker"), ("recorder", recording, "_")]
-            for key, monitor, after in pair if r % 2 == 0 else pair[::-1]:  # neither always runs first
-                sample[key] = _timed(lambda s=step, m=monitor: monitor_step(m, w, s))
+            runs = [("monitor", mon, w, "worker"), ("recorder", recording, w, "_"), ("anomalous", anomalous, bad, "_")]
+            for key, monitor, work, after in runs[r % 3:] + runs[: r % 3]:  # none always runs first
+                sample[key] = _timed(lambda s=step, m=monitor, x=work: monitor_step(m, x, s))
                 sample[after] = _timed(monitor.wait_for_workers)
             sample |= {
                 "naive": _timed(lambda: naive_step(w)),
@@ -169,6 +183,9 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         with counting(device) as recorded:
             monitor_step(recording, w, step)
         recording.wait_for_workers()
+        with counting(device) as judged:
+            monitor_step(anomalous, bad, step)
+        anomalous.wait_for_workers()
         syncs: int | None = None
         raised = ""
         if w.old.device.type == "cuda":
@@ -180,13 +197,15 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
     finally:
         mon.close()
         recording.close()
+        anomalous.close()
         records.cleanup()
     median = {k: statistics.median(v) for k, v in times.items()}
     return SizeResult(
         loss_tokens=w.loss_tokens, n=w.n, t=w.t, monitor_s=median["monitor"], naive_s=median["naive"],
         floor_s=median["floor"], worker_s=median["worker"], operators=ops, host_reads=counts.host_reads,
         from_python=counts.from_python, render_s=statistics.median(renders), exposition_bytes=size,
-        recorder_s=median["recorder"], recorder_host_reads=recorded.host_reads, syncs=syncs,
+        recorder_s=median["recorder"], recorder_host_reads=recorded.host_reads, anomalous_s=median["anomalous"],
+        anomalous_host_reads=judged.host_reads, syncs=syncs,
         update_sync_error=raised,
     )
 
@@ -252,15 +271,16 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
     lines = [
         "| loss tokens | N x T | monitor step | naive | floor | naive / monitor | monitor / floor | worker after step "
         "| aten ops / step | host reads / step | tensors from Python data / step | scrape render | exposition "
-        "| recorder on / off | host reads, recorder on |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recorder on / off | host reads, recorder on | anomalous step, recorder on / off | host reads, anomalous |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.loss_tokens:,} | {r.n} x {r.t} | {r.monitor_s * 1e3:.1f} ms | {r.naive_s * 1e3:.1f} ms "
             f"| {r.floor_s * 1e3:.2f} ms | {r.vs_naive:.2f}x | {r.vs_floor:.0f}x | {r.worker_s * 1e3:.1f} ms "
             f"| {r.operators} | {r.host_reads} | {r.from_python} | {r.render_s * 1e3:.2f} ms "
-            f"| {r.exposition_bytes / 1024:.1f} KiB | {r.vs_recorder:.2f}x | {r.recorder_host_reads} |"
+            f"| {r.exposition_bytes / 1024:.1f} KiB | {r.vs_recorder:.2f}x | {r.recorder_host_reads} "
+            f"| {r.vs_anomalous:.2f}x | {r.anomalous_host_reads} |"
         )
     lines.append("")
     lines.append(
