@@ -39,6 +39,7 @@ def make_batch(seed: int = 0) -> tuple[DataProto, dict[str, torch.Tensor]]:
     old = -torch.rand(n, T, generator=gen) * 3
     tensors = {
         "responses": torch.randint(3, 50, (n, T), generator=gen),
+        "prompts": torch.randint(3, 50, (n, 5), generator=gen),
         "response_mask": mask,
         "attention_mask": mask,
         "token_level_scores": scores,
@@ -55,9 +56,10 @@ def make_batch(seed: int = 0) -> tuple[DataProto, dict[str, torch.Tensor]]:
     return data[perm.numpy()], {"acc": acc, "lengths": lengths, "advantages": advantages, "mask": mask}
 
 
-def test_observe_dataproto_reads_verls_batch() -> None:
+def test_observe_dataproto_reads_verls_batch(tmp_path) -> None:
     data, truth = make_batch()
-    monitor = GRPOMonitor(run="verl", group_size=G, port=None, strict=True, close_linger_s=0)
+    monitor = GRPOMonitor(run="verl", group_size=G, port=None, strict=True, close_linger_s=0,
+                          recorder_dir=tmp_path / "incidents", engine_gap_stop_nats=0.015)
     observe_dataproto(monitor, data, step=7)
     observe_actor_metrics(monitor, 7, {"actor/grad_norm": [3.0, 1.0], "actor/entropy": 1.5}, max_grad_norm=1.0)
     m = monitor.metrics()
@@ -75,6 +77,16 @@ def test_observe_dataproto_reads_verls_batch() -> None:
     assert m["grpo_entropy_mean_nats"] == 1.5
     assert m["grpo_steps_total"] == 1
     assert "grpo_importance_weight_count" not in m  # current log-probs stay in the workers: absent, not 1
+    # the flight recorder: the engine 0.02 nats off is above the stop line set here (0.015): the run's only
+    # step is its first anomalous one, written at close with verl's prompt tokens in the rows
+    from grpo_exporter.recorder.inspect import load
+
+    incident = load(tmp_path / "incidents")
+    assert incident["triggers"] == ["engine_gap"]
+    assert incident["steps"] == {"last_normal": None, "first_anomalous": 7, "next": None}
+    rows = incident["states"]["first_anomalous"]["rows"]["rollout"]
+    assert all(len(r["prompt"]) == 5 for r in rows)
+    assert rows[0]["engine_gap_mean"] == pytest.approx(DRIFT, abs=1e-5)
 
 
 def test_v0_trainer_hook_reports_each_step() -> None:

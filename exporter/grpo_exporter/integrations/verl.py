@@ -98,6 +98,7 @@ def observe_dataproto(
             "completion_mask": mask,
             "old_logprobs": _tensor(batch, "old_log_probs"),
             "rollout_logprobs": _tensor(batch, "rollout_log_probs"),
+            "prompt_tokens": _tensor(batch, "prompts"),  # read by the flight recorder only
         }
         if "uid" in extra:
             rollout["group_ids"] = extra["uid"]
