@@ -15,7 +15,8 @@ Binds 127.0.0.1 by default (0.0.0.0 or ``::`` is an explicit choice for containe
   time, and failed attempts draw on a small token bucket: past it, the answer is 429 without hashing, so a
   flood of wrong passwords costs the training process a few slow hashes a second at most; while failed
   attempts are being throttled, the accept loop also sheds connections beyond ``CONNECTIONS_PER_S`` a
-  second before reading a byte (scrapes may fail during such a flood: training comes first).
+  second before reading a byte, resting ``SHED_PAUSE_S`` after each, so a client that reconnects at once
+  costs at most ~200 accepts a second (scrapes may fail during such a flood: training comes first).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ FAILED_AUTH_PER_S = 1.0  # refill of the failed-attempt bucket: slow hashes a se
 FAILED_AUTH_BURST = 5
 CONNECTIONS_PER_S = 50.0  # under a wrong-password flood: connections a second still accepted
 CONNECTIONS_BURST = 50
+SHED_PAUSE_S = 0.005  # after shedding a connection the accept loop rests: a reconnect storm costs <= 200 accepts/s
 VERIFIED_CACHE = 16
 
 
@@ -158,6 +160,8 @@ class _Server(WSGIServer):
         shedding = self.auth is not None and self.auth.failures.tokens < 1.0 and not self.accepting.take()
         if self.closing or shedding or not self.slots.acquire(blocking=False):
             self.shutdown_request(request)  # every worker busy: drop it; the scraper retries next interval
+            if shedding:  # a client that reconnects at once would keep this loop (and a core) busy accepting
+                time.sleep(SHED_PAUSE_S)
             return
         with self.connections_lock:
             self.open_connections.add(request)
