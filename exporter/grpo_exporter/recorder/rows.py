@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_exporter.functional.gradient import completion_positions
 from grpo_exporter.inputs import SEQUENCE_BOOLS, SEQUENCE_FLOATS, TOKEN_BOOLS, TOKEN_FLOATS, StepInputs
 
 ROW_FIELDS = (*SEQUENCE_FLOATS, *SEQUENCE_BOOLS, "group_ids", "completion_lengths", "completion_ids", *TOKEN_BOOLS,
@@ -56,7 +57,7 @@ def _positions(x: StepInputs) -> Tensor | None:
                   if t is not None), None)
     if x.completion_lengths is None or width is None:
         return None
-    return torch.arange(width, device=x.completion_lengths.device) < x.completion_lengths.unsqueeze(1)
+    return completion_positions(x.completion_lengths, width)
 
 
 def _tokens(x: StepInputs) -> Tensor | None:
@@ -202,7 +203,7 @@ def _describe_row(rows: Mapping[str, Tensor], pos: int, row: int, driver: str | 
     m = mask[pos] if mask is not None else None
     if m is None and "completion_lengths" in rows:
         width = next((rows[k].shape[1] for k in ("logprobs", "old_logprobs", "completion_ids") if k in rows), 0)
-        m = torch.arange(width) < rows["completion_lengths"][pos]
+        m = completion_positions(rows["completion_lengths"][pos : pos + 1], width)[0]
     if m is not None:
         r["loss_tokens"] = int(m.sum())
     if "logprobs" in rows and "old_logprobs" in rows:
