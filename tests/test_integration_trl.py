@@ -345,6 +345,18 @@ def test_preflight_passes_on_a_healthy_trainer_and_leaves_it_as_found(model_dir,
     assert trainer.monitor.metrics()["grpo_steps_total"] == 3
 
 
+def test_the_checks_guide_trl_example_runs_as_written(model_dir, tmp_path, capsys) -> None:
+    """docs/checks.md's one-call example, verbatim: `MonitoredGRPOTrainer(...)` stands for the tiny trainer."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "checks.md").read_text(encoding="utf-8")
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL) if "preflight(trainer)" in c]
+    names: dict[str, Any] = {"MonitoredGRPOTrainer": lambda *_: build(model_dir, tmp_path, monitor_settings=QUIET)}
+    exec(compile(code, "docs/checks.md", "exec"), names)
+    assert names["result"].passed
+    assert "abc_consistency: pass" in capsys.readouterr().out
+
+
 def test_preflight_finds_dropout_left_on(model_dir, tmp_path) -> None:
     """The seed's A != B: dropout active in the pass that computes the loss's log-probs."""
     model = Qwen2ForCausalLM.from_pretrained(model_dir[0], attention_dropout=0.5)

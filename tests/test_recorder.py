@@ -390,6 +390,27 @@ def test_a_recorder_dir_that_cannot_be_used_fails_at_construction_naming_the_fie
         GRPOMonitor(run="v", group_size=8, port=None, recorder_dir=tmp_path / "file" / "below")
 
 
+def test_the_guide_example_runs_as_written_and_records_the_nan(tmp_path):
+    """docs/recorder.md's loop, verbatim but for a free port, on the doc examples' tiny setup with a NaN
+    log-prob on a loss token of row 1 from the first step: one episode, its offending row first, decoded."""
+    from types import SimpleNamespace
+
+    from doc_examples import examples, namespace
+
+    [code] = examples("docs/recorder.md")
+    names = namespace("nonfinite") | {
+        "incidents": tmp_path, "tokenizer": SimpleNamespace(decode=lambda ids: " ".join(f"t{i}" for i in ids)),
+        "prompt_ids": torch.arange(32 * 4).view(32, 4),
+    }
+    exec(compile(code.replace("port=9887", "port=0"), "docs/recorder.md", "exec"), names)
+    [m] = manifests(tmp_path)
+    assert m["triggers"] == ["nonfinite"]
+    assert m["steps"] == {"last_normal": None, "first_anomalous": 0, "next": 1}
+    first = m["states"]["first_anomalous"]["rows"]["update"][0]
+    assert (first["row"], first["driver"], first["nonfinite"]) == (1, "nonfinite", ["logprobs"])
+    assert m["states"]["first_anomalous"]["rows"]["rollout"][0]["prompt"] == "t0 t1 t2 t3"
+
+
 def test_recorder_settings_are_validated():
     with pytest.raises(ValueError, match="recorder_triggers"):
         GRPOMonitor(run="v", group_size=8, port=None, recorder_triggers=["nonfinite", "nan"])
