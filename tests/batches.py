@@ -49,9 +49,14 @@ def make_batch(
     dtype: torch.dtype = torch.float32,
     shuffled_groups: bool = False,
     token_advantages: bool = False,
+    interleaved: bool = False,
 ) -> Batch:
     """A ragged batch with every input: mixed, all-correct and all-wrong groups, duplicate completions, an
-    out-of-bound advantage, ratios on both sides of the clip range, -inf / NaN only in padding."""
+    out-of-bound advantage, ratios on both sides of the clip range, -inf / NaN only in padding.
+
+    ``interleaved``: a multi-turn loss mask: tool or observation spans of 1-4 tokens inside each completion are
+    off the loss mask, and every token tensor holds NaN, +inf or -inf there (what an engine reports for tokens
+    it did not sample), so the mask alternates along each row instead of being a prefix."""
     rng = np.random.default_rng(seed)
     n = prompts * group_size
     group_index = np.repeat(np.arange(prompts), group_size)
@@ -76,6 +81,16 @@ def make_batch(
     loss_mask[6] = False
     loss_mask[7, lengths[7]] = True
     loss_mask[11, 0] = False
+    tool = np.zeros_like(positions)
+    if interleaved:
+        for i in range(n):
+            t = int(rng.integers(1, 4))
+            while t < width:
+                span = int(rng.integers(1, 5))
+                tool[i, t : t + span] = True
+                t += span + int(rng.integers(1, 6))
+        tool &= positions
+        loss_mask &= ~tool
 
     old = -rng.gamma(1.0, 1.0, size=(n, width))
     token = {
@@ -88,6 +103,7 @@ def make_batch(
     token = {k: stored(v, dtype) for k, v in token.items()}
     for name, value in token.items():
         value[~positions] = np.nan if name == "entropy" else -np.inf
+        value[tool] = rng.choice([np.nan, np.inf, -np.inf], size=int(tool.sum()))
 
     adv = np.zeros(n)
     for g in range(prompts):

@@ -9,7 +9,7 @@ import torch
 
 from grpo_exporter import bench
 from grpo_exporter.bench.naive import floor_step, naive_step
-from grpo_exporter.bench.probes import counting, operators
+from grpo_exporter.bench.probes import counting, minor_faults, operators
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, make, shape_for
 from grpo_exporter.cli import main
 
@@ -53,6 +53,14 @@ def test_probes_count_host_reads_and_python_data_and_restore_torch() -> None:
     assert operators(lambda: (x * 2).sum()) >= 2
 
 
+def test_minor_faults_count_fresh_pages() -> None:
+    before = minor_faults()
+    fresh = bytearray(32 * 2**20)  # 32 MiB, above glibc's mmap threshold: fresh pages, zeroed by the kernel
+    fresh[:: 4096] = b"x" * len(range(0, len(fresh), 4096))
+    assert minor_faults() - before >= 16  # one per touched 4 KiB page, or per 2 MiB huge page (THP)
+    del fresh
+
+
 def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     results, long = bench.run([10_000], rounds=1, long_steps=30)
     (r,) = results
@@ -66,6 +74,7 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert r.recorder_host_reads == r.host_reads  # the flight recorder reads nothing on a healthy step
     assert r.anomalous_host_reads == r.host_reads + 1  # an anomalous step: its offending rows, in one read
     assert r.exposition_bytes > 0
+    assert r.page_faults >= 0
     assert long.steps == 30
     assert long.series_late >= long.series_early > 0
     text = bench.table(results, long)
@@ -75,6 +84,7 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     out = capsys.readouterr().out
     assert "naive / monitor" in out
     assert "recorder on / off" in out
+    assert "page faults / step" in out
     assert "| 64 |" in out  # the edit-distance job's row
 
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_exporter.functional import histogram as hist
+from grpo_exporter.functional.reading import filled, keep_bits, sum64, zeroed
 
 QS = (0.0, 0.001, 0.25, 0.5, 0.9, 0.95, 0.99, 0.999, 1.0)
 TOL = hist.RELATIVE_ERROR
@@ -119,3 +120,28 @@ def test_summed_counts_read_exactly_as_the_concatenated_sample():
     assert torch.equal(merged.counts, whole.counts)
     assert torch.equal(hist.quantile_values(merged, QS), hist.quantile_values(whole, QS))
     assert torch.equal(hist.top_mean_value(merged, 0.2), hist.top_mean_value(whole, 0.2))
+
+
+def test_masking_helpers_drop_nan_and_infinities_outside_the_mask():
+    """``zeroed`` / ``filled`` (the bit masks every per-token metric uses instead of torch.where) keep the
+    values on the mask exactly, in any input dtype, and never let NaN or +-inf through from outside."""
+    x = torch.tensor([[1.5, float("nan"), -float("inf"), -2.0], [float("inf"), 0.25, -0.0, 3.0]])
+    mask = torch.tensor([[True, False, False, True], [False, True, True, True]])
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        z = zeroed(x.to(dtype), mask)
+        assert z.dtype == torch.float32
+        assert torch.equal(z, torch.tensor([[1.5, 0.0, 0.0, -2.0], [0.0, 0.25, -0.0, 3.0]]))
+        assert torch.equal(filled(x.to(dtype), mask, -math.inf),
+                           torch.tensor([[1.5, -math.inf, -math.inf, -2.0], [-math.inf, 0.25, -0.0, 3.0]]))
+    rows = torch.tensor([[True], [False]])  # a per-row mask broadcasts
+    assert torch.equal(zeroed(x, rows)[1], torch.zeros(4))
+    assert torch.equal(zeroed(x, keep_bits(mask)), zeroed(x, mask))
+
+
+def test_sum64_of_rows_split_across_ranks_adds_up_to_the_whole():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(64, 333, generator=gen) * 10
+    whole = sum64(x)
+    assert whole.dtype == torch.float64
+    assert abs(whole.item() - x.double().sum().item()) <= 1e-6 * whole.item()
+    assert (sum64(x[:20]) + sum64(x[20:])).item() == pytest.approx(whole.item(), rel=1e-15)

@@ -63,6 +63,19 @@ def test_every_metric_matches_reference(seed, dtype, shuffled, token_adv, norm):
     assert_matches(got, reference(batch, cfg))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_interleaved_multi_turn_loss_mask_matches_reference(dtype):
+    """Tool spans inside completions are off the loss mask and hold NaN / +-inf: the masked arithmetic (bit
+    masks, not a prefix) keeps them out of every metric."""
+    batch = make_batch(6, dtype=dtype, interleaved=True)
+    mask = batch.arrays["loss_mask"]
+    assert (mask[:, 1:] & ~mask[:, :-1]).sum() > 2 * mask.shape[0]  # loss spans restart inside rows
+    cfg = MetricsConfig(group_size=8, log_ratio_clamp=0.5, pass_k=(2, 4), clip_eps_high=0.28)
+    got = compute_step(batch.inputs(), cfg)
+    assert_matches(got, reference(batch, cfg))
+    assert got['grpo_nonfinite_values_total{tensor="logprobs"}'] == 1  # row 7's padding token, no tool token
+
+
 def test_batch_exercises_every_branch():
     """The reference comparison is only as strong as the batch: check it hits the interesting cases."""
     batch = make_batch(0)

@@ -23,7 +23,17 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
 from grpo_exporter.functional.histogram import Histogram, Quantiles, cumulative_buckets
-from grpo_exporter.functional.reading import always, count, finite, fraction, nonfinite, reading
+from grpo_exporter.functional.reading import (
+    always,
+    count,
+    finite,
+    fraction,
+    keep_bits,
+    nonfinite,
+    reading,
+    sum64,
+    zeroed,
+)
 from grpo_exporter.inputs import InputError, StepInputs
 
 StepMetrics = dict[str, float]
@@ -283,10 +293,15 @@ class _Context:
             difference = self.masked("logprobs") - self.masked("old_logprobs")
             self.lr = gradient.log_ratio_of(difference, x.loss_mask, cfg.log_ratio_clamp)
 
+    @functools.cached_property
+    def keep(self) -> Tensor:
+        """The loss mask as int32 words (:func:`~grpo_exporter.functional.reading.keep_bits`), built once."""
+        return keep_bits(self.x.loss_mask)
+
     def masked(self, name: str) -> Tensor:
         """Input ``name`` on the loss mask in fp32, 0 elsewhere (padding never enters arithmetic)."""
         if name not in self._masked:
-            self._masked[name] = torch.where(self.x.loss_mask, getattr(self.x, name).float(), 0.0)
+            self._masked[name] = zeroed(getattr(self.x, name), self.keep)
         return self._masked[name]
 
     @functools.cached_property
@@ -501,7 +516,7 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     g.add("grpo_ess_ratio", ess.sequence, level="sequence")
     weights = samples.importance_weight_quantiles(lr, qs)
     finite_ratio = lr.valid & finite(lr.ratio)  # an overflowed ratio never enters the cumulative _sum
-    total = torch.where(finite_ratio, lr.ratio, 0.0).double().sum()
+    total = sum64(zeroed(lr.ratio, finite_ratio))
     g.summary("grpo_importance_weight", total, count(finite_ratio), weights, qs)
     g.histogram("grpo_token_importance_weight", weights.histogram, total)
 

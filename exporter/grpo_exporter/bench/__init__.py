@@ -28,7 +28,7 @@ import torch
 from prometheus_client import generate_latest
 
 from grpo_exporter.bench.naive import EPS_HIGH, EPS_LOW, floor_step, naive_step
-from grpo_exporter.bench.probes import counting, operators, rss_bytes
+from grpo_exporter.bench.probes import counting, minor_faults, operators, rss_bytes
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, Workload, make
 from grpo_exporter.edit_distance import median_normalized_edit_distance, pair_cap
 from grpo_exporter.monitor import GRPOMonitor
@@ -54,6 +54,7 @@ class SizeResult:
     recorder_host_reads: int = 0
     anomalous_s: float = 0.0  # the step with the recorder on, every step anomalous (a NaN reward)
     anomalous_host_reads: int = 0
+    page_faults: float = 0.0  # minor page faults of the process during the monitor step (median)
     syncs: int | None = None  # CUDA: synchronising calls per step (set_sync_debug_mode("warn"))
     update_sync_error: str = ""  # CUDA: what "error" mode around the micro-batch updates raised
 
@@ -158,7 +159,7 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
                                                                        float("nan")))
     step = 0
     times: dict[str, list[float]] = {"monitor": [], "naive": [], "floor": [], "worker": [], "recorder": [],
-                                     "anomalous": []}
+                                     "anomalous": [], "faults": []}
     quiet = logging.getLogger("grpo_exporter")
     was_disabled, quiet.disabled = quiet.disabled, True  # the anomalous monitor's incident line is no result
     try:
@@ -167,7 +168,10 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
             sample: dict[str, float] = {}
             runs = [("monitor", mon, w, "worker"), ("recorder", recording, w, "_"), ("anomalous", anomalous, bad, "_")]
             for key, monitor, work, after in runs[r % 3:] + runs[: r % 3]:  # none always runs first
+                faults = minor_faults()
                 sample[key] = _timed(lambda s=step, m=monitor, x=work: monitor_step(m, x, s))
+                if key == "monitor":
+                    sample["faults"] = minor_faults() - faults
                 sample[after] = _timed(monitor.wait_for_workers)
             sample |= {
                 "naive": _timed(lambda: naive_step(w)),
@@ -209,7 +213,7 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         floor_s=median["floor"], worker_s=median["worker"], operators=ops, host_reads=counts.host_reads,
         from_python=counts.from_python, render_s=statistics.median(renders), exposition_bytes=size,
         recorder_s=median["recorder"], recorder_host_reads=recorded.host_reads, anomalous_s=median["anomalous"],
-        anomalous_host_reads=judged.host_reads, syncs=syncs,
+        anomalous_host_reads=judged.host_reads, page_faults=median["faults"], syncs=syncs,
         update_sync_error=raised,
     )
 
@@ -275,8 +279,9 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
     lines = [
         "| loss tokens | N x T | monitor step | naive | floor | naive / monitor | monitor / floor | worker after step "
         "| aten ops / step | host reads / step | tensors from Python data / step | scrape render | exposition "
-        "| recorder on / off | host reads, recorder on | anomalous step, recorder on / off | host reads, anomalous |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recorder on / off | host reads, recorder on | anomalous step, recorder on / off | host reads, anomalous "
+        "| page faults / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
@@ -284,7 +289,7 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
             f"| {r.floor_s * 1e3:.2f} ms | {r.vs_naive:.2f}x | {r.vs_floor:.0f}x | {r.worker_s * 1e3:.1f} ms "
             f"| {r.operators} | {r.host_reads} | {r.from_python} | {r.render_s * 1e3:.2f} ms "
             f"| {r.exposition_bytes / 1024:.1f} KiB | {r.vs_recorder:.2f}x | {r.recorder_host_reads} "
-            f"| {r.vs_anomalous:.2f}x | {r.anomalous_host_reads} |"
+            f"| {r.vs_anomalous:.2f}x | {r.anomalous_host_reads} | {r.page_faults:,.0f} |"
         )
     lines.append("")
     lines.append(

@@ -67,6 +67,16 @@ def operators(run: Callable[[], Any]) -> int:
     return sum(1 for event in prof.events() if event.name.startswith("aten::"))
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far (every thread): each is a fresh page the kernel maps and zeroes,
+    what glibc's malloc costs when it hands freed memory back to the system and takes it again (0 off Unix)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def rss_bytes() -> int:
     """Resident set size of this process (Linux /proc; 0 elsewhere)."""
     try:

@@ -55,7 +55,7 @@ def sequence_hashes(completion_ids: Tensor, positions: Tensor) -> Tensor:
     position never cancels (an odd multiplier is invertible mod 2^64). One multiply and one row sum: O(N T)
     in three passes."""
     width = completion_ids.shape[1]
-    tokens = torch.where(positions, completion_ids.long() + 1, 0)
+    tokens = (completion_ids.long() + 1) * positions
     digest = (tokens * _multipliers(width, str(completion_ids.device))).sum(dim=1)
     return torch.stack([digest, torch.count_nonzero(positions, dim=1)], dim=1)
 

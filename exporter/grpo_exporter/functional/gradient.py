@@ -17,7 +17,17 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.histogram import masked_quantiles
-from grpo_exporter.functional.reading import Reading, count, finite, fraction, masked_max, masked_mean, nonfinite
+from grpo_exporter.functional.reading import (
+    Reading,
+    count,
+    finite,
+    fraction,
+    masked_max,
+    masked_mean,
+    nonfinite,
+    sum64,
+    zeroed,
+)
 
 
 class LogRatio(NamedTuple):
@@ -34,7 +44,8 @@ class LogRatio(NamedTuple):
 
 def masked_difference(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
     """``a - b`` in fp32 on ``mask``, 0 elsewhere; padding values never enter the subtraction."""
-    return torch.where(mask, a.float(), 0.0) - torch.where(mask, b.float(), 0.0)
+    bits = mask.to(torch.int32).neg_()
+    return zeroed(a, bits) - zeroed(b, bits)
 
 
 def log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor, clamp: float | None = None) -> LogRatio:
@@ -69,7 +80,7 @@ def engine_gap_of(difference: Tensor, loss_mask: Tensor, quantiles: Sequence[flo
     """
     gap = difference.abs()
     valid = loss_mask & finite(gap)
-    total = torch.where(valid, gap, 0.0).double().sum()
+    total = sum64(zeroed(gap, valid))
     tokens = count(valid)
     return EngineGap(total, tokens, fraction(total, tokens), masked_quantiles(gap, valid, quantiles))
 
@@ -183,5 +194,5 @@ def kl_k3_of(d: Tensor, loss_mask: Tensor) -> Reading:
     already taken on loss tokens (fp32, 0 elsewhere), over finite loss tokens; unbiased and non-negative per
     token."""
     valid = loss_mask & finite(d)
-    d = torch.where(valid, d, 0.0)
+    d = zeroed(d, valid)
     return masked_mean(torch.exp(d) - d - 1.0, valid)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.constants import constant
-from grpo_exporter.functional.reading import reading
+from grpo_exporter.functional.reading import count, filled, keep_bits, reading
 
 MANTISSA_BITS = 7
 _SHIFT = 23 - MANTISSA_BITS
@@ -36,7 +36,6 @@ LOW_EXPONENT, HIGH_EXPONENT = -32, 32
 _FIRST = (127 + LOW_EXPONENT) << MANTISSA_BITS  # bit-key of the edge 2^-32
 BUCKETS = ((HIGH_EXPONENT - LOW_EXPONENT) << MANTISSA_BITS) + 2  # 8194: [0, 2^-32], 8192 fine, (2^32, inf]
 _TOP = BUCKETS - 1
-_TRASH = BUCKETS  # invalid positions land here and are dropped
 RELATIVE_ERROR = 2.0 ** -(MANTISSA_BITS + 1)
 ABSOLUTE_FLOOR = 2.0**LOW_EXPONENT
 
@@ -53,17 +52,20 @@ class Histogram(NamedTuple):
 def histogram(x: Tensor, valid: Tensor, exact_min: bool = True) -> Histogram:
     """The fine histogram of ``x`` over ``valid`` positions (any shape, same shape as ``valid``).
 
-    One pass of integer ops on the bits and one ``bincount``; ``valid`` must exclude NaN (callers pass loss
-    mask and finiteness; +inf is a valid value and lands in the top bucket). ``exact_min=False`` saves two
-    passes where no reading needs the minimum (no q = 0): it is then 0, a lower bound of these non-negative
-    distributions, and readings are clamped at 0 below."""
+    A few passes of integer ops on the bits (``valid`` enters as a word ANDed in: the invalid positions all
+    land in bucket 0 and are taken out of it by their count) and one ``bincount``; ``valid`` must exclude NaN
+    (callers pass loss mask and finiteness; +inf is a valid value and lands in the top bucket).
+    ``exact_min=False`` saves the passes of the minimum where no reading needs it (no q = 0): it is then 0, a
+    lower bound of these non-negative distributions, and readings are clamped at 0 below."""
     values = x.float().contiguous()
+    valid = valid.expand(values.shape)
+    bits = keep_bits(valid)
     key = values.view(torch.int32).clamp(min=1)  # negatives and -0.0 (bits <= 0) go to bucket 0
-    key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
-    key = torch.where(valid, key, _TRASH)
-    counts = torch.bincount(key.flatten(), minlength=BUCKETS + 1)[:BUCKETS]
-    lowest = torch.where(valid, values, math.inf).amin() if exact_min else _zero(values.device)
-    highest = torch.where(valid, values, -math.inf).amax()
+    key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP).bitwise_and_(bits)
+    counts = torch.bincount(key.flatten(), minlength=BUCKETS)
+    counts[0] -= key.numel() - count(valid)  # every invalid position was counted in bucket 0
+    lowest = filled(values, bits, math.inf).amin() if exact_min else _zero(values.device)
+    highest = filled(values, bits, -math.inf).amax()
     return Histogram(counts, lowest, highest)
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups, group_stats
 from grpo_exporter.functional.histogram import masked_quantiles
-from grpo_exporter.functional.reading import Reading, finite, fraction, masked_max, masked_mean
+from grpo_exporter.functional.reading import Reading, filled, finite, fraction, masked_max, masked_mean
 
 
 class RewardStats(NamedTuple):
@@ -42,7 +42,7 @@ def sequence_abs_advantage(advantages: Tensor, loss_mask: Tensor | None) -> tupl
     valid = finite(advantages)
     if loss_mask is not None:
         valid = valid & loss_mask
-    per_seq = torch.where(valid, advantages.float().abs(), -1.0).amax(dim=1)
+    per_seq = filled(advantages.abs(), valid, -1.0).amax(dim=1)
     return per_seq.clamp(min=0.0), valid.any(dim=1)
 
 

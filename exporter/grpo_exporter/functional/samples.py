@@ -19,7 +19,7 @@ from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.gradient import LogRatio
 from grpo_exporter.functional.groups import Groups, group_stats
 from grpo_exporter.functional.histogram import masked_quantiles
-from grpo_exporter.functional.reading import Ratio, Reading, count, finite, fraction, masked_max
+from grpo_exporter.functional.reading import Ratio, Reading, count, finite, fraction, masked_max, sum64, zeroed
 
 
 def clip_log_widths(eps_low: float, eps_high: float) -> tuple[float, float]:
@@ -79,8 +79,8 @@ def shifted_weight_sums(log_weights: Tensor, valid: Tensor, shift: Tensor) -> tu
     """(sum w, sum w^2) with w = exp(log_weights - shift) over ``valid``; ``shift`` >= every log weight keeps
     every w <= 1 (no overflow); ESS is scale invariant, so any common shift gives the same ratio. The weights
     are fp32 (relative error ~1e-7 each; fp64 exp costs ~15x on CPU), the sums fp64."""
-    w = torch.where(valid, torch.exp((log_weights.float() - shift.float()).clamp(max=0.0)), 0.0)
-    return w.double().sum(), w.square().double().sum()
+    w = zeroed(torch.exp((log_weights.float() - shift.float()).clamp(max=0.0)), valid)
+    return sum64(w), sum64(w.square())
 
 
 def ess_from_sums(s1: Tensor, s2: Tensor, n: Tensor) -> Ratio:
@@ -105,7 +105,7 @@ class ESS(NamedTuple):
 def ess_ratio(lr: LogRatio) -> ESS:
     """ESS ratio of the importance weights of loss tokens, and of sequences with w_i = exp(sum_t log r_it)
     (the sequence-level importance weight) over sequences with at least one finite loss token."""
-    seq_log_w = torch.where(lr.valid, lr.exponent, 0.0).sum(dim=1)
+    seq_log_w = zeroed(lr.exponent, lr.valid).sum(dim=1)
     return ESS(_ess(lr.exponent, lr.valid), _ess(seq_log_w, lr.valid.any(dim=1)))
 
 
@@ -152,7 +152,7 @@ def clip_counts(
     signs = advantage_signs(advantages, lr.loss_mask)
     above = lr.valid & (lr.ratio > 1.0 + eps_high)
     below = lr.valid & (lr.ratio < 1.0 - eps_low)
-    old = old_logprobs.float() if old_masked else torch.where(lr.loss_mask, old_logprobs.float(), 0.0)
+    old = old_logprobs.float() if old_masked else zeroed(old_logprobs, lr.loss_mask)
     room = old < -math.log1p(eps_high)  # 0 off the mask: never below
     if signs.per_row:
         pos, neg = signs.positive.squeeze(1), signs.negative.squeeze(1)
