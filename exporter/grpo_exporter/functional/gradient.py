@@ -22,6 +22,7 @@ from grpo_exporter.functional.reading import (
     count,
     finite,
     fraction,
+    keep_bits,
     masked_max,
     masked_mean,
     nonfinite,
@@ -44,7 +45,7 @@ class LogRatio(NamedTuple):
 
 def masked_difference(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
     """``a - b`` in fp32 on ``mask``, 0 elsewhere; padding values never enter the subtraction."""
-    bits = mask.to(torch.int32).neg_()
+    bits = keep_bits(mask)
     return zeroed(a, bits) - zeroed(b, bits)
 
 

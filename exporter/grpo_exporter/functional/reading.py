@@ -88,8 +88,9 @@ def keep_bits(mask: Tensor) -> Tensor:
 
 def zeroed(x: Tensor, mask: Tensor) -> Tensor:
     """``x`` in fp32 on ``mask`` (bool, or :func:`keep_bits` of one), +0.0 elsewhere: NaN or +-inf padding never
-    survives. The fp32 bits ANDed with the mask word, one integer pass, where ``torch.where`` on a bool
-    condition costs ~20x an elementwise pass on CPU (2 ms against 0.1 ms at 1.5M values, torch 2.13)."""
+    survives. The fp32 bits ANDed with the mask word: one integer pass at the speed of any elementwise op,
+    where the CPU kernel of ``torch.where`` branches per element: as fast on a prefix mask, ~20x slower on one
+    that alternates (multi-turn tool spans, random masks: 1.9 ms against 0.1 ms at 1.5M values, torch 2.13)."""
     bits = keep_bits(mask) if mask.dtype == torch.bool else mask
     return (x.float().view(torch.int32) & bits).view(torch.float32)
 
