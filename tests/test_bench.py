@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
-from grpo_exporter import bench
-from grpo_exporter.bench.naive import floor_step, naive_step
+from grpo_exporter import bench, catalog
+from grpo_exporter.bench.naive import floor_step, naive_core_step, naive_step
 from grpo_exporter.bench.probes import counting, minor_faults, operators
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, make, shape_for
 from grpo_exporter.cli import main
@@ -32,6 +33,42 @@ def test_naive_reference_computes_the_seed_metrics() -> None:
     assert out["pass_G"] >= out["pass_1"]
     assert 0 < out["distinct"] <= 1
     assert floor_step(w) != 0
+
+
+def test_naive_reference_covers_the_monitors_metric_set_and_agrees_with_it() -> None:
+    """The naive code computes what the monitor publishes for the same step: its counts and classic buckets
+    agree exactly with the monitor's, its sums to fp32 rounding."""
+    w = make(10_000)
+    out = naive_step(w)
+    assert len(out) > 3 * len(naive_core_step(w))
+    mon = bench.new_monitor()
+    try:
+        bench.monitor_step(mon, w, 2)  # an even step: the on-policy check runs
+        got = mon.metrics()
+    finally:
+        mon.close()
+
+    def buckets(family: str, prefix: str, **labels: str) -> None:
+        bounds = [*catalog.metric(family).buckets, float("inf")]
+        for i, bound in enumerate(bounds):
+            le = "+Inf" if bound == float("inf") else catalog.format_quantile(bound)
+            key = catalog.metric(family).key("_bucket", le=le, **labels)
+            assert got[key] == out[f"{prefix}{i}"], (key, got[key], out[f"{prefix}{i}"])
+
+    buckets("grpo_token_engine_logprob_gap_nats", "gap_le")
+    buckets("grpo_token_importance_weight", "ratio_le")
+    buckets("grpo_token_entropy_nats", "entropy_le")
+    buckets("grpo_completion_length_distribution_tokens", "len_correct_le", outcome="correct")
+    key = catalog.metric("grpo_clipped_tokens_total").key(bound="upper")
+    assert got[key] == out["clipped_upper_tokens"]
+    key = catalog.metric("grpo_upper_clip_reachable_tokens_total").key()
+    assert got[key] == out["upper_reachable_tokens"]
+    key = catalog.metric("grpo_engine_logprob_gap_nats").key("_sum")
+    assert got[key] == pytest.approx(out["gap_sum"], rel=1e-5)
+    key = catalog.metric("grpo_pass_at_k_ratio").key(k=str(G))
+    assert got[key] == pytest.approx(out[f"pass_at_{G}"], rel=1e-12)
+    key = catalog.metric("grpo_zero_variance_groups_total").key(outcome="all_correct")
+    assert got[key] == out["zero_variance_all_correct"]
 
 
 def test_probes_count_host_reads_and_python_data_and_restore_torch() -> None:
@@ -66,6 +103,8 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     (r,) = results
     assert r.monitor_s > 0
     assert r.naive_s > 0
+    assert r.naive_core_s > 0
+    assert r.same_set_s > 0
     assert r.floor_s > 0
     assert r.operators > 0
     assert r.host_reads >= 1
@@ -78,11 +117,16 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert long.steps == 30
     assert long.series_late >= long.series_early > 0
     text = bench.table(results, long)
+    head = [line for line in text.splitlines() if line.startswith(("| loss tokens", "|---", "| 10,"))]
+    assert len(head) == 3
+    assert len({line.count("|") for line in head}) == 1
     assert "| 10," in text
     assert "After 30 steps" in text
     assert main(["bench", "--sizes", "1e4", "--rounds", "1", "--long-steps", "20", "--worker-widths", "64"]) == 0
     out = capsys.readouterr().out
     assert "naive / monitor" in out
+    assert "naive, core / monitor step" in out
+    assert "naive / monitor, same metric set" in out
     assert "recorder on / off" in out
     assert "page faults / step" in out
     assert "| 64 |" in out  # the edit-distance job's row

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_exporter.functional import histogram as hist
+from grpo_exporter.functional import reading
 from grpo_exporter.functional.reading import filled, keep_bits, sum64, zeroed
 
 QS = (0.0, 0.001, 0.25, 0.5, 0.9, 0.95, 0.99, 0.999, 1.0)
@@ -122,9 +123,12 @@ def test_summed_counts_read_exactly_as_the_concatenated_sample():
     assert torch.equal(hist.top_mean_value(merged, 0.2), hist.top_mean_value(whole, 0.2))
 
 
-def test_masking_helpers_drop_nan_and_infinities_outside_the_mask():
-    """``zeroed`` / ``filled`` (the bit masks every per-token metric uses instead of torch.where) keep the
-    values on the mask exactly, in any input dtype, and never let NaN or +-inf through from outside."""
+@pytest.mark.parametrize("small", [1 << 16, 0], ids=["where", "bit-masks"])
+def test_masking_helpers_drop_nan_and_infinities_outside_the_mask(small, monkeypatch):
+    """``zeroed`` / ``filled`` (torch.where on small tensors, bit masks on large ones; ``small`` = 0 takes the
+    bit masks at any size) keep the values on the mask exactly, in any input dtype, and never let NaN or
+    +-inf through from outside."""
+    monkeypatch.setattr(reading, "SMALL", small)
     x = torch.tensor([[1.5, float("nan"), -float("inf"), -2.0], [float("inf"), 0.25, -0.0, 3.0]])
     mask = torch.tensor([[True, False, False, True], [False, True, True, True]])
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
@@ -145,3 +149,25 @@ def test_sum64_of_rows_split_across_ranks_adds_up_to_the_whole():
     assert whole.dtype == torch.float64
     assert abs(whole.item() - x.double().sum().item()) <= 1e-6 * whole.item()
     assert (sum64(x[:20]) + sum64(x[20:])).item() == pytest.approx(whole.item(), rel=1e-15)
+
+
+def test_a_stack_of_histograms_reads_as_each_one_alone():
+    """``histograms`` (one sample, k subsets: completion lengths by outcome) counts and reads each row exactly
+    as ``histogram`` and ``quantile_values`` do for that subset alone, empty subsets included."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randint(1, 4097, (300,), generator=gen).float()
+    correct = torch.rand(300, generator=gen) < 0.3
+    members = torch.stack([torch.ones_like(correct), correct, ~correct, torch.zeros_like(correct)])
+    stack = hist.histograms(x, members)
+    qs = (0.0, 0.5, 0.99, 1.0)
+    batched = hist.quantile_values(stack, qs)
+    buckets = hist.cumulative_buckets(stack, (32.0, 256.0, 1024.0))
+    for i, subset in enumerate(members):
+        alone = hist.histogram(x, subset)
+        assert torch.equal(stack.counts[i], alone.counts)
+        assert stack.minimum[i] == alone.minimum
+        assert stack.maximum[i] == alone.maximum
+        assert torch.equal(batched[i], hist.quantile_values(alone, qs))
+        assert torch.equal(buckets[i], hist.cumulative_buckets(alone, (32.0, 256.0, 1024.0)))
+    assert batched[3].eq(0).all()
+    assert buckets[3].eq(0).all()

@@ -14,7 +14,7 @@ import torch
 from batches import make_batch
 from grpo_exporter.catalog import parse_key
 from grpo_exporter.config import MetricsConfig
-from grpo_exporter.functional import histogram
+from grpo_exporter.functional import histogram, reading
 from grpo_exporter.step import compute_step
 from reference import reference
 
@@ -63,10 +63,14 @@ def test_every_metric_matches_reference(seed, dtype, shuffled, token_adv, norm):
     assert_matches(got, reference(batch, cfg))
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["where", "bit-masks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_interleaved_multi_turn_loss_mask_matches_reference(dtype):
-    """Tool spans inside completions are off the loss mask and hold NaN / +-inf: the masked arithmetic (bit
-    masks, not a prefix) keeps them out of every metric."""
+def test_an_interleaved_multi_turn_loss_mask_matches_reference(dtype, large, monkeypatch):
+    """Tool spans inside completions are off the loss mask and hold NaN / +-inf: the masked arithmetic keeps
+    them out of every metric, on both of its paths (torch.where on small tensors, bit masks on large ones:
+    ``large`` takes the bit masks at any size)."""
+    if large:
+        monkeypatch.setattr(reading, "SMALL", 0)
     batch = make_batch(6, dtype=dtype, interleaved=True)
     mask = batch.arrays["loss_mask"]
     assert (mask[:, 1:] & ~mask[:, :-1]).sum() > 2 * mask.shape[0]  # loss spans restart inside rows

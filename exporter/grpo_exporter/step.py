@@ -482,8 +482,8 @@ def _lengths(g: _Gather, c: _Context) -> None:
         outcomes = {"all": torch.ones_like(x.completion_lengths, dtype=torch.bool)}
         if x.correct is not None:
             outcomes |= {"correct": x.correct, "incorrect": ~x.correct}
-        for outcome, members in outcomes.items():
-            stats = reward.length_stats(x.completion_lengths, members, qs)
+        for outcome, stats in zip(outcomes, reward.length_stats(x.completion_lengths, outcomes.values(), qs),
+                                  strict=True):
             g.summary("grpo_completion_length_tokens", stats.total, stats.count, stats.quantiles, qs, outcome=outcome)
             g.histogram("grpo_completion_length_distribution_tokens", stats.quantiles.histogram, stats.total,
                         outcome=outcome)

@@ -1,7 +1,11 @@
 """The reference the bench compares against: the seed's per-step metrics written the obvious way, one metric at
-a time, a host read per scalar, ``torch.quantile`` for quantiles. The metric set is the monitor's core (layers
-1-4 on the same inputs); the monitor computes a superset (edit distance, solve-rate prediction, mask audit by
-cause, run anchors), so the comparison is conservative for the monitor.
+a time, a host read per scalar, ``torch.quantile`` (one sort) per distribution.
+
+:func:`naive_step` computes the monitor's metric set on the same inputs (every family the bench's step
+publishes, with the catalogue's quantiles and classic histogram buckets); :func:`naive_core_step` only the
+seed's core 47 values (layers 1-4, one or two readings each), the conservative comparison. The monitor's
+off-thread edit distance and its solve-rate history (a Beta posterior per prompt) have no naive counterpart: the
+naive expected zero-variance share plugs in each group's own solve rate.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from grpo_exporter import catalog
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, Workload
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -19,8 +24,9 @@ def _quantiles(values: Tensor, qs: tuple[float, ...]) -> list[float]:
     return [v.item() for v in torch.quantile(values.double(), torch.tensor(qs, dtype=torch.float64))]
 
 
-def naive_step(w: Workload) -> dict[str, float]:
-    """Every metric of one step, as naive code computes it (returns them so nothing is optimised away)."""
+def naive_core_step(w: Workload) -> dict[str, float]:
+    """The seed's core metrics of one step, as naive code computes them (returns them so nothing is optimised
+    away)."""
     out: dict[str, float] = {}
     m = w.mask
     # layer 1: engine gap, non-finite values, on-policy ratio, clamp hits
@@ -84,6 +90,84 @@ def naive_step(w: Workload) -> dict[str, float]:
     out["distinct"] = distinct / w.n
     # the step's grad norm, as naive code reads it
     out["micro_batches"] = float(MICRO_BATCHES)
+    return out
+
+
+def _buckets(values: Tensor, family: str) -> list[float]:
+    """A classic histogram's cumulative bucket counts (le each catalogue bound, then +Inf), one pass."""
+    bounds = torch.tensor(catalog.metric(family).buckets, dtype=values.dtype)
+    counts = torch.bincount(torch.bucketize(values, bounds), minlength=len(bounds) + 1)
+    return [float(c) for c in counts.cumsum(0).tolist()]
+
+
+def naive_step(w: Workload) -> dict[str, float]:
+    """The monitor's metric set for one step, as naive code computes it: the core (:func:`naive_core_step`)
+    and everything else the monitor publishes for this step (sums and counts, classic buckets, counts by
+    sign and bound, the mask audit by cause, pass@k, the solve-rate histogram, grad norms)."""
+    out = naive_core_step(w)
+    m = w.mask
+    gap = (w.rollout - w.old).abs()[m]
+    out["gap_sum"] = gap.sum().item()
+    out["gap_count"] = float(gap.numel())
+    out |= {f"gap_le{i}": v for i, v in enumerate(_buckets(gap, "grpo_token_engine_logprob_gap_nats"))}
+    log_ratio = (w.new - w.old)[m]
+    ratio = torch.exp(log_ratio)
+    out["nonfinite_log_ratio"] = (~torch.isfinite(log_ratio)).sum().item()
+    out["nonfinite_ratio"] = (~torch.isfinite(ratio)).sum().item()
+    outside = ((ratio < 1 - EPS_LOW) | (ratio > 1 + EPS_HIGH)).sum().item()
+    out["onpolicy_outside_tokens"] = outside
+    out["onpolicy_checked_tokens"] = float(ratio.numel())
+    out["clamp_hit_ratio"] = (log_ratio.abs() > 20).sum().item() / max(ratio.numel(), 1)
+    tokens = m.sum(1)
+    out["mask_empty"] = ((tokens == 0) & (w.lengths > 0)).sum().item()
+    positions = torch.arange(w.t)[None, :] < w.lengths[:, None]
+    out["mask_outside_completion"] = (m & ~positions).sum().item()
+    out["ratio_sum"] = ratio.sum().item()
+    out["ratio_count"] = float(ratio.numel())
+    out |= {f"ratio_le{i}": v for i, v in enumerate(_buckets(ratio, "grpo_token_importance_weight"))}
+    adv_t = w.advantages[:, None].expand_as(m)[m]
+    for sign, tokens_of_sign in (("pos", adv_t > 0), ("neg", adv_t < 0), ("zero", adv_t == 0)):
+        out[f"update_tokens_{sign}"] = tokens_of_sign.sum().item()
+    pos, neg = adv_t > 0, adv_t < 0
+    out["clipped_upper_tokens"] = ((ratio > 1 + EPS_HIGH) & pos).sum().item()
+    out["clipped_lower_tokens"] = ((ratio < 1 - EPS_LOW) & neg).sum().item()
+    out["unclipped_upper_tokens"] = ((ratio > 1 + EPS_HIGH) & neg).sum().item()
+    out["unclipped_lower_tokens"] = ((ratio < 1 - EPS_LOW) & pos).sum().item()
+    out["upper_reachable_tokens"] = (pos & (w.old[m] < -torch.log1p(torch.tensor(EPS_HIGH)))).sum().item()
+    ent = w.entropy[m]
+    out["entropy_sum"] = ent.sum().item()
+    out |= {f"entropy_le{i}": v for i, v in enumerate(_buckets(ent, "grpo_token_entropy_nats"))}
+    lengths = w.lengths.double()
+    for outcome, rows in (("all", torch.ones_like(w.correct)), ("correct", w.correct), ("incorrect", ~w.correct)):
+        picked = lengths[rows]
+        out[f"len_sum_{outcome}"] = picked.sum().item()
+        out[f"len_count_{outcome}"] = float(picked.numel())
+        buckets = _buckets(picked, "grpo_completion_length_distribution_tokens")
+        out |= {f"len_{outcome}_le{i}": v for i, v in enumerate(buckets)}
+    solved = w.correct.view(-1, G)
+    hits = solved.sum(1)
+    out["groups"] = float(solved.shape[0])
+    same = w.rewards.view(-1, G).std(1) == 0
+    out["zero_variance_all_correct"] = (same & (hits == G)).sum().item()
+    out["zero_variance_all_incorrect"] = (same & (hits == 0)).sum().item()
+    mixed = (hits > 0) & (hits < G)
+    rate = hits[mixed].double() / G
+    for bound in (*catalog.SOLVE_RATE_BUCKETS, float("inf")):
+        out[f"solve_rate_le{bound}"] = (rate <= bound).sum().item()
+    out["solve_rate_sum"] = rate.sum().item()
+    out["solve_rate_count"] = float(rate.numel())
+    for k in sorted({1, G}):
+        misses = G - hits.double()
+        fail = torch.ones_like(misses)
+        for i in range(k):
+            fail = fail * ((misses - i).clamp(min=0) / (G - i))
+        out[f"pass_at_{k}"] = (1 - fail).mean().item()
+    out["advantage_bound"] = (G - 1) / G**0.5
+    out["completions"] = float(w.n)
+    pre = torch.ones(())
+    out["grad_norm_pre_clip"] = pre.item()
+    out["grad_norm_post_clip"] = (pre * torch.clamp(1.0 / (pre + 1e-6), max=1.0)).item()
+    out["grad_clip_active"] = float((pre > 1.0).item())
     return out
 
 

@@ -8,6 +8,7 @@ alone (N // G for contiguous groups, N for arbitrary ids), and empty bins are si
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -16,19 +17,29 @@ from torch import Tensor
 from grpo_exporter.config import AdvantageNorm
 
 
-class Groups(NamedTuple):
-    """``index`` (N,) int64 group of each completion in [0, bins); ``bins`` is a host-known upper bound."""
+@dataclass(frozen=True, eq=False)
+class Groups:
+    """``index`` (N,) int64 group of each completion in [0, bins); ``bins`` is a host-known upper bound.
+
+    One grouping serves one computation (a stage of one step): the counts it takes are remembered per mask
+    tensor, since several metrics count the same outcomes (sizes, hits) and each count is a few operators."""
 
     index: Tensor
     bins: int
+    _counts: dict[object, tuple[Tensor | None, Tensor]] = field(default_factory=dict, repr=False)
 
     def sum(self, values: Tensor) -> Tensor:
         """Per-bin sum of (N,) ``values`` (accumulated in the values' dtype; pass fp64/int64 for exactness)."""
         return torch.zeros(self.bins, dtype=values.dtype, device=values.device).index_add_(0, self.index, values)
 
     def count(self, mask: Tensor) -> Tensor:
-        """Per-bin count of True entries of (N,) ``mask``."""
-        return self.sum(mask.to(torch.int64))
+        """Per-bin count of True entries of (N,) ``mask`` (remembered for this very tensor object)."""
+        known = self._counts.get(id(mask))
+        if known is not None and known[0] is mask:
+            return known[1]
+        counted = self.sum(mask.to(torch.int64))
+        self._counts[id(mask)] = (mask, counted)  # holding ``mask`` keeps its id from being reused
+        return counted
 
     def amax(self, values: Tensor, valid: Tensor) -> Tensor:
         """Per-bin max over ``valid`` entries; -inf for bins without one."""
@@ -42,7 +53,10 @@ class Groups(NamedTuple):
 
     def sizes(self) -> Tensor:
         """Members per bin (0 for unused bins)."""
-        return self.count(torch.ones_like(self.index, dtype=torch.bool))
+        known = self._counts.get("sizes")
+        if known is None:
+            known = self._counts["sizes"] = (None, self.sum(torch.ones_like(self.index)))
+        return known[1]
 
 
 def contiguous_groups(n: int, group_size: int, device: torch.device | str = "cpu") -> Groups:

@@ -42,7 +42,8 @@ ABSOLUTE_FLOOR = 2.0**LOW_EXPONENT
 
 class Histogram(NamedTuple):
     """The fine histogram of one masked sample: (BUCKETS,) int64 counts and the exact min and max (0-d fp32;
-    +inf / -inf when the sample is empty, so that they merge by max/min)."""
+    +inf / -inf when the sample is empty, so that they merge by max/min). A stack of k histograms has (k,
+    BUCKETS) counts and (k,) extremes; every reading below takes either."""
 
     counts: Tensor
     minimum: Tensor
@@ -61,12 +62,34 @@ def histogram(x: Tensor, valid: Tensor, exact_min: bool = True) -> Histogram:
     valid = valid.expand(values.shape)
     bits = keep_bits(valid)
     key = values.view(torch.int32).clamp(min=1)  # negatives and -0.0 (bits <= 0) go to bucket 0
-    key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP).bitwise_and_(bits)
+    key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
+    key = torch.where(bits, key, 0) if bits.dtype == torch.bool else key.bitwise_and_(bits)
     counts = torch.bincount(key.flatten(), minlength=BUCKETS)
     counts[0] -= key.numel() - count(valid)  # every invalid position was counted in bucket 0
     lowest = filled(values, bits, math.inf).amin() if exact_min else _zero(values.device)
     highest = filled(values, bits, -math.inf).amax()
     return Histogram(counts, lowest, highest)
+
+
+def histograms(x: Tensor, members: Tensor) -> Histogram:
+    """k fine histograms of one (N,) sample at once, one per row of ``members`` (k, N) bool (subsets of the
+    sample, e.g. completion lengths by outcome): the bucket keys are taken once and counted by one
+    ``bincount`` over k x BUCKETS bins. ``x`` must be finite where a member (NaN is never valid)."""
+    k = members.shape[0]
+    values = x.float().contiguous()
+    key = values.view(torch.int32).clamp(min=1)
+    key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
+    rows = _row_offsets(k, values.device).unsqueeze(1)
+    keys = torch.where(members, key.unsqueeze(0) + rows, k * BUCKETS)
+    counts = torch.bincount(keys.flatten(), minlength=k * BUCKETS + 1)[: k * BUCKETS].view(k, BUCKETS)
+    lowest = torch.where(members, values, math.inf).amin(dim=1)
+    highest = torch.where(members, values, -math.inf).amax(dim=1)
+    return Histogram(counts, lowest, highest)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_offsets(k: int, device: torch.device) -> Tensor:
+    return torch.arange(k, device=device, dtype=torch.int32) * BUCKETS
 
 
 @functools.lru_cache(maxsize=8)
@@ -115,10 +138,12 @@ def nearest_edges(value: float) -> tuple[float, float]:
 
 
 def _order_statistics(h: Histogram, ranks: Tensor) -> Tensor:
-    """The ``ranks``-th smallest values (0-based, fp64 ranks), read at bucket middles, clamped to [min, max]."""
-    cum = h.counts.cumsum(0)
+    """The ``ranks``-th smallest values (0-based, fp64 ranks, (..., r)), read at bucket middles, clamped to
+    [min, max]."""
+    cum = h.counts.cumsum(-1)
     bucket = torch.searchsorted(cum, ranks.to(cum.dtype), right=True).clamp_(max=BUCKETS - 1)
-    return _midpoints(h.counts.device)[bucket].clamp_(h.minimum.double(), h.maximum.double())
+    lowest, highest = h.minimum.double().unsqueeze(-1), h.maximum.double().unsqueeze(-1)
+    return _midpoints(h.counts.device)[bucket].clamp_(lowest, highest)
 
 
 class Quantiles(NamedTuple):
@@ -142,15 +167,17 @@ class TopMean(NamedTuple):
 def quantile_values(h: Histogram, quantiles: Sequence[float]) -> Tensor:
     """Quantiles with numpy's linear interpolation between order statistics, read from the histogram (fp64;
     q = 0 and q = 1 are the exact min and max; 0 where the sample is empty)."""
-    n = h.counts.sum().double()
+    n = h.counts.sum(-1, keepdim=True).double()
     q = constant(quantiles, torch.float64, h.counts.device)
-    position = (n - 1).clamp(min=0) * q
+    last = (n - 1).clamp(min=0)
+    position = last * q
     lower = position.floor()
-    upper = torch.minimum(lower + 1, (n - 1).clamp(min=0))
-    v0, v1 = _order_statistics(h, torch.cat([lower, upper])).chunk(2)
+    upper = torch.minimum(lower + 1, last)
+    v0, v1 = _order_statistics(h, torch.cat([lower, upper], -1)).chunk(2, -1)
     t = position - lower
     value = torch.where((t > 0) & (v1 != v0), v0 + (v1 - v0) * t, v0)  # never inf - inf, never 0 * inf
-    value = torch.where(q == 0, h.minimum.double(), torch.where(q == 1, h.maximum.double(), value))
+    lowest, highest = h.minimum.double().unsqueeze(-1), h.maximum.double().unsqueeze(-1)
+    value = torch.where(q == 0, lowest, torch.where(q == 1, highest, value))
     return torch.where(n > 0, value, 0.0)
 
 
@@ -189,9 +216,9 @@ def top_fraction_mean(x: Tensor, valid: Tensor, fraction: float, h: Histogram | 
 def cumulative_buckets(h: Histogram, bounds: Sequence[float]) -> Tensor:
     """(len(bounds) + 1,) int64 counts of values <= each bound (bounds must be fine edges, increasing), the
     last one the total (``le="+Inf"``): a classic Prometheus histogram read exactly from the fine one."""
-    cum = h.counts.cumsum(0)
+    cum = h.counts.cumsum(-1)
     index = _bound_index(tuple(bounds), h.counts.device)
-    return torch.cat([cum[index], cum[-1:]])
+    return torch.cat([cum[..., index], cum[..., -1:]], -1)
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups, group_stats
-from grpo_exporter.functional.histogram import masked_quantiles
-from grpo_exporter.functional.reading import Reading, filled, finite, fraction, masked_max, masked_mean
+from grpo_exporter.functional.histogram import Histogram, Quantiles, histograms, quantile_values
+from grpo_exporter.functional.reading import Reading, count, filled, finite, fraction, masked_max, masked_mean
 
 
 class RewardStats(NamedTuple):
@@ -65,14 +65,24 @@ def advantage_check(
 class LengthStats(NamedTuple):
     total: Tensor
     count: Tensor
-    quantiles: Reading
+    quantiles: Quantiles
 
 
-def length_stats(completion_lengths: Tensor, members: Tensor, quantiles: Sequence[float]) -> LengthStats:
-    """Sum, count and quantiles of the completion lengths (tokens) of the ``members`` (N,) bool subset."""
+def length_stats(
+    completion_lengths: Tensor, members: Sequence[Tensor], quantiles: Sequence[float]
+) -> list[LengthStats]:
+    """Sum, count and quantiles of the completion lengths (tokens) of each ``members`` (N,) bool subset (the
+    outcomes: all, correct, incorrect), in one pass: one histogram stack, one read of its quantiles."""
+    chosen = torch.stack(list(members))
     lengths = completion_lengths.double()
-    return LengthStats(
-        torch.where(members, lengths, 0.0).sum(),
-        members.sum(),
-        masked_quantiles(completion_lengths.float(), members, quantiles),
-    )
+    totals = torch.where(chosen, lengths, 0.0).sum(dim=1)
+    counts = count(chosen, dim=1)
+    h = histograms(completion_lengths, chosen)
+    values = quantile_values(h, quantiles).float()
+    present = counts > 0
+    values = torch.where(present.unsqueeze(1), values, 0.0)
+    qs = tuple(quantiles)
+    return [
+        LengthStats(totals[i], counts[i], Quantiles(values[i], present[i], Histogram(*(t[i] for t in h)), qs))
+        for i in range(chosen.shape[0])
+    ]
