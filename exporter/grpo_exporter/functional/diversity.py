@@ -15,7 +15,7 @@ from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups
 from grpo_exporter.functional.histogram import top_fraction_mean
-from grpo_exporter.functional.reading import Reading, finite, fraction, masked_mean
+from grpo_exporter.functional.reading import Reading, finite, fraction, keep_bits, masked_mean
 
 
 class Entropy(NamedTuple):
@@ -26,7 +26,8 @@ class Entropy(NamedTuple):
 def entropy_stats(entropy: Tensor, loss_mask: Tensor, top_fraction: float) -> Entropy:
     """Mean token entropy over finite loss tokens, and the mean over the top ``top_fraction`` of them."""
     valid = loss_mask & finite(entropy)
-    return Entropy(masked_mean(entropy, valid), top_fraction_mean(entropy, valid, top_fraction))
+    bits = keep_bits(valid)
+    return Entropy(masked_mean(entropy, valid, bits), top_fraction_mean(entropy, valid, top_fraction, bits=bits))
 
 
 def pass_at_k(correct: Tensor, groups: Groups, k: int) -> Reading:
@@ -55,8 +56,8 @@ def sequence_hashes(completion_ids: Tensor, positions: Tensor) -> Tensor:
     position never cancels (an odd multiplier is invertible mod 2^64). One multiply and one row sum: O(N T)
     in three passes."""
     width = completion_ids.shape[1]
-    tokens = (completion_ids.long() + 1) * positions
-    digest = (tokens * _multipliers(width, str(completion_ids.device))).sum(dim=1)
+    tokens = (completion_ids.long() + 1).mul_(positions).mul_(_multipliers(width, str(completion_ids.device)))
+    digest = tokens.sum(dim=1)
     return torch.stack([digest, torch.count_nonzero(positions, dim=1)], dim=1)
 
 

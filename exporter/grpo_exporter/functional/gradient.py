@@ -24,7 +24,6 @@ from grpo_exporter.functional.reading import (
     fraction,
     keep_bits,
     masked_max,
-    masked_mean,
     nonfinite,
     sum64,
     zeroed,
@@ -41,6 +40,7 @@ class LogRatio(NamedTuple):
     loss_mask: Tensor
     ratio: Tensor
     exponent: Tensor  # log of ``ratio``: the log ratio after the clamp (the importance weights' log)
+    keep: Tensor  # keep_bits(valid): the ratio metrics mask with it several times
 
 
 def masked_difference(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
@@ -62,7 +62,8 @@ def log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor, clamp: 
 def log_ratio_of(value: Tensor, loss_mask: Tensor, clamp: float | None = None) -> LogRatio:
     """:func:`log_ratio` from the fp32 difference already taken on loss tokens (0 elsewhere)."""
     exponent = value if clamp is None else value.clamp(-clamp, clamp)
-    return LogRatio(value, loss_mask & finite(value), loss_mask, torch.exp(exponent), exponent)
+    valid = loss_mask & finite(value)
+    return LogRatio(value, valid, loss_mask, torch.exp(exponent), exponent, keep_bits(valid))
 
 
 class EngineGap(NamedTuple):
@@ -81,9 +82,10 @@ def engine_gap_of(difference: Tensor, loss_mask: Tensor, quantiles: Sequence[flo
     """
     gap = difference.abs()
     valid = loss_mask & finite(gap)
-    total = sum64(zeroed(gap, valid))
+    bits = keep_bits(valid)
+    total = sum64(zeroed(gap, bits))
     tokens = count(valid)
-    return EngineGap(total, tokens, fraction(total, tokens), masked_quantiles(gap, valid, quantiles))
+    return EngineGap(total, tokens, fraction(total, tokens), masked_quantiles(gap, valid, quantiles, bits))
 
 
 class OnPolicyCheck(NamedTuple):
@@ -196,4 +198,4 @@ def kl_k3_of(d: Tensor, loss_mask: Tensor) -> Reading:
     token."""
     valid = loss_mask & finite(d)
     d = zeroed(d, valid)
-    return masked_mean(torch.exp(d) - d - 1.0, valid)
+    return fraction(sum64(torch.exp(d) - d - 1.0), count(valid))  # exp(0) - 0 - 1 = 0 off ``valid``

@@ -50,17 +50,18 @@ class Histogram(NamedTuple):
     maximum: Tensor
 
 
-def histogram(x: Tensor, valid: Tensor, exact_min: bool = True) -> Histogram:
+def histogram(x: Tensor, valid: Tensor, exact_min: bool = True, bits: Tensor | None = None) -> Histogram:
     """The fine histogram of ``x`` over ``valid`` positions (any shape, same shape as ``valid``).
 
     A few passes of integer ops on the bits (``valid`` enters as a word ANDed in: the invalid positions all
     land in bucket 0 and are taken out of it by their count) and one ``bincount``; ``valid`` must exclude NaN
     (callers pass loss mask and finiteness; +inf is a valid value and lands in the top bucket).
     ``exact_min=False`` saves the passes of the minimum where no reading needs it (no q = 0): it is then 0, a
-    lower bound of these non-negative distributions, and readings are clamped at 0 below."""
+    lower bound of these non-negative distributions, and readings are clamped at 0 below. ``bits``:
+    :func:`~grpo_exporter.functional.reading.keep_bits` of ``valid``, when the caller has them."""
     values = x.float().contiguous()
     valid = valid.expand(values.shape)
-    bits = keep_bits(valid)
+    bits = keep_bits(valid) if bits is None else bits
     key = values.view(torch.int32).clamp(min=1)  # negatives and -0.0 (bits <= 0) go to bucket 0
     key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
     key = torch.where(bits, key, 0) if bits.dtype == torch.bool else key.bitwise_and_(bits)
@@ -194,21 +195,25 @@ def top_mean_value(h: Histogram, fraction: float) -> Tensor:
     return torch.where(take > 0, take * values, 0.0).sum() / k
 
 
-def masked_quantiles(x: Tensor, valid: Tensor, quantiles: Sequence[float]) -> Quantiles:
+def masked_quantiles(
+    x: Tensor, valid: Tensor, quantiles: Sequence[float], bits: Tensor | None = None
+) -> Quantiles:
     """Quantiles of ``x`` (non-negative) over ``valid`` positions (relative error <= 2^-8), absent when none is
-    valid; the exact minimum is taken only when q = 0 is asked for."""
-    h = histogram(x, valid, exact_min=0.0 in quantiles)
+    valid; the exact minimum is taken only when q = 0 is asked for (``bits``: as in :func:`histogram`)."""
+    h = histogram(x, valid, exact_min=0.0 in quantiles, bits=bits)
     r = reading(quantile_values(h, quantiles).float(), h.counts.sum() > 0)
     return Quantiles(r.value, r.present, h, tuple(quantiles))
 
 
-def top_fraction_mean(x: Tensor, valid: Tensor, fraction: float, h: Histogram | None = None) -> TopMean:
+def top_fraction_mean(
+    x: Tensor, valid: Tensor, fraction: float, h: Histogram | None = None, bits: Tensor | None = None
+) -> TopMean:
     """Mean of the ceil(fraction * n) largest valid values (relative error <= 2^-8).
 
     The set has a fixed share of the step's positions, so the value is comparable across steps even as the
     policy sharpens (seed, 高不确定性位置的熵, remedy 3: quantile instead of an absolute threshold).
     """
-    h = histogram(x, valid, exact_min=False) if h is None else h
+    h = histogram(x, valid, exact_min=False, bits=bits) if h is None else h
     r = reading(top_mean_value(h, fraction).float(), h.counts.sum() > 0)
     return TopMean(r.value, r.present, h, fraction)
 

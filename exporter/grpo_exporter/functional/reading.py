@@ -62,9 +62,10 @@ def fraction(numerator: Tensor, denominator: Tensor) -> Ratio:
     return Ratio(torch.where(present, num / den, 0.0), present, num, den)  # 0/0 never leaves the where
 
 
-def masked_mean(x: Tensor, mask: Tensor) -> Ratio:
-    """Mean of ``x`` over ``mask`` (a :func:`sum64` over the exact count); absent for an empty mask."""
-    return fraction(sum64(zeroed(x, mask)), count(mask))
+def masked_mean(x: Tensor, mask: Tensor, bits: Tensor | None = None) -> Ratio:
+    """Mean of ``x`` over ``mask`` (a :func:`sum64` over the exact count); absent for an empty mask. ``bits``:
+    :func:`keep_bits` of ``mask``, when the caller has them."""
+    return fraction(sum64(zeroed(x, mask if bits is None else bits)), count(mask))
 
 
 def sum64(x: Tensor) -> Tensor:
@@ -74,10 +75,10 @@ def sum64(x: Tensor) -> Tensor:
     return (x.sum(dim=-1) if x.dim() > 1 else x).double().sum()
 
 
-def masked_max(x: Tensor, mask: Tensor) -> Extreme:
-    """Max of ``x`` over ``mask``, absent for an empty mask."""
+def masked_max(x: Tensor, mask: Tensor, bits: Tensor | None = None) -> Extreme:
+    """Max of ``x`` over ``mask``, absent for an empty mask (``bits``: as in :func:`masked_mean`)."""
     present = mask.any()
-    value = filled(x, mask, torch.finfo(torch.float32).min).amax()
+    value = filled(x, mask if bits is None else bits, torch.finfo(torch.float32).min).amax()
     return Extreme(torch.where(present, value, 0.0), present, largest=True)
 
 
@@ -105,11 +106,13 @@ def zeroed(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def filled(x: Tensor, mask: Tensor, fill: float) -> Tensor:
-    """``x`` in fp32 on ``mask``, ``fill`` elsewhere (see :func:`zeroed`; three integer passes when large)."""
+    """``x`` in fp32 on ``mask``, ``fill`` elsewhere (see :func:`zeroed`). When large, three integer passes on one
+    new tensor: ((x ^ fill) & mask) ^ fill is x where the mask word is all ones and fill where it is 0."""
     bits = _bits(x, mask)
     if bits.dtype == torch.bool:
         return torch.where(bits, x.float(), fill)
-    return ((x.float().view(torch.int32) & bits) | (~bits & _word(fill))).view(torch.float32)
+    word = _word(fill)
+    return (x.float().view(torch.int32) ^ word).bitwise_and_(bits).bitwise_xor_(word).view(torch.float32)
 
 
 def _bits(x: Tensor, mask: Tensor) -> Tensor:

@@ -19,7 +19,17 @@ from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.gradient import LogRatio
 from grpo_exporter.functional.groups import Groups, group_stats
 from grpo_exporter.functional.histogram import masked_quantiles
-from grpo_exporter.functional.reading import Ratio, Reading, count, finite, fraction, masked_max, sum64, zeroed
+from grpo_exporter.functional.reading import (
+    Ratio,
+    Reading,
+    count,
+    finite,
+    fraction,
+    keep_bits,
+    masked_max,
+    sum64,
+    zeroed,
+)
 
 
 def clip_log_widths(eps_low: float, eps_high: float) -> tuple[float, float]:
@@ -76,9 +86,10 @@ class Effective(NamedTuple):
 
 
 def shifted_weight_sums(log_weights: Tensor, valid: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum w, sum w^2) with w = exp(log_weights - shift) over ``valid``; ``shift`` >= every log weight keeps
-    every w <= 1 (no overflow); ESS is scale invariant, so any common shift gives the same ratio. The weights
-    are fp32 (relative error ~1e-7 each; fp64 exp costs ~15x on CPU), the sums fp64."""
+    """(sum w, sum w^2) with w = exp(log_weights - shift) over ``valid`` (a bool mask or its keep_bits);
+    ``shift`` >= every log weight keeps every w <= 1 (no overflow); ESS is scale invariant, so any common shift
+    gives the same ratio. The weights are fp32 (relative error ~1e-7 each; fp64 exp costs ~15x on CPU), the
+    sums fp64."""
     w = zeroed(torch.exp((log_weights.float() - shift.float()).clamp(max=0.0)), valid)
     return sum64(w), sum64(w.square())
 
@@ -88,11 +99,12 @@ def ess_from_sums(s1: Tensor, s2: Tensor, n: Tensor) -> Ratio:
     return fraction(s1.square() / s2.clamp(min=torch.finfo(torch.float64).tiny), n)
 
 
-def _ess(log_weights: Tensor, valid: Tensor) -> Effective:
+def _ess(log_weights: Tensor, valid: Tensor, bits: Tensor | None = None) -> Effective:
     """(sum w)^2 / (sum w^2) / n with w = exp(log_weights), shifted by the max log weight first so that
-    huge ratios neither overflow nor vanish."""
-    shift = masked_max(log_weights, valid).value.double()
-    s1, s2 = shifted_weight_sums(log_weights, valid, shift)
+    huge ratios neither overflow nor vanish (``bits``: keep_bits of ``valid``, when the caller has them)."""
+    bits = keep_bits(valid) if bits is None else bits
+    shift = masked_max(log_weights, valid, bits).value.double()
+    s1, s2 = shifted_weight_sums(log_weights, bits, shift)
     r = ess_from_sums(s1, s2, count(valid))
     return Effective(r.value, r.present, log_weights, valid)
 
@@ -105,8 +117,8 @@ class ESS(NamedTuple):
 def ess_ratio(lr: LogRatio) -> ESS:
     """ESS ratio of the importance weights of loss tokens, and of sequences with w_i = exp(sum_t log r_it)
     (the sequence-level importance weight) over sequences with at least one finite loss token."""
-    seq_log_w = zeroed(lr.exponent, lr.valid).sum(dim=1)
-    return ESS(_ess(lr.exponent, lr.valid), _ess(seq_log_w, lr.valid.any(dim=1)))
+    seq_log_w = zeroed(lr.exponent, lr.keep).sum(dim=1)
+    return ESS(_ess(lr.exponent, lr.valid, lr.keep), _ess(seq_log_w, lr.valid.any(dim=1)))
 
 
 class SignCounts(NamedTuple):
@@ -178,7 +190,7 @@ def clip_counts(
 
 def importance_weight_quantiles(lr: LogRatio, quantiles: Sequence[float]) -> Reading:
     """Quantiles of the per-token ratio exp(log ratio) over finite loss tokens (may be +Inf, never NaN)."""
-    return masked_quantiles(lr.ratio, lr.valid, quantiles)
+    return masked_quantiles(lr.ratio, lr.valid, quantiles, lr.keep)
 
 
 class ZeroVariance(NamedTuple):
