@@ -99,7 +99,7 @@ def test_minor_faults_count_fresh_pages() -> None:
 
 
 def test_bench_smallest_size_runs_and_reports(capsys) -> None:
-    results, long = bench.run([10_000], rounds=1, long_steps=30)
+    results, long = bench.run([10_000], rounds=1, long_steps=30, warm_allocator=False)
     (r,) = results
     assert r.monitor_s > 0
     assert r.naive_s > 0
@@ -125,6 +125,7 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert main(["bench", "--sizes", "1e4", "--rounds", "1", "--long-steps", "20", "--worker-widths", "64"]) == 0
     out = capsys.readouterr().out
     assert "naive / monitor" in out
+    assert "malloc thresholds of a training process" in out
     assert "naive, core / monitor step" in out
     assert "naive / monitor, same metric set" in out
     assert "recorder on / off" in out

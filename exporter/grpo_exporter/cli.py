@@ -109,9 +109,10 @@ def _bench(args: argparse.Namespace) -> int:
     from grpo_exporter import bench
 
     sizes = [int(float(s)) for s in args.sizes.split(",")]
-    results, long = bench.run(sizes, args.rounds, args.long_steps, args.device)
+    results, long = bench.run(sizes, args.rounds, args.long_steps, args.device, not args.cold_allocator)
+    allocator = "cold allocator" if args.cold_allocator else "malloc thresholds of a training process"
     print(f"grpo-exporter bench on {platform.machine()}, {torch.get_num_threads()} torch threads, torch "
-          f"{torch.__version__}, device {args.device}; medians of {args.rounds} interleaved rounds\n")
+          f"{torch.__version__}, device {args.device}; medians of {args.rounds} interleaved rounds; {allocator}\n")
     widths = [int(w) for w in args.worker_widths.split(",") if w]
     print(bench.table(results, long, [bench.worker_cost(w) for w in widths]))
     return 0
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=15, help="timed rounds per size (after two warm-up rounds)")
     bench.add_argument("--long-steps", type=int, default=10_000, help="small steps for the RSS and series check")
     bench.add_argument("--device", default="cpu", help="torch device of the synthetic step (e.g. cuda)")
+    bench.add_argument("--cold-allocator", action="store_true",
+                       help="skip freeing one 30 MiB block first: glibc's malloc as in a process that never "
+                       "trained (it then gives memory back to the system after nearly every large step)")
     bench.add_argument("--worker-widths", default="256,1024,4096",
                        help="completion widths T for the edit-distance job's cost, comma-separated ('' = skip)")
     bench.set_defaults(run=_bench)

@@ -256,9 +256,22 @@ def _series(mon: GRPOMonitor) -> int:
 
 
 def run(sizes: Sequence[int] = SIZES, rounds: int = 15, long_steps: int = 10_000,
-        device: str | torch.device = "cpu") -> tuple[list[SizeResult], LongRun]:
+        device: str | torch.device = "cpu", warm_allocator: bool = True) -> tuple[list[SizeResult], LongRun]:
     dev = torch.device(device)
+    if warm_allocator:
+        warm_malloc()
     return [measure_size(size, rounds, dev) for size in sizes], long_run(long_steps, dev)
+
+
+def warm_malloc() -> None:
+    """Bring glibc's malloc to the state of a training process: free one 30 MiB block. glibc starts with a 128
+    KiB mmap threshold and raises it (and its trim threshold, to twice that) to the size of each larger block
+    freed, up to 32 MiB; a process that trains has freed activations that large long before its monitor runs.
+    A process that only runs the bench has not, and gives memory back to the system after nearly every step
+    (the bench's page-fault column shows which state a run was in; ``--cold-allocator`` skips this)."""
+    block = torch.empty(30 << 20, dtype=torch.uint8)
+    block.fill_(0)
+    del block
 
 
 WORKER_WIDTHS = (256, 1024, 4096)
