@@ -62,8 +62,7 @@ def histogram(x: Tensor, valid: Tensor, exact_min: bool = True, bits: Tensor | N
     values = x.float().contiguous()
     valid = valid.expand(values.shape)
     bits = keep_bits(valid) if bits is None else bits
-    key = values.view(torch.int32).clamp(min=1)  # negatives and -0.0 (bits <= 0) go to bucket 0
-    key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
+    key = _bucket_keys(values)
     key = torch.where(bits, key, 0) if bits.dtype == torch.bool else key.bitwise_and_(bits)
     counts = torch.bincount(key.flatten(), minlength=BUCKETS)
     counts[0] -= key.numel() - count(valid)  # every invalid position was counted in bucket 0
@@ -78,14 +77,18 @@ def histograms(x: Tensor, members: Tensor) -> Histogram:
     ``bincount`` over k x BUCKETS bins. ``x`` must be finite where a member (NaN is never valid)."""
     k = members.shape[0]
     values = x.float().contiguous()
-    key = values.view(torch.int32).clamp(min=1)
-    key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
     rows = _row_offsets(k, values.device).unsqueeze(1)
-    keys = torch.where(members, key.unsqueeze(0) + rows, k * BUCKETS)
+    keys = torch.where(members, _bucket_keys(values).unsqueeze(0) + rows, k * BUCKETS)
     counts = torch.bincount(keys.flatten(), minlength=k * BUCKETS + 1)[: k * BUCKETS].view(k, BUCKETS)
     lowest = torch.where(members, values, math.inf).amin(dim=1)
     highest = torch.where(members, values, -math.inf).amax(dim=1)
     return Histogram(counts, lowest, highest)
+
+
+def _bucket_keys(values: Tensor) -> Tensor:
+    """int32 bucket of each fp32 value: a shift of its bits (negatives and -0.0, bits <= 0, go to bucket 0)."""
+    key = values.view(torch.int32).clamp(min=1)
+    return key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
 
 
 @functools.lru_cache(maxsize=16)
