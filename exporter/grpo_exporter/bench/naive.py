@@ -10,6 +10,8 @@ naive expected zero-variance share plugs in each group's own solve rate.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -24,9 +26,26 @@ def _quantiles(values: Tensor, qs: tuple[float, ...]) -> list[float]:
     return [v.item() for v in torch.quantile(values.double(), torch.tensor(qs, dtype=torch.float64))]
 
 
+class _Tokens(NamedTuple):
+    """What the core computes on the loss tokens and the rest of the metric set reads again (naive code keeps
+    a value it already has; it does not take it twice)."""
+
+    gap: Tensor
+    log_ratio: Tensor
+    ratio: Tensor
+    adv_t: Tensor
+    ent: Tensor
+    group_std: Tensor
+    solved: Tensor
+
+
 def naive_core_step(w: Workload) -> dict[str, float]:
     """The seed's core metrics of one step, as naive code computes them (returns them so nothing is optimised
     away)."""
+    return _core(w)[0]
+
+
+def _core(w: Workload) -> tuple[dict[str, float], _Tokens]:
     out: dict[str, float] = {}
     m = w.mask
     # layer 1: engine gap, non-finite values, on-policy ratio, clamp hits
@@ -47,7 +66,8 @@ def naive_core_step(w: Workload) -> dict[str, float]:
     # layer 2: rewards, groups, advantages, lengths, truncation
     grouped = w.rewards.view(-1, G)
     out["reward_mean"] = w.rewards.mean().item()
-    out["group_std"] = grouped.std(1).mean().item()
+    group_std = grouped.std(1)
+    out["group_std"] = group_std.mean().item()
     out["group_range"] = (grouped.max(1).values - grouped.min(1).values).mean().item()
     adv = w.advantages.abs().max().item()
     out["adv_max"] = adv
@@ -69,7 +89,7 @@ def naive_core_step(w: Workload) -> dict[str, float]:
     out["clip_upper"] = ((ratio > 1 + EPS_HIGH) & pos).sum().item() / max(pos.sum().item(), 1)
     out["clip_lower"] = ((ratio < 1 - EPS_LOW) & neg).sum().item() / max(neg.sum().item(), 1)
     out["zero_adv_tokens"] = (adv_t == 0).float().mean().item()
-    zero_var = (grouped.std(1) == 0).float()
+    zero_var = (group_std == 0).float()
     out["zero_variance"] = zero_var.mean().item()
     p = w.correct.view(-1, G).float().mean(1)
     out["zero_variance_expected"] = (p**G + (1 - p) ** G).mean().item()
@@ -90,7 +110,7 @@ def naive_core_step(w: Workload) -> dict[str, float]:
     out["distinct"] = distinct / w.n
     # the step's grad norm, as naive code reads it
     out["micro_batches"] = float(MICRO_BATCHES)
-    return out
+    return out, _Tokens(gap, log_ratio, ratio, adv_t, ent, group_std, solved)
 
 
 def _buckets(values: Tensor, family: str) -> list[float]:
@@ -104,14 +124,12 @@ def naive_step(w: Workload) -> dict[str, float]:
     """The monitor's metric set for one step, as naive code computes it: the core (:func:`naive_core_step`)
     and everything else the monitor publishes for this step (sums and counts, classic buckets, counts by
     sign and bound, the mask audit by cause, pass@k, the solve-rate histogram, grad norms)."""
-    out = naive_core_step(w)
+    out, shared = _core(w)
     m = w.mask
-    gap = (w.rollout - w.old).abs()[m]
+    gap, log_ratio, ratio, adv_t, ent = shared.gap, shared.log_ratio, shared.ratio, shared.adv_t, shared.ent
     out["gap_sum"] = gap.sum().item()
     out["gap_count"] = float(gap.numel())
     out |= {f"gap_le{i}": v for i, v in enumerate(_buckets(gap, "grpo_token_engine_logprob_gap_nats"))}
-    log_ratio = (w.new - w.old)[m]
-    ratio = torch.exp(log_ratio)
     out["nonfinite_log_ratio"] = (~torch.isfinite(log_ratio)).sum().item()
     out["nonfinite_ratio"] = (~torch.isfinite(ratio)).sum().item()
     outside = ((ratio < 1 - EPS_LOW) | (ratio > 1 + EPS_HIGH)).sum().item()
@@ -125,16 +143,14 @@ def naive_step(w: Workload) -> dict[str, float]:
     out["ratio_sum"] = ratio.sum().item()
     out["ratio_count"] = float(ratio.numel())
     out |= {f"ratio_le{i}": v for i, v in enumerate(_buckets(ratio, "grpo_token_importance_weight"))}
-    adv_t = w.advantages[:, None].expand_as(m)[m]
-    for sign, tokens_of_sign in (("pos", adv_t > 0), ("neg", adv_t < 0), ("zero", adv_t == 0)):
-        out[f"update_tokens_{sign}"] = tokens_of_sign.sum().item()
     pos, neg = adv_t > 0, adv_t < 0
+    for sign, tokens_of_sign in (("pos", pos), ("neg", neg), ("zero", adv_t == 0)):
+        out[f"update_tokens_{sign}"] = tokens_of_sign.sum().item()
     out["clipped_upper_tokens"] = ((ratio > 1 + EPS_HIGH) & pos).sum().item()
     out["clipped_lower_tokens"] = ((ratio < 1 - EPS_LOW) & neg).sum().item()
     out["unclipped_upper_tokens"] = ((ratio > 1 + EPS_HIGH) & neg).sum().item()
     out["unclipped_lower_tokens"] = ((ratio < 1 - EPS_LOW) & pos).sum().item()
     out["upper_reachable_tokens"] = (pos & (w.old[m] < -torch.log1p(torch.tensor(EPS_HIGH)))).sum().item()
-    ent = w.entropy[m]
     out["entropy_sum"] = ent.sum().item()
     out |= {f"entropy_le{i}": v for i, v in enumerate(_buckets(ent, "grpo_token_entropy_nats"))}
     lengths = w.lengths.double()
@@ -144,10 +160,9 @@ def naive_step(w: Workload) -> dict[str, float]:
         out[f"len_count_{outcome}"] = float(picked.numel())
         buckets = _buckets(picked, "grpo_completion_length_distribution_tokens")
         out |= {f"len_{outcome}_le{i}": v for i, v in enumerate(buckets)}
-    solved = w.correct.view(-1, G)
-    hits = solved.sum(1)
-    out["groups"] = float(solved.shape[0])
-    same = w.rewards.view(-1, G).std(1) == 0
+    hits = shared.solved.sum(1)
+    out["groups"] = float(hits.shape[0])
+    same = shared.group_std == 0
     out["zero_variance_all_correct"] = (same & (hits == G)).sum().item()
     out["zero_variance_all_incorrect"] = (same & (hits == 0)).sum().item()
     mixed = (hits > 0) & (hits < G)
