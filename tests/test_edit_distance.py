@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from grpo_exporter import GRPOMonitor
-from grpo_exporter.edit_distance import MAX_PAIRS, MIN_PAIRS, median_normalized_edit_distance, pair_cap
+from grpo_exporter.edit_distance import (
+    MAX_PAIRS,
+    MIN_PAIRS,
+    median_normalized_edit_distance,
+    pair_cap,
+    rows_to_groups,
+)
 
 
 def levenshtein(a: list[int], b: list[int]) -> int:
@@ -82,3 +88,18 @@ def test_the_worker_thread_runs_at_the_lowest_priority():
         job = mon._edit_worker._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         assert job.result(timeout=10) == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the training thread's: untouched
+
+
+def test_carried_rows_give_the_token_lists_and_the_median_of_the_int_ids():
+    """The worker reads the rows as they travelled (fp64, padded): token ids up to 2^53 exactly, each row cut at
+    its length, grouped by group index; the median equals the one of the int token lists."""
+    gen = random.Random(3)
+    width, rows = 40, [[gen.randrange(2**40) for _ in range(gen.randrange(1, 41))] for _ in range(12)]
+    groups = [[rows[i] for i in range(12) if i % 3 == g] for g in range(3)]
+    ids = torch.zeros(12, width, dtype=torch.float64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
+    lengths = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
+    carried = rows_to_groups(ids.reshape(-1), lengths, torch.arange(12, dtype=torch.float64) % 3, width)
+    assert sorted(carried) == sorted(groups)
+    assert median_normalized_edit_distance(carried)[0] == pytest.approx(reference(groups), abs=0)

@@ -36,7 +36,7 @@ def pair_cap(width: int, budget_s: float) -> int:
 
 
 def median_normalized_edit_distance(
-    groups: Sequence[Sequence[Sequence[int]]], budget_s: float = math.inf, max_pairs: int | None = None,
+    groups: Sequence[Sequence[Sequence[float]]], budget_s: float = math.inf, max_pairs: int | None = None,
     seed: int = 0,
 ) -> tuple[float | None, int]:
     """(median over pairs (i < j) inside each group of Levenshtein(a, b) / max(len(a), len(b)) in 0..1 or None
@@ -60,11 +60,19 @@ def median_normalized_edit_distance(
     return (statistics.median(distances) if distances else None), len(distances)
 
 
-def rows_to_groups(ids: Tensor, lengths: Tensor, group: Tensor, width: int) -> list[list[list[int]]]:
-    """Token lists per group from the carried rows (CPU tensors: ids row-major, padded to ``width``; fp64
-    holds token ids exactly)."""
-    rows = ids.reshape(-1, width).long()
-    by_group: dict[int, list[list[int]]] = {}
-    for row, (length, g) in enumerate(zip(lengths.long().tolist(), group.long().tolist(), strict=True)):
-        by_group.setdefault(g, []).append(rows[row, :length].tolist())
+def rows_to_groups(ids: Tensor, lengths: Tensor, group: Tensor, width: int) -> list[list[list[float]]]:
+    """Token lists per group from the carried rows (CPU tensors: ids row-major, padded to ``width``). The ids
+    stay the fp64 values they travelled as: fp64 holds every token id exactly, and Levenshtein compares
+    elements by value, so 17.0 and 17 are the same token (converting to int would make this job hold the GIL ~3x as
+    long).
+
+    Only serial reads (``tolist`` of row slices): this runs on the worker thread, and a torch operator large
+    enough to go parallel there (a dtype copy of 64K ids) would start a second OpenMP thread team in the
+    process. libgomp then counts more threads than cores and makes every team, the training thread's included,
+    sleep instead of spin between parallel regions: measured on 2 cores, the monitor's step at 256K loss
+    tokens went from 13 to 22-25 ms for the rest of the process (and so would training's own CPU operators)."""
+    rows = ids.reshape(-1, width)
+    by_group: dict[int, list[list[float]]] = {}
+    for row, (length, g) in enumerate(zip(lengths.tolist(), group.tolist(), strict=True)):
+        by_group.setdefault(int(g), []).append(rows[row, : int(length)].tolist())
     return list(by_group.values())
