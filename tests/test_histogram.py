@@ -142,6 +142,25 @@ def test_masking_helpers_drop_nan_and_infinities_outside_the_mask(small, monkeyp
     assert torch.equal(zeroed(x, keep_bits(mask)), zeroed(x, mask))
 
 
+def test_finiteness_and_counts_agree_with_torch_in_every_dtype():
+    """``finite`` / ``nonfinite`` / ``count_nonfinite`` (|x| < inf, x * 0) and ``count`` along a dimension (bytes
+    summed) give torch's own answers on NaN, +-inf, -0.0, the largest and smallest floats, any float dtype,
+    integers, and a non-contiguous mask."""
+    values = [1.5, float("nan"), -float("inf"), float("inf"), -0.0, 0.0, 3.0e38, -3.0e38, 1e-45, -2.0]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        x = torch.tensor(values).to(dtype).reshape(2, 5)
+        assert torch.equal(reading.finite(x), torch.isfinite(x)), dtype
+        assert torch.equal(reading.nonfinite(x), ~torch.isfinite(x)), dtype
+        assert reading.count_nonfinite(x).item() == (~torch.isfinite(x)).sum().item(), dtype
+    ints = torch.arange(6).reshape(2, 3)
+    assert reading.finite(ints).all()
+    assert reading.count_nonfinite(ints).item() == 0
+    mask = (torch.rand(7, 300, generator=torch.Generator().manual_seed(2)) < 0.4).t()  # (300, 7), strided
+    for dim in (0, 1):
+        assert torch.equal(reading.count(mask, dim).long(), mask.sum(dim)), dim
+    assert reading.count(mask).item() == mask.sum().item()
+
+
 def test_sum64_of_rows_split_across_ranks_adds_up_to_the_whole():
     gen = torch.Generator().manual_seed(3)
     x = torch.rand(64, 333, generator=gen) * 10

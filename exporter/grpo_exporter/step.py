@@ -26,10 +26,10 @@ from grpo_exporter.functional.histogram import Histogram, Quantiles, cumulative_
 from grpo_exporter.functional.reading import (
     always,
     count,
+    count_nonfinite,
     finite,
     fraction,
     keep_bits,
-    nonfinite,
     reading,
     sum64,
     zeroed,
@@ -325,7 +325,7 @@ def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
     if mask is not None:
         for name in ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy"):
             if getattr(x, name) is not None:  # 0 off the mask: counted over the whole masked tensor
-                g.add("grpo_nonfinite_values_total", count(nonfinite(c.masked(name))), tensor=name)
+                g.add("grpo_nonfinite_values_total", count_nonfinite(c.masked(name)), tensor=name)
     if x.advantages is not None and (x.advantages.dim() == 1 or mask is not None):
         adv_mask = None if x.advantages.dim() == 1 else mask
         g.add("grpo_nonfinite_values_total", gradient.nonfinite_count(x.advantages, adv_mask), tensor="advantages")

@@ -20,6 +20,7 @@ from grpo_exporter.functional.histogram import masked_quantiles
 from grpo_exporter.functional.reading import (
     Reading,
     count,
+    count_nonfinite,
     finite,
     fraction,
     keep_bits,
@@ -110,16 +111,14 @@ def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float, rows: Tensor |
 
 def nonfinite_count(x: Tensor, mask: Tensor | None = None) -> Tensor:
     """Number of NaN/Inf entries of ``x`` (only where ``mask`` is True, when given)."""
-    bad = nonfinite(x)
-    return count(bad & mask) if mask is not None else count(bad)
+    return count(nonfinite(x) & mask) if mask is not None else count_nonfinite(x)
 
 
 def nonfinite_ratio_count(lr: LogRatio) -> tuple[Tensor, Tensor]:
     """Non-finite log ratios and ratios on loss tokens; the ratio is exp(log ratio) in fp32 without clamp,
-    so it also counts the tokens that would overflow where exp comes before the clamp (seed 4.2)."""
-    bad_lr = lr.loss_mask & nonfinite(lr.value)
-    bad_ratio = lr.loss_mask & nonfinite(lr.ratio)
-    return count(bad_lr), count(bad_ratio)
+    so it also counts the tokens that would overflow where exp comes before the clamp (seed 4.2). Off the
+    loss mask the log ratio is 0 and the ratio 1: both are counted over the whole tensor."""
+    return count_nonfinite(lr.value), count_nonfinite(lr.ratio)
 
 
 class MaskAudit(NamedTuple):
@@ -195,7 +194,8 @@ def relative_update(before: Sequence[Tensor], after: Sequence[Tensor]) -> Readin
 def kl_k3_of(d: Tensor, loss_mask: Tensor) -> Reading:
     """Mean per-token KL(pi_theta || pi_ref) by the k3 estimator exp(d) - d - 1 (Schulman), from d = ref - logp
     already taken on loss tokens (fp32, 0 elsewhere), over finite loss tokens; unbiased and non-negative per
-    token."""
+    token. Taken as expm1(d) - d: two passes, and fp32 rounding relative to d instead of to 1 (exp(d) - 1
+    loses the d^2/2 of a policy near its reference)."""
     valid = loss_mask & finite(d)
     d = zeroed(d, valid)
-    return fraction(sum64(torch.exp(d) - d - 1.0), count(valid))  # exp(0) - 0 - 1 = 0 off ``valid``
+    return fraction(sum64(torch.expm1(d).sub_(d)), count(valid))  # expm1(0) - 0 = 0 off ``valid``

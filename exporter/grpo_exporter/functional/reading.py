@@ -8,6 +8,7 @@ tensor beside the value; the value is forced to 0 where absent so no NaN ever le
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from typing import NamedTuple
 
@@ -129,21 +130,37 @@ def _word(value: float) -> int:
 
 
 def finite(x: Tensor) -> Tensor:
-    """Bool tensor: ``x`` is neither NaN nor +-Inf. ``x * 0 == 0`` is two elementwise passes where
-    ``torch.isfinite`` takes five on CPU (abs, ne, eq, mul, and); integers and bools are always finite."""
+    """Bool tensor: ``x`` is neither NaN nor +-Inf: ``|x| < inf``, two elementwise passes (NaN compares false)
+    where ``torch.isfinite`` takes five on CPU and ``x * 0 == 0`` costs 1.5x (a float comparison is the slow
+    part: ~4x an arithmetic pass, torch 2.13); integers and bools are always finite."""
     if not x.is_floating_point():
         return torch.ones_like(x, dtype=torch.bool)
-    return (x * 0) == 0
+    return x.abs() < math.inf
 
 
 def nonfinite(x: Tensor) -> Tensor:
-    """Bool tensor: ``x`` is NaN or +-Inf (``x * 0 != 0``; see :func:`finite`)."""
+    """Bool tensor: ``x`` is NaN or +-Inf (see :func:`finite`)."""
     if not x.is_floating_point():
         return torch.zeros_like(x, dtype=torch.bool)
-    return (x * 0) != 0
+    return ~(x.abs() < math.inf)
+
+
+def count_nonfinite(x: Tensor) -> Tensor:
+    """Number of NaN / +-Inf entries (int64): ``x * 0`` is +-0 where finite and NaN elsewhere, and
+    ``count_nonzero`` counts the NaNs. One arithmetic pass and one count, no bool tensor (the comparison
+    would cost more than both)."""
+    if not x.is_floating_point():
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    return torch.count_nonzero(x * 0)
 
 
 def count(mask: Tensor, dim: int | None = None) -> Tensor:
-    """True entries of a bool tensor (int64), over ``dim`` or all: ``count_nonzero`` reads a bool tensor ~4x
-    faster than ``sum`` on CPU."""
-    return torch.count_nonzero(mask, dim=dim)
+    """True entries of a bool tensor, over ``dim`` or all. All: ``count_nonzero`` (int64), which reads a bool
+    tensor ~4x faster than ``sum``. Along ``dim``: the bytes summed as uint8 into int32 (a count per row of a
+    token tensor, far below 2^31), 3x faster than ``count_nonzero`` along a dimension and 12x than ``any``
+    (torch 2.13, CPU)."""
+    if dim is None:
+        return torch.count_nonzero(mask)
+    if mask.dtype != torch.bool:
+        return torch.count_nonzero(mask, dim=dim)
+    return mask.view(torch.uint8).sum(dim=dim, dtype=torch.int32)

@@ -43,7 +43,7 @@ def sequence_abs_advantage(advantages: Tensor, loss_mask: Tensor | None) -> tupl
     if loss_mask is not None:
         valid = valid & loss_mask
     per_seq = filled(advantages.abs(), valid, -1.0).amax(dim=1)
-    return per_seq.clamp(min=0.0), valid.any(dim=1)
+    return per_seq.clamp(min=0.0), count(valid, 1) > 0
 
 
 class AdvantageCheck(NamedTuple):

@@ -118,7 +118,7 @@ def ess_ratio(lr: LogRatio) -> ESS:
     """ESS ratio of the importance weights of loss tokens, and of sequences with w_i = exp(sum_t log r_it)
     (the sequence-level importance weight) over sequences with at least one finite loss token."""
     seq_log_w = zeroed(lr.exponent, lr.keep).sum(dim=1)
-    return ESS(_ess(lr.exponent, lr.valid, lr.keep), _ess(seq_log_w, lr.valid.any(dim=1)))
+    return ESS(_ess(lr.exponent, lr.valid, lr.keep), _ess(seq_log_w, count(lr.valid, 1) > 0))
 
 
 class SignCounts(NamedTuple):
