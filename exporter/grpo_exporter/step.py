@@ -75,11 +75,18 @@ def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[tuple[int, int]]]:
         parts.append(torch.stack(group).double())
         start[kind], offset = offset, offset + len(group)
     for vid, vector in vectors.items():
-        parts.append(vector.reshape(-1).double())
+        parts.append(_flat(vector))
         start[vid], offset = offset, offset + vector.numel()
     if flags:
-        parts.append(torch.cat([f.reshape(1).to(entries[0].reading.value.device) for _, f in flags.values()]).double())
+        device = next(iter(flags.values()))[1].device
+        parts.append(torch.stack([f if f.device == device else f.to(device) for _, f in flags.values()]).double())
     return parts, [(start[group] + i, offset + f) for group, i, f in where]
+
+
+def _flat(t: Tensor) -> Tensor:
+    """``t`` as a 1-d fp64 tensor (no call where it already is one: a few hundred no-op calls a step add up)."""
+    t = t if t.dim() == 1 else t.reshape(-1)
+    return t if t.dtype == torch.float64 else t.double()
 
 
 class Merger(Protocol):
@@ -191,12 +198,14 @@ class _Gather:
         tensors (views of the transferred block): whoever reads them converts them, off the training thread."""
         parts, positions = _pack(self.entries)
         width = sum(p.numel() for p in parts)
-        parts += [count.reshape(1).double() for _, count in self.checks]
+        if self.checks:
+            parts.append(torch.stack([count for _, count in self.checks]).double())
         extra = merger.device_parts(self.entries, self.device) if merger is not None else None
         if extra is not None:
             parts.append(extra)
-        parts += [t.reshape(-1).to(self.device, torch.float64) for t in self.carried.values()]
-        block = torch.cat([p.to(self.device) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+        parts += [_flat(t) for t in self.carried.values()]
+        parts = [p if p.device == self.device else p.to(self.device) for p in parts]
+        block = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
         host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
         carried_width = sum(t.numel() for t in self.carried.values())
         packed = host[: host.numel() - carried_width].tolist()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -123,8 +124,8 @@ def edge_index(bound: float) -> int:
     (2^-32, 2^32] with at most 7 mantissa bits, e.g. 0.75, 1.0078125, 3e-3 is not one)."""
     if not ABSOLUTE_FLOOR <= bound <= 2.0**HIGH_EXPONENT:
         raise ValueError(f"bucket bound {bound!r}: expected a value in [2^-32, 2^32]")
-    bits = int(torch.tensor(bound, dtype=torch.float32).view(torch.int32))
-    if float(torch.tensor(bound, dtype=torch.float32)) != bound or bits & ((1 << _SHIFT) - 1):
+    bits = _f32_bits(bound)
+    if _f32(bits) != bound or bits & ((1 << _SHIFT) - 1):
         below = nearest_edges(bound)
         raise ValueError(
             f"bucket bound {bound!r}: expected an edge of the fine histogram (at most {MANTISSA_BITS} mantissa "
@@ -135,10 +136,17 @@ def edge_index(bound: float) -> int:
 
 def nearest_edges(value: float) -> tuple[float, float]:
     """The fine edges just below (or at) and just above ``value``."""
-    bits = int(torch.tensor(value, dtype=torch.float32).view(torch.int32)) >> _SHIFT
-    low, high = bits << _SHIFT, (bits + 1) << _SHIFT
-    as_float = [float(torch.tensor(b, dtype=torch.int32).view(torch.float32)) for b in (low, high)]
-    return as_float[0], as_float[1]
+    bits = _f32_bits(value) >> _SHIFT
+    return _f32(bits << _SHIFT), _f32((bits + 1) << _SHIFT)
+
+
+def _f32_bits(value: float) -> int:
+    """The bits of ``value`` rounded to fp32, as an int (host arithmetic: no tensor, nothing to transfer)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
 def _order_statistics(h: Histogram, ranks: Tensor) -> Tensor:
