@@ -24,6 +24,7 @@ from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
 from grpo_exporter.functional.histogram import Histogram, Quantiles, cumulative_buckets
 from grpo_exporter.functional.reading import (
+    Ratio,
     always,
     count,
     count_nonfinite,
@@ -49,25 +50,42 @@ class Entry(NamedTuple):
     index: int = 0
 
 
-def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[tuple[int, int]]]:
-    """The device parts holding every entry's value and presence, and each entry's (value, presence) position
-    in their concatenation. Scalars are stacked per dtype, vector readings and shared presence flags taken
-    once each: a few dozen operators for a few hundred samples, where one conversion per sample cost ~5 each."""
+class Position(NamedTuple):
+    """Where an entry's value is in the transferred block: ``value`` and ``present`` (a flag), or for a ratio
+    its numerator (``value``) and denominator (``present``): the host divides, and the ratio is absent when the
+    denominator is 0."""
+
+    value: int
+    present: int
+    ratio: bool
+
+
+def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[Position]]:
+    """The device parts holding every entry's value and presence, and each entry's :class:`Position` in their
+    concatenation. Scalars are stacked per dtype, vector readings and shared presence flags taken once each: a
+    few dozen operators for a few hundred samples, where one conversion per sample cost ~5 each."""
     scalars: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     vectors: dict[int, Tensor] = {}
     flags: dict[int, tuple[int, Tensor]] = {}
-    where: list[tuple[Any, int, int]] = []  # (group, index in the group, flag number)
+    where: list[tuple[tuple[Any, int], tuple[Any, int], bool]] = []  # (value, presence) as (group, index)
+
+    def scalar(t: Tensor) -> tuple[Any, int]:
+        group = scalars.setdefault((t.dtype, t.device), [])
+        group.append(t)
+        return (t.dtype, t.device), len(group) - 1
+
     for e in entries:
-        value, present = e.reading.value, e.reading.present
-        flag = flags.setdefault(id(present), (len(flags), present))[0]
+        r = e.reading
+        if isinstance(r, Ratio) and r.numerator.dim() == 0 and r.denominator.dim() == 0:
+            where.append((scalar(r.numerator), scalar(r.denominator), True))
+            continue
+        value, present = r.value, r.present
+        flag = ("flags", flags.setdefault(id(present), (len(flags), present))[0])
         if value.dim() == 0:
-            kind = (value.dtype, value.device)
-            group = scalars.setdefault(kind, [])
-            where.append((kind, len(group), flag))
-            group.append(value)
+            where.append((scalar(value), flag, False))
         else:
             vectors.setdefault(id(value), value)
-            where.append((id(value), e.index, flag))
+            where.append(((id(value), e.index), flag, False))
     parts: list[Tensor] = []
     start: dict[Any, int] = {}
     offset = 0
@@ -80,7 +98,8 @@ def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[tuple[int, int]]]:
     if flags:
         device = next(iter(flags.values()))[1].device
         parts.append(torch.stack([f if f.device == device else f.to(device) for _, f in flags.values()]).double())
-    return parts, [(start[group] + i, offset + f) for group, i, f in where]
+        start["flags"] = offset
+    return parts, [Position(start[v[0]] + v[1], start[p[0]] + p[1], ratio) for v, p, ratio in where]
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -209,7 +228,12 @@ class _Gather:
         host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
         carried_width = sum(t.numel() for t in self.carried.values())
         packed = host[: host.numel() - carried_width].tolist()
-        out = {e.key: packed[v] for e, (v, p) in zip(self.entries, positions, strict=True) if packed[p]}
+        out = {}
+        for e, (v, p, ratio) in zip(self.entries, positions, strict=True):
+            if ratio and packed[p] > 0:
+                out[e.key] = packed[v] / packed[p]
+            elif not ratio and packed[p]:
+                out[e.key] = packed[v]
         families = frozenset(catalog.family_of(e.key.sample).name for e in self.entries)
         offset = width
         for name, _ in self.checks:

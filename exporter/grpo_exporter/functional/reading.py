@@ -23,13 +23,32 @@ class Reading(NamedTuple):
     present: Tensor
 
 
-class Ratio(NamedTuple):
-    """A reading that is numerator / denominator: across ranks both are summed, then divided."""
+class Ratio:
+    """A reading that is numerator / denominator (0-d tensors), absent when the denominator is 0: across ranks
+    both are summed, then divided. ``value`` (fp64) and ``present`` are taken on the device only when read:
+    the step transfers numerator and denominator and divides on the host (IEEE fp64 either way, so the same
+    number), which saves four operators per ratio, a few dozen a step."""
 
-    value: Tensor
-    present: Tensor
-    numerator: Tensor
-    denominator: Tensor
+    __slots__ = ("_read", "denominator", "numerator")
+
+    def __init__(self, numerator: Tensor, denominator: Tensor) -> None:
+        self.numerator, self.denominator = numerator, denominator
+        self._read: tuple[Tensor, Tensor] | None = None
+
+    def _taken(self) -> tuple[Tensor, Tensor]:
+        if self._read is None:
+            num, den = self.numerator.double(), self.denominator.double()
+            present = den > 0
+            self._read = (torch.where(present, num / den, 0.0), present)  # 0/0 never leaves the where
+        return self._read
+
+    @property
+    def value(self) -> Tensor:
+        return self._taken()[0]
+
+    @property
+    def present(self) -> Tensor:
+        return self._taken()[1]
 
 
 class Extreme(NamedTuple):
@@ -58,9 +77,7 @@ def _true(device: torch.device) -> Tensor:
 
 def fraction(numerator: Tensor, denominator: Tensor) -> Ratio:
     """numerator / denominator in fp64 (counts above 2^24 stay exact), absent when the denominator is 0."""
-    num, den = numerator.double(), denominator.double()
-    present = den > 0
-    return Ratio(torch.where(present, num / den, 0.0), present, num, den)  # 0/0 never leaves the where
+    return Ratio(numerator, denominator)
 
 
 def masked_mean(x: Tensor, mask: Tensor, bits: Tensor | None = None) -> Ratio:
