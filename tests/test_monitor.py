@@ -104,7 +104,7 @@ def test_an_exception_in_one_metric_does_not_stop_the_others(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(diversity, "pass_at_k", broken)
+    monkeypatch.setattr(diversity, "pass_at_ks", broken)
     with monitor() as mon:
         for step in range(3):
             feed(mon, step, seed=step)

@@ -183,7 +183,7 @@ class StageMerge:
         parts: list[Tensor] = []
         for i in self.ratio:
             r = readings.get(i)
-            parts.append(torch.stack([r.reading.numerator.double(), r.reading.denominator.double()])
+            parts.append(torch.stack([t.double() for t in r.reading.terms(r.index)])
                          if r is not None else torch.zeros(2, dtype=torch.float64, device=device))
         for i in self.ess:
             r = readings.get(i)

@@ -76,8 +76,13 @@ def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[Position]]:
 
     for e in entries:
         r = e.reading
-        if isinstance(r, Ratio) and r.numerator.dim() == 0 and r.denominator.dim() == 0:
-            where.append((scalar(r.numerator), scalar(r.denominator), True))
+        if isinstance(r, Ratio):
+            if r.numerator.dim() == 0:
+                where.append((scalar(r.numerator), scalar(r.denominator), True))
+            else:  # a vector of ratios (pass@k for every k): ``e.index`` picks one
+                vectors.setdefault(id(r.numerator), r.numerator)
+                vectors.setdefault(id(r.denominator), r.denominator)
+                where.append(((id(r.numerator), e.index), (id(r.denominator), e.index), True))
             continue
         value, present = r.value, r.present
         flag = ("flags", flags.setdefault(id(present), (len(flags), present))[0])
@@ -176,6 +181,12 @@ class _Gather:
         if isinstance(value, Tensor):
             value = always(value)
         self.entries.append(Entry(key, value))
+
+    def each(self, name: str, r: Ratio, label: str, values: Sequence[str]) -> None:
+        """One sample per label value, each reading its position of the vector ratio ``r``."""
+        family = catalog.metric(name)
+        for i, value in enumerate(values):
+            self.entries.append(Entry(family.key(**{label: value}), r, i))
 
     def summary(
         self, name: str, total: Tensor, count: Tensor, r: Quantiles, qs: Sequence[float], **labels: str
@@ -629,8 +640,8 @@ def _entropy(g: _Gather, c: _Context) -> None:
 @produces("grpo_pass_at_k_ratio")
 def _pass_at_k(g: _Gather, c: _Context) -> None:
     if c.x.correct is not None and c.groups is not None:
-        for k in c.cfg.pass_ks:
-            g.add("grpo_pass_at_k_ratio", diversity.pass_at_k(c.x.correct, c.groups, k), k=str(k))
+        ks = c.cfg.pass_ks
+        g.each("grpo_pass_at_k_ratio", diversity.pass_at_ks(c.x.correct, c.groups, ks), "k", [str(k) for k in ks])
 
 
 @produces("grpo_unique_completions_ratio")

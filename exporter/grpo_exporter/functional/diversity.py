@@ -8,14 +8,16 @@ positions, a fixed-size set), §3 (pass@k with k = group size, computed before z
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.groups import Groups
 from grpo_exporter.functional.histogram import top_fraction_mean
-from grpo_exporter.functional.reading import Reading, finite, fraction, keep_bits, masked_mean
+from grpo_exporter.functional.reading import Ratio, Reading, count, finite, fraction, keep_bits, masked_mean
 
 
 class Entropy(NamedTuple):
@@ -33,13 +35,20 @@ def entropy_stats(entropy: Tensor, loss_mask: Tensor, top_fraction: float) -> En
 def pass_at_k(correct: Tensor, groups: Groups, k: int) -> Reading:
     """Unbiased pass@k = 1 - C(n-c, k) / C(n, k) per group (Chen et al. 2021), averaged over every group
     with n >= k. The ratio is the product over i < k of (n-c-i)/(n-i), clamped at 0 once n-c-i <= 0."""
+    return pass_at_ks(correct, groups, (k,))
+
+
+def pass_at_ks(correct: Tensor, groups: Groups, ks: Sequence[int]) -> Ratio:
+    """:func:`pass_at_k` for every k of ``ks`` at once: a :class:`Ratio` of (len(ks),) numerators and
+    denominators. The running product over i < max(ks) is taken once and read at each k."""
     n = groups.sizes().double()
     c = groups.count(correct.bool()).double()
-    i = torch.arange(k, dtype=torch.float64, device=correct.device).unsqueeze(0)
-    eligible = n >= k
+    i = constant(range(max(ks)), torch.float64, correct.device)
     terms = ((n - c).unsqueeze(1) - i).clamp(min=0.0) / (n.unsqueeze(1) - i).clamp(min=1.0)
-    pass_k = 1.0 - terms.prod(dim=1)
-    return fraction(torch.where(eligible, pass_k, 0.0).sum(), eligible.sum())
+    k = constant(ks, torch.float64, correct.device)
+    none_passes = terms.cumprod(dim=1)[:, constant([x - 1 for x in ks], torch.int64, correct.device)]
+    eligible = n.unsqueeze(1) >= k
+    return fraction(torch.where(eligible, 1.0 - none_passes, 0.0).sum(dim=0), count(eligible, 0))
 
 
 @functools.lru_cache(maxsize=32)

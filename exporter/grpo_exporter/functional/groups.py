@@ -8,25 +8,39 @@ alone (N // G for contiguous groups, N for arbitrary ids), and empty bins are si
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
 from grpo_exporter.config import AdvantageNorm
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, eq=False)
 class Groups:
     """``index`` (N,) int64 group of each completion in [0, bins); ``bins`` is a host-known upper bound.
 
-    One grouping serves one computation (a stage of one step): the counts it takes are remembered per mask
-    tensor, since several metrics count the same outcomes (sizes, hits) and each count is a few operators."""
+    One grouping serves one computation (a stage of one step): the counts and statistics it takes are
+    remembered per input tensor, since several metrics count the same outcomes (sizes, hits) or read the same
+    reward statistics, and each is a few operators to dozens."""
 
     index: Tensor
     bins: int
-    _counts: dict[object, tuple[Tensor | None, Tensor]] = field(default_factory=dict, repr=False)
+    _memo: dict[object, tuple[Tensor | None, Any]] = field(default_factory=dict, repr=False)
+
+    def remembered(self, kind: str, of: Tensor | None, make: Callable[[], T]) -> T:
+        """``make()``, taken once per ``kind`` and input tensor object ``of`` for this grouping."""
+        key = (kind, id(of))
+        known = self._memo.get(key)
+        if known is not None and known[0] is of:
+            return known[1]  # type: ignore[no-any-return]
+        made = make()
+        self._memo[key] = (of, made)  # holding ``of`` keeps its id from being reused
+        return made
 
     def sum(self, values: Tensor) -> Tensor:
         """Per-bin sum of (N,) ``values`` (accumulated in the values' dtype; pass fp64/int64 for exactness)."""
@@ -34,12 +48,7 @@ class Groups:
 
     def count(self, mask: Tensor) -> Tensor:
         """Per-bin count of True entries of (N,) ``mask`` (remembered for this very tensor object)."""
-        known = self._counts.get(id(mask))
-        if known is not None and known[0] is mask:
-            return known[1]
-        counted = self.sum(mask.to(torch.int64))
-        self._counts[id(mask)] = (mask, counted)  # holding ``mask`` keeps its id from being reused
-        return counted
+        return self.remembered("count", mask, lambda: self.sum(mask.to(torch.int64)))
 
     def amax(self, values: Tensor, valid: Tensor) -> Tensor:
         """Per-bin max over ``valid`` entries; -inf for bins without one."""
@@ -53,10 +62,7 @@ class Groups:
 
     def sizes(self) -> Tensor:
         """Members per bin (0 for unused bins)."""
-        known = self._counts.get("sizes")
-        if known is None:
-            known = self._counts["sizes"] = (None, self.sum(torch.ones_like(self.index)))
-        return known[1]
+        return self.remembered("sizes", None, lambda: self.sum(torch.ones_like(self.index)))
 
 
 def contiguous_groups(n: int, group_size: int, device: torch.device | str = "cpu") -> Groups:
@@ -87,7 +93,12 @@ class GroupStats(NamedTuple):
 
 
 def group_stats(values: Tensor, groups: Groups) -> GroupStats:
-    """Count, mean, population and unbiased std, and range (max - min) of finite ``values`` per group."""
+    """Count, mean, population and unbiased std, and range (max - min) of finite ``values`` per group
+    (remembered by ``groups`` for this very tensor: the reward blocks and the zero-variance count share them)."""
+    return groups.remembered("stats", values, lambda: _group_stats(values, groups))
+
+
+def _group_stats(values: Tensor, groups: Groups) -> GroupStats:
     valid = torch.isfinite(values)
     x = torch.where(valid, values.double(), 0.0)
     count = groups.count(valid)

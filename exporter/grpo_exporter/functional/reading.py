@@ -50,6 +50,12 @@ class Ratio:
     def present(self) -> Tensor:
         return self._taken()[1]
 
+    def terms(self, index: int = 0) -> tuple[Tensor, Tensor]:
+        """0-d numerator and denominator (of position ``index`` in a vector of ratios)."""
+        if self.numerator.dim() == 0:
+            return self.numerator, self.denominator
+        return self.numerator[index], self.denominator[index]
+
 
 class Extreme(NamedTuple):
     """A reading that is a max (``largest``) or min over elements: across ranks the extreme of extremes."""

@@ -76,13 +76,15 @@ def _tokens(selected: Tensor, signs: SignedRows, row_tokens: Tensor) -> Tensor:
     return count(selected)
 
 
-class Effective(NamedTuple):
-    """An ESS ratio reading, with its log weights kept for merging across ranks."""
+class Effective(Ratio):
+    """An ESS ratio reading ((sum w)^2 / (sum w^2) over n, a :class:`Ratio`), with its log weights kept for
+    merging across ranks."""
 
-    value: Tensor
-    present: Tensor
-    log_weights: Tensor
-    valid: Tensor
+    __slots__ = ("log_weights", "valid")
+
+    def __init__(self, ratio: Ratio, log_weights: Tensor, valid: Tensor) -> None:
+        super().__init__(ratio.numerator, ratio.denominator)
+        self.log_weights, self.valid = log_weights, valid
 
 
 def shifted_weight_sums(log_weights: Tensor, valid: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
@@ -106,7 +108,7 @@ def _ess(log_weights: Tensor, valid: Tensor, bits: Tensor | None = None) -> Effe
     shift = masked_max(log_weights, valid, bits).value.double()
     s1, s2 = shifted_weight_sums(log_weights, bits, shift)
     r = ess_from_sums(s1, s2, count(valid))
-    return Effective(r.value, r.present, log_weights, valid)
+    return Effective(r, log_weights, valid)
 
 
 class ESS(NamedTuple):
