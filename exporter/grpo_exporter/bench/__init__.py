@@ -324,7 +324,8 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
     lines.append("")
     lines.append(
         f"After {long.steps:,} steps: RSS {long.rss_late_bytes / 2**20:.1f} MiB (at step {max(1, long.steps // 10):,}: "
-        f"{long.rss_early_bytes / 2**20:.1f} MiB), series {long.series_late} (then {long.series_early})."
+        f"{long.rss_early_bytes / 2**20:.1f} MiB), series {long.series_late} (at step {max(1, long.steps // 10):,}: "
+        f"{long.series_early}; the run's baselines and anchors appear once warmed up)."
     )
     cuda = [r for r in results if r.syncs is not None]
     if cuda:
