@@ -188,8 +188,9 @@ def quantile_values(h: Histogram, quantiles: Sequence[float]) -> Tensor:
     v0, v1 = _order_statistics(h, torch.cat([lower, upper], -1)).chunk(2, -1)
     t = position - lower
     value = torch.where((t > 0) & (v1 != v0), v0 + (v1 - v0) * t, v0)  # never inf - inf, never 0 * inf
-    lowest, highest = h.minimum.double().unsqueeze(-1), h.maximum.double().unsqueeze(-1)
-    value = torch.where(q == 0, lowest, torch.where(q == 1, highest, value))
+    if 0.0 in quantiles or 1.0 in quantiles:  # the levels are host numbers: no operator when neither is asked
+        lowest, highest = h.minimum.double().unsqueeze(-1), h.maximum.double().unsqueeze(-1)
+        value = torch.where(q == 0, lowest, torch.where(q == 1, highest, value))
     return torch.where(n > 0, value, 0.0)
 
 
@@ -201,7 +202,7 @@ def top_mean_value(h: Histogram, fraction: float) -> Tensor:
     middle = _midpoints(h.counts.device)
     values = torch.minimum(torch.maximum(middle, h.minimum.double()), h.maximum.double())
     counts = h.counts.double()
-    above = counts.flip(0).cumsum(0).flip(0) - counts  # values in higher buckets
+    above = n - counts.cumsum(0)  # values in higher buckets (integers in fp64: exact)
     take = torch.clamp(torch.minimum(counts, k - above), min=0.0)
     return torch.where(take > 0, take * values, 0.0).sum() / k
 
