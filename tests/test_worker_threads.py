@@ -1,8 +1,9 @@
-"""The monitor's own threads (edit-distance job, flight-recorder writer) never run a torch operator large
-enough to go parallel. One that does starts a second OpenMP thread team in the training process; libgomp then
-counts more threads than cores and makes every team, training's own included, sleep between parallel regions
-instead of spinning: measured on 2 cores, the monitor's step at 256K loss tokens went from 13 to 22-25 ms for
-the rest of the process. A new team shows as new threads of the process, not started by Python, while the job runs."""
+"""The monitor's own threads (edit-distance job, flight-recorder writer) never run a torch operator in
+parallel: their code reads serially, and their initializer sets their OpenMP thread count to 1. An operator
+that went parallel there would start a second OpenMP thread team in the training process; libgomp then counts
+more threads than cores and makes every team, training's own included, sleep between parallel regions instead
+of spinning: measured on 2 cores, the monitor's step at 256K loss tokens went from 13 to 22-25 ms for the rest
+of the process. A new team shows as new threads of the process, not started by Python, while the job runs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from grpo_exporter.background import EditDistanceWorker
+from grpo_exporter.background import EditDistanceWorker, _openmp_runtime, worker_thread
 from grpo_exporter.bench import monitor_step, new_monitor
 from grpo_exporter.bench.workload import make
 from grpo_exporter.recorder.flight import FlightRecorder
@@ -58,6 +59,34 @@ def test_a_parallel_operator_on_another_thread_shows_as_new_threads():
     thread.start()
     thread.join()
     assert grown[0] >= 1
+
+
+def test_a_worker_thread_runs_torch_operators_serially_and_leaves_training_alone():
+    """``worker_thread`` (the pools' initializer) sets this thread's OpenMP thread count to 1, so even an operator
+    large enough to go parallel starts no team there, while the training thread keeps its count and every
+    other thread torch's default."""
+    if _openmp_runtime() is None:
+        pytest.skip("no OpenMP runtime loaded: torch runs another parallel backend")
+    torch.ones(1 << 17).mul(2)
+    values = torch.rand(1 << 16, dtype=torch.float64)
+    seen: dict[str, int] = {}
+    grown: list[int] = []
+
+    def job() -> None:
+        worker_thread()
+        seen["worker"] = torch.get_num_threads()
+        values.long()
+
+    thread = threading.Thread(target=_counting(job, grown))
+    thread.start()
+    thread.join()
+    assert seen["worker"] == 1
+    assert grown == [0]
+    assert torch.get_num_threads() == 2
+    other = threading.Thread(target=lambda: seen.setdefault("other", torch.get_num_threads()))
+    other.start()
+    other.join()
+    assert seen["other"] == 2
 
 
 def test_the_monitor_threads_start_no_thread_team(tmp_path, monkeypatch):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -42,6 +44,41 @@ def lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+def serial_operators() -> None:
+    """Torch operators called on this thread run serially: this thread's OpenMP thread count is set to 1.
+
+    A torch operator large enough to go parallel (~32K elements) on a thread other than training's starts a
+    second OpenMP thread team; libgomp then counts more threads than cores and makes every team of the
+    process, training's included, sleep between parallel regions instead of spinning (measured on 2 cores:
+    the monitor's step at 256K loss tokens from 13 to 22-25 ms, and training's own CPU operators alike). The
+    count is a per-thread setting of the OpenMP runtime, set through it directly: ``torch.set_num_threads``
+    would also change the default of every thread started later. Torch's own per-thread initialisation runs
+    first (it would reset the count). Where no OpenMP runtime is loaded, nothing changes."""
+    torch.get_num_threads()
+    runtime = _openmp_runtime()
+    if runtime is not None:
+        with contextlib.suppress(AttributeError, OSError):
+            runtime.omp_set_num_threads(1)
+
+
+@functools.cache
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (libgomp, libomp or libiomp5, found in the process's memory map)."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+        for path in sorted(paths):
+            if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp5")):
+                return ctypes.CDLL(path)
+    return None
+
+
+def worker_thread() -> None:
+    """Initializer of the monitor's worker threads: lowest priority, serial torch operators."""
+    lowest_priority()
+    serial_operators()
+
+
 class EditDistanceWorker:
     """One job at a time: a rollout's sampled groups arrive while the previous job runs are skipped. Each job
     is bounded by ``budget_s`` of wall time and a pair cap that shrinks as 1/T^2
@@ -55,7 +92,7 @@ class EditDistanceWorker:
         self._budget_s = budget_s
         self._jobs = 0
         self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="grpo-exporter-edit-distance", initializer=lowest_priority
+            max_workers=1, thread_name_prefix="grpo-exporter-edit-distance", initializer=worker_thread
         )
         self._job: Future[None] | None = None
 

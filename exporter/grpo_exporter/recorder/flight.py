@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter import catalog
-from grpo_exporter.background import lowest_priority
+from grpo_exporter.background import worker_thread
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.publication import Publication
 from grpo_exporter.recorder.rows import Decode, describe_rows, json_number, select_rows, take_rows
@@ -141,7 +141,7 @@ class FlightRecorder:
         self._lock = threading.Lock()
         self._queued: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="grpo-exporter-recorder", initializer=lowest_priority
+            max_workers=1, thread_name_prefix="grpo-exporter-recorder", initializer=worker_thread
         )
         self.between_files: Callable[[], None] | None = None  # test hook: called after each file written
         # counters start at 0, so the first incident is an increase; the usage of what the directory holds
