@@ -184,9 +184,13 @@ def test_pass_at_k_against_closed_form():
     n = 16
     correct = torch.cat([binary_group(c, n) for c in range(n + 1)]).bool()
     groups = contiguous_groups(correct.numel(), n)
+    every_k = diversity.pass_at_ks(correct, groups, range(1, n + 1))
     for k in range(1, n + 1):
-        got = diversity.pass_at_k(correct, groups, k).value.item()
+        reading = diversity.pass_at_k(correct, groups, k)
+        assert reading.value.dim() == 0
+        got = reading.value.item()
         want = np.mean([1 - math.comb(n - c, k) / math.comb(n, k) for c in range(n + 1)])
         assert got == pytest.approx(want, rel=1e-6), k
+        assert (every_k.numerator[k - 1] / every_k.denominator[k - 1]).item() == pytest.approx(got, rel=1e-12)
         if k == 1:
             assert got == pytest.approx(0.5)

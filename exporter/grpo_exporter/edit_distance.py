@@ -63,14 +63,9 @@ def median_normalized_edit_distance(
 def rows_to_groups(ids: Tensor, lengths: Tensor, group: Tensor, width: int) -> list[list[list[float]]]:
     """Token lists per group from the carried rows (CPU tensors: ids row-major, padded to ``width``). The ids
     stay the fp64 values they travelled as: fp64 holds every token id exactly, and Levenshtein compares
-    elements by value, so 17.0 and 17 are the same token (converting to int would make this job hold the GIL ~3x as
-    long).
-
-    Only serial reads (``tolist`` of row slices): this runs on the worker thread, and a torch operator large
-    enough to go parallel there (a dtype copy of 64K ids) would start a second OpenMP thread team in the
-    process. libgomp then counts more threads than cores and makes every team, the training thread's included,
-    sleep instead of spin between parallel regions: measured on 2 cores, the monitor's step at 256K loss
-    tokens went from 13 to 22-25 ms for the rest of the process (and so would training's own CPU operators)."""
+    elements by value, so 17.0 and 17 are the same token (converting them to int would hold the GIL ~3x as
+    long). Only serial reads (``tolist`` of row slices): this runs on the worker thread, where no operator may
+    go parallel (:func:`grpo_exporter.background.serial_operators` says why)."""
     rows = ids.reshape(-1, width)
     by_group: dict[int, list[list[float]]] = {}
     for row, (length, g) in enumerate(zip(lengths.tolist(), group.tolist(), strict=True)):

@@ -32,10 +32,10 @@ def entropy_stats(entropy: Tensor, loss_mask: Tensor, top_fraction: float) -> En
     return Entropy(masked_mean(entropy, valid, bits), top_fraction_mean(entropy, valid, top_fraction, bits=bits))
 
 
-def pass_at_k(correct: Tensor, groups: Groups, k: int) -> Reading:
+def pass_at_k(correct: Tensor, groups: Groups, k: int) -> Ratio:
     """Unbiased pass@k = 1 - C(n-c, k) / C(n, k) per group (Chen et al. 2021), averaged over every group
     with n >= k. The ratio is the product over i < k of (n-c-i)/(n-i), clamped at 0 once n-c-i <= 0."""
-    return pass_at_ks(correct, groups, (k,))
+    return Ratio(*pass_at_ks(correct, groups, (k,)).terms(0))
 
 
 def pass_at_ks(correct: Tensor, groups: Groups, ks: Sequence[int]) -> Ratio:
