@@ -67,7 +67,7 @@ def sequence_hashes(completion_ids: Tensor, positions: Tensor) -> Tensor:
     width = completion_ids.shape[1]
     tokens = (completion_ids.long() + 1).mul_(positions).mul_(_multipliers(width, str(completion_ids.device)))
     digest = tokens.sum(dim=1)
-    return torch.stack([digest, torch.count_nonzero(positions, dim=1)], dim=1)
+    return torch.stack([digest, count(positions, 1).long()], dim=1)
 
 
 def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Reading:
