@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.constants import constant
-from grpo_exporter.functional.reading import count, filled, keep_bits, reading
+from grpo_exporter.functional.reading import count, f32_bits, filled, keep_bits, reading
 
 MANTISSA_BITS = 7
 _SHIFT = 23 - MANTISSA_BITS
@@ -124,7 +124,7 @@ def edge_index(bound: float) -> int:
     (2^-32, 2^32] with at most 7 mantissa bits, e.g. 0.75, 1.0078125, 3e-3 is not one)."""
     if not ABSOLUTE_FLOOR <= bound <= 2.0**HIGH_EXPONENT:
         raise ValueError(f"bucket bound {bound!r}: expected a value in [2^-32, 2^32]")
-    bits = _f32_bits(bound)
+    bits = f32_bits(bound)
     if _f32(bits) != bound or bits & ((1 << _SHIFT) - 1):
         below = nearest_edges(bound)
         raise ValueError(
@@ -136,16 +136,12 @@ def edge_index(bound: float) -> int:
 
 def nearest_edges(value: float) -> tuple[float, float]:
     """The fine edges just below (or at) and just above ``value``."""
-    bits = _f32_bits(value) >> _SHIFT
+    bits = f32_bits(value) >> _SHIFT
     return _f32(bits << _SHIFT), _f32((bits + 1) << _SHIFT)
 
 
-def _f32_bits(value: float) -> int:
-    """The bits of ``value`` rounded to fp32, as an int (host arithmetic: no tensor, nothing to transfer)."""
-    return struct.unpack("<i", struct.pack("<f", value))[0]
-
-
 def _f32(bits: int) -> float:
+    """The fp32 value of int32 ``bits`` (the inverse of :func:`~grpo_exporter.functional.reading.f32_bits`)."""
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 

@@ -135,7 +135,7 @@ def filled(x: Tensor, mask: Tensor, fill: float) -> Tensor:
     bits = _bits(x, mask)
     if bits.dtype == torch.bool:
         return torch.where(bits, x.float(), fill)
-    word = _word(fill)
+    word = f32_bits(fill)
     return (x.float().view(torch.int32) ^ word).bitwise_and_(bits).bitwise_xor_(word).view(torch.float32)
 
 
@@ -147,8 +147,8 @@ def _bits(x: Tensor, mask: Tensor) -> Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _word(value: float) -> int:
-    """The fp32 bits of ``value`` as a signed int32 (host arithmetic: no tensor, no transfer)."""
+def f32_bits(value: float) -> int:
+    """The bits of ``value`` rounded to fp32, as a signed int32 (host arithmetic: no tensor, no transfer)."""
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
