@@ -24,10 +24,10 @@ class Reading(NamedTuple):
 
 
 class Ratio:
-    """A reading that is numerator / denominator (0-d tensors, or (k,) vectors of k ratios: pass@k for every k),
-    absent when the denominator is 0: across ranks both are summed, then divided. ``value`` (fp64) and ``present`` are taken on the device only when read:
-    the step transfers numerator and denominator and divides on the host (IEEE fp64 either way, so the same
-    number), which saves four operators per ratio, a few dozen a step."""
+    """A reading that is numerator / denominator (0-d tensors, or (k,) vectors of k ratios: pass@k for every k), absent
+    when the denominator is 0: across ranks both are summed, then divided. ``value`` (fp64) and ``present`` are
+    taken on the device only when read: the step transfers numerator and denominator and divides on the host (IEEE
+    fp64 either way, so the same number), which saves four operators per ratio, a few dozen a step."""
 
     __slots__ = ("_read", "denominator", "numerator")
 
