@@ -186,3 +186,41 @@ def test_sixteen_million_token_step():
     for q in (0.5, 0.99, 0.999, 1.0):
         key = f'grpo_engine_logprob_gap_nats{{quantile="{repr(q).removesuffix(".0")}"}}'
         assert m[key] == pytest.approx(float(np.quantile(gap, q)), rel=RELATIVE_ERROR if q < 1 else 1e-7), q
+
+
+def test_token_ess_shift_holds_for_huge_and_tiny_ratios():
+    """The token weights are shifted by the log of the largest ratio (docs: samples.ess_ratio). Uniform log
+    ratios of -5, -95 (subnormal ratios) and +100 (overflowed ratios) on every loss token all read ESS 1, never
+    a garbage value from squares that underflow; below -103.9 every ratio is 0 and the token ESS reads 0."""
+    def step(log_ratio: float) -> dict[str, float]:
+        lp = torch.zeros(8, 4)
+        x = StepInputs(rewards=torch.zeros(8), loss_mask=torch.tensor([[True] * 3 + [False]] * 8),
+                       logprobs=lp + log_ratio, old_logprobs=lp, advantages=torch.ones(8))
+        return compute_step(x, MetricsConfig(group_size=8))
+
+    for log_ratio in (-5.0, -95.0, 100.0):
+        m = step(log_ratio)
+        assert m['grpo_ess_ratio{level="token"}'] == pytest.approx(1.0, rel=1e-6), log_ratio
+        assert m['grpo_ess_ratio{level="sequence"}'] == pytest.approx(1.0, rel=1e-6), log_ratio
+    assert step(-110.0)['grpo_ess_ratio{level="token"}'] == 0.0
+
+
+@pytest.mark.parametrize("scale", [0.05, 3.0, 40.0, 120.0])
+@pytest.mark.parametrize("offset", [0.0, -60.0, -95.0, 95.0])
+def test_token_ess_from_the_largest_ratio_equals_the_exact_shift(scale, offset):
+    """The shift from the ratio histogram's max gives the ESS of the exact max-log-weight shift (1e-6), on
+    spread log ratios with NaN / inf tokens and padding, huge and tiny ratios included."""
+    from grpo_exporter.functional import gradient, samples
+    from grpo_exporter.functional.histogram import histogram
+
+    gen = torch.Generator().manual_seed(int(scale * 10 + offset))
+    value = torch.randn(16, 32, generator=gen) * scale + offset
+    mask = torch.rand(16, 32, generator=gen) < 0.7
+    value[0, 0], value[1, 1], value[2, 2] = math.nan, math.inf, -math.inf
+    value = torch.where(mask, value, 0.0)
+    lr = gradient.log_ratio_of(value, mask)
+    tokens = lr.valid.sum()
+    largest = histogram(lr.ratio, lr.valid, exact_min=False, signed=False).maximum
+    fast = samples.ess_ratio(lr, tokens, largest).token
+    exact = samples.ess_ratio(lr).token
+    assert float(fast.value) == pytest.approx(float(exact.value), rel=1e-6)

@@ -1,4 +1,6 @@
-"""One step, one device-to-host transfer: every way a tensor reaches the host is counted during the call."""
+"""One step, one device-to-host transfer: every way a tensor reaches the host is counted during the call,
+except the step's reads of its own host copy after the transfer (``reading_host_copy``: on the CPU the host copy
+is the device block itself, so only the step can tell those apart)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 
 from batches import make_batch
 from grpo_exporter.config import MetricsConfig
-from grpo_exporter.step import compute_step
+from grpo_exporter.step import compute_step, reading_host_copy
 
 HOST_METHODS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 
@@ -19,7 +21,8 @@ def host_calls(monkeypatch):
         original = getattr(torch.Tensor, name)
 
         def spy(self, *args, __name=name, __original=original, **kwargs):
-            calls.append(__name)
+            if not reading_host_copy():
+                calls.append(__name)
             return __original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, spy)
@@ -71,3 +74,20 @@ def test_monitor_calls_transfer_once_per_step(host_calls):
             assert host_calls == []
             mon.clip_grad_norm_(model.parameters(), 1.0)
             assert host_calls == ["tolist"]
+
+
+def test_only_the_steps_own_host_copy_is_exempt(host_calls, monkeypatch):
+    """The exemption covers the step's reads of its block after the transfer, nothing else: a metric block that
+    reads the device (a hidden sync) is still counted, and the flag is down once the step returns."""
+    import grpo_exporter.step as step_module
+
+    def syncing(g, c):
+        float(c.x.rewards.sum())
+
+    syncing.families, syncing.tags = (), ()
+    monkeypatch.setattr(step_module, "BLOCKS", (*step_module.BLOCKS, syncing))
+    inputs = make_batch(0).inputs()
+    host_calls.clear()
+    compute_step(inputs, MetricsConfig(group_size=8))
+    assert host_calls == ["__float__", "tolist"]
+    assert not reading_host_copy()

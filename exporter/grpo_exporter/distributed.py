@@ -286,18 +286,18 @@ class StageMerge:
             r = samples.ess_from_sums(s1, s2, count)
             merged[i] = float(r.value)
             g_present[i] = float(r.present)
-        hists = sum_pack[o:].view(self.layout.distributions, histogram.BUCKETS)
+        hists = histogram.HostHistograms(sum_pack[o:], (-g_dist[:, 1]).tolist(), g_dist[:, 0].tolist())
         for i in self.histogrammed:
             s = slots[i]
-            counts, largest, smallest = hists[s.distribution], g_dist[s.distribution, 0], -g_dist[s.distribution, 1]
-            if counts.sum() <= 0:
-                g_present[i] = 0.0
-                continue
-            h = histogram.Histogram(counts.round().long(), smallest, largest)
             if s.top_fraction is not None:
-                merged[i] = float(histogram.top_mean_value(h, s.top_fraction).float())  # fp32 as on one rank
+                value = hists.top_mean(s.distribution, s.top_fraction)
+                values = None if value is None else [value]
             else:
-                merged[i] = float(histogram.quantile_values(h, (s.quantile,))[0].float())
+                values = hists.quantiles(s.distribution, (s.quantile,))
+            if values is None:
+                g_present[i] = 0.0
+            else:
+                merged[i] = histogram.f32(values[0])  # fp32 as on one rank
         out: StepMetrics = {}
         for i, s in enumerate(slots):
             if g_present[i] <= 0 or g_failed[i] > 0 or (s.component is not None and s.component in disagree):

@@ -45,12 +45,14 @@ class Publication:
     def merge(self, metrics: Mapping[str, float], families: Iterable[str] = ()) -> None:
         """Add the additive samples; replace every family in ``families`` (and every family with a value
         in ``metrics``) by the values given for it."""
-        self.add({k: v for k, v in metrics.items() if is_additive(k)})
         fresh: dict[str, dict[str, float]] = {name: {} for name in families}
         gauges: dict[SampleKey, float] = {}
+        additive = self._additive
         for key, value in metrics.items():
-            if not is_additive(key):
-                key = sample_key(key)
+            key = sample_key(key)
+            if is_additive(key):
+                additive[key] = additive.get(key, 0.0) + value
+            else:
                 fresh.setdefault(family_of(key.sample).name, {})[key] = value
                 gauges[key] = value
         self._replaced.update(fresh)

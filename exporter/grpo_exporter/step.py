@@ -9,9 +9,11 @@ Absent metrics (empty masks, no token of the gating sign...) are left out of the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -22,17 +24,15 @@ from grpo_exporter.catalog import SampleKey, format_quantile
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
-from grpo_exporter.functional.histogram import Histogram, Quantiles, cumulative_buckets
+from grpo_exporter.functional.histogram import BUCKETS, Buckets, Histogram, HostHistograms, HostReading, Quantiles
 from grpo_exporter.functional.reading import (
     Ratio,
     always,
     count,
     count_nonfinite,
-    finite,
     fraction,
     keep_bits,
     reading,
-    sum64,
     zeroed,
 )
 from grpo_exporter.inputs import InputError, StepInputs
@@ -51,23 +51,41 @@ class Entry(NamedTuple):
 
 
 class Position(NamedTuple):
-    """Where an entry's value is in the transferred block: ``value`` and ``present`` (a flag), or for a ratio
-    its numerator (``value``) and denominator (``present``): the host divides, and the ratio is absent when the
-    denominator is 0."""
+    """Where an entry's value is after the transfer. ``kind`` PLAIN: ``value`` and ``present`` (a flag) index
+    the packed block; RATIO: its numerator (``value``) and denominator (``present``): the host divides, and the
+    ratio is absent when the denominator is 0; HOST: ``value`` is the first row of the entry's histogram among
+    the block's histogram rows, read on the host (:class:`~grpo_exporter.functional.histogram.HostHistograms`)."""
 
     value: int
     present: int
-    ratio: bool
+    kind: int
 
 
-def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[Position]]:
+PLAIN, RATIO, HOST = 0, 1, 2
+
+
+class Packed(NamedTuple):
+    """The device parts of a stage's readings: ``parts`` (fp64, read back as a list), ``histograms`` (the fine
+    counts of every distinct histogram, fp64, read back as one (K, BUCKETS) view), each entry's
+    :class:`Position`, and where each histogram row's min and max lie in the packed list."""
+
+    parts: list[Tensor]
+    histograms: list[Tensor]
+    positions: list[Position]
+    extremes: list[tuple[int, int]]
+
+
+def _pack(entries: list[Entry]) -> Packed:
     """The device parts holding every entry's value and presence, and each entry's :class:`Position` in their
     concatenation. Scalars are stacked per dtype, vector readings and shared presence flags taken once each: a
-    few dozen operators for a few hundred samples, where one conversion per sample cost ~5 each."""
+    few dozen operators for a few hundred samples, where one conversion per sample cost ~5 each. A histogram
+    travels whole (its counts, min and max), once however many readings it has."""
     scalars: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     vectors: dict[int, Tensor] = {}
     flags: dict[int, tuple[int, Tensor]] = {}
-    where: list[tuple[tuple[Any, int], tuple[Any, int], bool]] = []  # (value, presence) as (group, index)
+    stacks: dict[int, tuple[int, Histogram]] = {}  # by id of the counts: (first row, histogram stack)
+    rows = 0
+    where: list[tuple[tuple[Any, int], tuple[Any, int], int]] = []  # (value, presence) as (group, index)
 
     def scalar(t: Tensor) -> tuple[Any, int]:
         group = scalars.setdefault((t.dtype, t.device), [])
@@ -76,23 +94,32 @@ def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[Position]]:
 
     for e in entries:
         r = e.reading
+        if isinstance(r, HostReading):
+            h = r.stack
+            if id(h.counts) not in stacks:
+                stacks[id(h.counts)] = (rows, h)
+                rows += h.counts.numel() // BUCKETS
+                vectors.setdefault(id(h.minimum), h.minimum)
+                vectors.setdefault(id(h.maximum), h.maximum)
+            where.append(((HOST, stacks[id(h.counts)][0] + (r.row or 0)), (HOST, 0), HOST))
+            continue
         if isinstance(r, Ratio):
             if r.numerator.dim() == 0:
-                where.append((scalar(r.numerator), scalar(r.denominator), True))
+                where.append((scalar(r.numerator), scalar(r.denominator), RATIO))
             else:  # a vector of ratios (pass@k for every k): ``e.index`` picks one
                 vectors.setdefault(id(r.numerator), r.numerator)
                 vectors.setdefault(id(r.denominator), r.denominator)
-                where.append(((id(r.numerator), e.index), (id(r.denominator), e.index), True))
+                where.append(((id(r.numerator), e.index), (id(r.denominator), e.index), RATIO))
             continue
         value, present = r.value, r.present
         flag = ("flags", flags.setdefault(id(present), (len(flags), present))[0])
         if value.dim() == 0:
-            where.append((scalar(value), flag, False))
+            where.append((scalar(value), flag, PLAIN))
         else:
             vectors.setdefault(id(value), value)
-            where.append(((id(value), e.index), flag, False))
+            where.append(((id(value), e.index), flag, PLAIN))
     parts: list[Tensor] = []
-    start: dict[Any, int] = {}
+    start: dict[Any, int] = {HOST: 0}
     offset = 0
     for kind, group in scalars.items():
         parts.append(torch.stack(group).double())
@@ -104,13 +131,38 @@ def _pack(entries: list[Entry]) -> tuple[list[Tensor], list[Position]]:
         device = next(iter(flags.values()))[1].device
         parts.append(torch.stack([f if f.device == device else f.to(device) for _, f in flags.values()]).double())
         start["flags"] = offset
-    return parts, [Position(start[v[0]] + v[1], start[p[0]] + p[1], ratio) for v, p, ratio in where]
+    extremes = [
+        (start[id(h.minimum)] + i, start[id(h.maximum)] + i)
+        for _, h in stacks.values() for i in range(h.counts.numel() // BUCKETS)
+    ]
+    histograms = [_flat(h.counts) for _, h in stacks.values()]
+    positions = [Position(start[v[0]] + v[1], start[p[0]] + p[1], kind) for v, p, kind in where]
+    return Packed(parts, histograms, positions, extremes)
 
 
 def _flat(t: Tensor) -> Tensor:
     """``t`` as a 1-d fp64 tensor (no call where it already is one: a few hundred no-op calls a step add up)."""
     t = t if t.dim() == 1 else t.reshape(-1)
     return t if t.dtype == torch.float64 else t.double()
+
+
+_host = threading.local()
+
+
+def reading_host_copy() -> bool:
+    """True while this thread reads the step's block on the host, after its one transfer. The bench's probes
+    count device reads and tensors built from Python data; reads of the host copy are neither, though on a
+    CPU run the host copy and the device block are the same tensor."""
+    return getattr(_host, "active", False)
+
+
+@contextlib.contextmanager
+def _on_host_copy() -> Iterator[None]:
+    _host.active = True
+    try:
+        yield
+    finally:
+        _host.active = False
 
 
 class Merger(Protocol):
@@ -196,11 +248,12 @@ class _Gather:
         self.add(name, total, "_sum", **labels)
         self.add(name, count, "_count", **labels)
 
-    def histogram(self, name: str, h: Histogram, total: Tensor, **labels: str) -> None:
-        """A classic histogram read exactly from a fine one: this step's increments of every ``_bucket`` (the
-        catalogue's bounds, which are fine edges), ``_sum`` (``total``) and ``_count`` (the +Inf bucket)."""
+    def histogram(self, name: str, h: HostReading, total: Tensor, **labels: str) -> None:
+        """A classic histogram read exactly from the fine one of ``h`` (any reading of it): this step's
+        increments of every ``_bucket`` (the catalogue's bounds, which are fine edges), ``_sum`` (``total``) and
+        ``_count`` (the +Inf bucket)."""
         family = catalog.metric(name)
-        buckets = always(cumulative_buckets(h, family.buckets))  # one vector reading: one part of the transfer
+        buckets = Buckets(h.stack, family.buckets, h.row)  # read on the host with the stage's other histograms
         keys = _bucket_keys(name, tuple(labels.items()))
         for i, key in enumerate(keys):
             self.entries.append(Entry(key, buckets, i))
@@ -226,24 +279,50 @@ class _Gather:
         numeric mask holding other values than 0 and 1), with ``merger`` what the merge across ranks needs,
         and the carried vectors; then, on the host, the checks and the merge. The carried vectors stay CPU
         tensors (views of the transferred block): whoever reads them converts them, off the training thread."""
-        parts, positions = _pack(self.entries)
+        packed_parts = _pack(self.entries)
+        parts = packed_parts.parts
         width = sum(p.numel() for p in parts)
         if self.checks:
             parts.append(torch.stack([count for _, count in self.checks]).double())
         extra = merger.device_parts(self.entries, self.device) if merger is not None else None
         if extra is not None:
             parts.append(extra)
+        listed = sum(p.numel() for p in parts)
+        parts += packed_parts.histograms
         parts += [_flat(t) for t in self.carried.values()]
         parts = [p if p.device == self.device else p.to(self.device) for p in parts]
         block = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
         host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
-        carried_width = sum(t.numel() for t in self.carried.values())
-        packed = host[: host.numel() - carried_width].tolist()
+        packed = host[:listed].tolist()
+        with _on_host_copy():
+            return self._read(host, packed, packed_parts, width, listed, merger, extra, stage_tags)
+
+    def _read(
+        self, host: Tensor, packed: list[float], packed_parts: Packed, width: int, listed: int,
+        merger: Merger | None, extra: Tensor | None, stage_tags: set[str],
+    ) -> tuple[StepMetrics, dict[str, Tensor], frozenset[str]]:
+        """After the transfer, on the host: every value (ratios divided, histograms read), the value checks,
+        the merge across ranks, and the carried vectors."""
+        positions = packed_parts.positions
+        counted = sum(t.numel() for t in packed_parts.histograms)
+        hists = HostHistograms(
+            host[listed : listed + counted],
+            [packed[low] for low, _ in packed_parts.extremes],
+            [packed[high] for _, high in packed_parts.extremes],
+        ) if counted else None
+        read: dict[int, list[float] | None] = {}  # each histogram reading once, however many samples it has
         out = {}
-        for e, (v, p, ratio) in zip(self.entries, positions, strict=True):
-            if ratio and packed[p] > 0:
+        for e, (v, p, kind) in zip(self.entries, positions, strict=True):
+            if kind == HOST:
+                r = e.reading
+                if id(r) not in read:
+                    read[id(r)] = r.read(hists, v)
+                values = read[id(r)]
+                if values is not None:
+                    out[e.key] = values[e.index]
+            elif kind == RATIO and packed[p] > 0:
                 out[e.key] = packed[v] / packed[p]
-            elif not ratio and packed[p]:
+            elif kind == PLAIN and packed[p]:
                 out[e.key] = packed[v]
         families = frozenset(catalog.family_of(e.key.sample).name for e in self.entries)
         offset = width
@@ -262,6 +341,7 @@ class _Gather:
             families = merged_families if merged_families is not None else families
             offset += width
         carried = {}
+        offset = listed + counted
         for name, t in self.carried.items():
             carried[name] = host[offset : offset + t.numel()]
             offset += t.numel()
@@ -332,6 +412,7 @@ class _Context:
     def __init__(self, x: StepInputs, cfg: MetricsConfig) -> None:
         self.x, self.cfg = x, cfg
         self._masked: dict[str, Tensor] = {}
+        self._nonfinite: dict[int, tuple[Tensor, Tensor]] = {}
         self.lr = None
         if x.loss_mask is not None and x.logprobs is not None and x.old_logprobs is not None:
             difference = self.masked("logprobs") - self.masked("old_logprobs")
@@ -354,6 +435,18 @@ class _Context:
         return count(self.x.loss_mask, dim=1)
 
     @functools.cached_property
+    def tokens(self) -> Tensor:
+        """The loss tokens (0-d)."""
+        return self.row_tokens.sum()
+
+    def nonfinite(self, t: Tensor) -> Tensor:
+        """NaN / +-inf entries of ``t`` (0-d int64), counted once per tensor of the step (the non-finite input
+        counters and the metrics that skip those tokens share the count)."""
+        if id(t) not in self._nonfinite:
+            self._nonfinite[id(t)] = (t, count_nonfinite(t))  # the tensor is kept: its id stays its own
+        return self._nonfinite[id(t)][1]
+
+    @functools.cached_property
     def groups(self) -> Groups | None:
         """The prompt groups; a grouping error raises here, in the blocks that need groups, and only there."""
         return self.x.groups(self.cfg.group_size)
@@ -369,7 +462,7 @@ def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
     if mask is not None:
         for name in ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy"):
             if getattr(x, name) is not None:  # 0 off the mask: counted over the whole masked tensor
-                g.add("grpo_nonfinite_values_total", count_nonfinite(c.masked(name)), tensor=name)
+                g.add("grpo_nonfinite_values_total", c.nonfinite(c.masked(name)), tensor=name)
     if x.advantages is not None and (x.advantages.dim() == 1 or mask is not None):
         adv_mask = None if x.advantages.dim() == 1 else mask
         g.add("grpo_nonfinite_values_total", gradient.nonfinite_count(x.advantages, adv_mask), tensor="advantages")
@@ -389,9 +482,9 @@ def _engine_gap(g: _Gather, c: _Context) -> None:
     x, cfg = c.x, c.cfg
     if x.loss_mask is not None and x.rollout_logprobs is not None and x.old_logprobs is not None:
         difference = c.masked("rollout_logprobs") - c.masked("old_logprobs")
-        gap = gradient.engine_gap_of(difference, x.loss_mask, cfg.gap_quantiles)
+        gap = gradient.engine_gap_of(difference, x.loss_mask, c.tokens, cfg.gap_quantiles)
         g.summary("grpo_engine_logprob_gap_nats", gap.total, gap.count, gap.quantiles, cfg.gap_quantiles)
-        g.histogram("grpo_token_engine_logprob_gap_nats", gap.quantiles.histogram, gap.total)
+        g.histogram("grpo_token_engine_logprob_gap_nats", gap.quantiles, gap.total)
         g.add("grpo_engine_logprob_gap_mean_nats", gap.mean)
 
 
@@ -408,9 +501,10 @@ def _log_ratio_checks(g: _Gather, c: _Context) -> None:
     lr, cfg = c.lr, c.cfg
     if lr is None:
         return
-    bad_lr, bad_ratio = gradient.nonfinite_ratio_count(lr)
-    g.add("grpo_nonfinite_values_total", bad_lr, tensor="log_ratio")
-    g.add("grpo_nonfinite_values_total", bad_ratio, tensor="ratio")
+    # the ratio is exp(log ratio) in fp32 without clamp: its count also holds the tokens that would overflow
+    # where exp comes before the clamp (seed 4.2); off the loss mask the log ratio is 0 and the ratio 1
+    g.add("grpo_nonfinite_values_total", c.nonfinite(lr.value), tensor="log_ratio")
+    g.add("grpo_nonfinite_values_total", c.nonfinite(lr.ratio), tensor="ratio")
     rows = c.x.on_policy
     if rows is True or isinstance(rows, Tensor):
         check = gradient.onpolicy_check(lr, cfg.clip_eps_low, cfg.clip_eps_high, None if rows is True else rows)
@@ -442,7 +536,7 @@ def _mask_audit(g: _Gather, c: _Context) -> None:
 def _kl(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.logprobs is not None and x.ref_logprobs is not None:
-        g.add("grpo_kl_ref_nats", gradient.kl_k3_of(c.masked("ref_logprobs") - c.masked("logprobs"), x.loss_mask))
+        g.add("grpo_kl_ref_nats", gradient.kl_k3_of(c.masked("ref_logprobs") - c.masked("logprobs"), c.tokens))
 
 
 @produces(
@@ -529,7 +623,7 @@ def _lengths(g: _Gather, c: _Context) -> None:
         for outcome, stats in zip(outcomes, reward.length_stats(x.completion_lengths, outcomes.values(), qs),
                                   strict=True):
             g.summary("grpo_completion_length_tokens", stats.total, stats.count, stats.quantiles, qs, outcome=outcome)
-            g.histogram("grpo_completion_length_distribution_tokens", stats.quantiles.histogram, stats.total,
+            g.histogram("grpo_completion_length_distribution_tokens", stats.quantiles, stats.total,
                         outcome=outcome)
     if x.truncated is not None:
         g.add("grpo_truncated_completions_total", x.truncated.sum())
@@ -555,14 +649,13 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     lr, qs = c.lr, c.cfg.ratio_quantiles
     if lr is None:
         return
-    ess = samples.ess_ratio(lr)
+    tokens = c.tokens - c.nonfinite(lr.value)  # the finite loss tokens: the log ratio is 0 off the mask
+    weights = samples.importance_weights(lr, qs, tokens)
+    ess = samples.ess_ratio(lr, tokens, weights.quantiles.stack.maximum)
     g.add("grpo_ess_ratio", ess.token, level="token")
     g.add("grpo_ess_ratio", ess.sequence, level="sequence")
-    weights = samples.importance_weight_quantiles(lr, qs)
-    finite_ratio = lr.valid & finite(lr.ratio)  # an overflowed ratio never enters the cumulative _sum
-    total = sum64(zeroed(lr.ratio, finite_ratio))
-    g.summary("grpo_importance_weight", total, count(finite_ratio), weights, qs)
-    g.histogram("grpo_token_importance_weight", weights.histogram, total)
+    g.summary("grpo_importance_weight", weights.total, weights.count, weights.quantiles, qs)
+    g.histogram("grpo_token_importance_weight", weights.quantiles, weights.total)
 
 
 @produces(
@@ -627,10 +720,11 @@ def _solve_rates(g: _Gather, c: _Context) -> None:
 def _entropy(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.entropy is not None:
-        ent = diversity.entropy_stats(x.entropy, x.loss_mask, c.cfg.entropy_top_fraction)
+        masked = c.masked("entropy")
+        ent = diversity.entropy_stats(masked, c.tokens - c.nonfinite(masked), c.cfg.entropy_top_fraction)
         g.add("grpo_entropy_mean_nats", ent.mean)
         g.add("grpo_entropy_top_mean_nats", ent.top_mean)
-        g.histogram("grpo_token_entropy_nats", ent.top_mean.histogram, ent.mean.numerator)
+        g.histogram("grpo_token_entropy_nats", ent.top_mean, ent.mean.numerator)
     elif x.entropy is None and x.entropy_mean is not None:  # a framework's own token mean (verl, OpenRLHF)
         mean = torch.as_tensor(x.entropy_mean, dtype=torch.float64, device=g.device)
         ok = torch.isfinite(mean)  # a non-finite report is absent, never published

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from grpo_exporter.step import reading_host_copy
+
 _HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 
 
@@ -27,7 +29,8 @@ def counting(device: torch.device | str = "cpu") -> Iterator[Counts]:
     calls from Python data (each a host-to-device copy on an accelerator), made on the calling (training)
     thread: the edit-distance worker's conversions of rows already on the host are not the step's. A read
     counts when its tensor lives on ``device`` (the bench's): on an accelerator, reading values already
-    copied to the host is not another transfer."""
+    copied to the host is not another transfer, and neither is, on any device, what the step does with its
+    block after the transfer (:func:`~grpo_exporter.step.reading_host_copy`)."""
     counts = Counts()
     training = threading.get_ident()
     kind = torch.device(device).type
@@ -36,14 +39,14 @@ def counting(device: torch.device | str = "cpu") -> Iterator[Counts]:
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == training and self.device.type == kind:
+            if threading.get_ident() == training and self.device.type == kind and not reading_host_copy():
                 counts.host_reads += 1
             return original(self, *args, **kwargs)
 
         return counted
 
     def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not isinstance(data, torch.Tensor) and threading.get_ident() == training:
+        if not isinstance(data, torch.Tensor) and threading.get_ident() == training and not reading_host_copy():
             counts.from_python += 1
         return make(data, *args, **kwargs)
 

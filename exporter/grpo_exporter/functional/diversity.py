@@ -16,8 +16,8 @@ from torch import Tensor
 
 from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.groups import Groups
-from grpo_exporter.functional.histogram import top_fraction_mean
-from grpo_exporter.functional.reading import Ratio, Reading, count, finite, fraction, keep_bits, masked_mean
+from grpo_exporter.functional.histogram import TopMean, histogram
+from grpo_exporter.functional.reading import Ratio, Reading, count, fraction, sum64
 
 
 class Entropy(NamedTuple):
@@ -25,11 +25,13 @@ class Entropy(NamedTuple):
     top_mean: Reading
 
 
-def entropy_stats(entropy: Tensor, loss_mask: Tensor, top_fraction: float) -> Entropy:
-    """Mean token entropy over finite loss tokens, and the mean over the top ``top_fraction`` of them."""
-    valid = loss_mask & finite(entropy)
-    bits = keep_bits(valid)
-    return Entropy(masked_mean(entropy, valid, bits), top_fraction_mean(entropy, valid, top_fraction, bits=bits))
+def entropy_stats(masked: Tensor, tokens: Tensor, top_fraction: float) -> Entropy:
+    """Mean token entropy over finite loss tokens, and the mean over the top ``top_fraction`` of them, from the
+    entropy on loss tokens (fp32, 0 elsewhere) and ``tokens``, its finite loss tokens: a non-finite entropy
+    reads 0 and is out of the count."""
+    kept = torch.nan_to_num(masked, nan=0.0, posinf=0.0, neginf=0.0)
+    top = TopMean(histogram(kept, None, exact_min=False, kept=kept, valid_count=tokens), top_fraction)
+    return Entropy(fraction(sum64(kept), tokens), top)
 
 
 def pass_at_k(correct: Tensor, groups: Groups, k: int) -> Ratio:

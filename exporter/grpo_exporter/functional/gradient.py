@@ -16,15 +16,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.histogram import masked_quantiles
+from grpo_exporter.functional.histogram import Quantiles, histogram
 from grpo_exporter.functional.reading import (
+    Extreme,
     Reading,
     count,
     count_nonfinite,
     finite,
     fraction,
     keep_bits,
-    masked_max,
     nonfinite,
     sum64,
     zeroed,
@@ -74,19 +74,24 @@ class EngineGap(NamedTuple):
     quantiles: Reading
 
 
-def engine_gap_of(difference: Tensor, loss_mask: Tensor, quantiles: Sequence[float]) -> EngineGap:
+def engine_gap_of(
+    difference: Tensor, loss_mask: Tensor, mask_tokens: Tensor, quantiles: Sequence[float]
+) -> EngineGap:
     """|rollout_logprobs - old_logprobs| on finite loss tokens, nats, from ``difference`` = rollout - old
-    already taken on loss tokens (fp32, 0 elsewhere): sum, count, mean and quantiles.
+    already taken on loss tokens (fp32, 0 elsewhere; ``mask_tokens``: the loss tokens): sum, count, mean and
+    quantiles. A non-finite difference reads 0 and leaves the count, so no validity mask is built (only for
+    the exact minimum, when q = 0 is asked for).
 
     Seed (第 3 篇 §3): mean < 0.001 is usually healthy, mean near or above 0.01 stop and check; p99/p99.9
     track the worst tokens; max locates samples but never carries the 0.01 line.
     """
-    gap = difference.abs()
-    valid = loss_mask & finite(gap)
-    bits = keep_bits(valid)
-    total = sum64(zeroed(gap, bits))
-    tokens = count(valid)
-    return EngineGap(total, tokens, fraction(total, tokens), masked_quantiles(gap, valid, quantiles, bits))
+    kept = torch.nan_to_num(difference, nan=0.0, posinf=0.0, neginf=0.0).abs_()
+    tokens = mask_tokens - count_nonfinite(difference)
+    total = sum64(kept)
+    exact_min = 0.0 in quantiles
+    valid = loss_mask & finite(difference) if exact_min else None
+    h = histogram(kept, valid, exact_min, kept=kept, valid_count=tokens, signed=False)
+    return EngineGap(total, tokens, fraction(total, tokens), Quantiles(h, quantiles))
 
 
 class OnPolicyCheck(NamedTuple):
@@ -106,19 +111,15 @@ def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float, rows: Tensor |
     valid = lr.valid if rows is None else lr.valid & rows.unsqueeze(1)
     outside = valid & ((lr.ratio > 1.0 + eps_high) | (lr.ratio < 1.0 - eps_low))
     checked, out = count(valid), count(outside)
-    return OnPolicyCheck(out, checked, fraction(out, checked), masked_max(lr.value.abs(), valid))
+    present = checked > 0
+    largest = zeroed(lr.value.abs(), lr.keep if rows is None else valid).amax()  # |x| >= 0: the zeros never win
+    return OnPolicyCheck(out, checked, fraction(out, checked),
+                         Extreme(torch.where(present, largest, 0.0), present, largest=True))
 
 
 def nonfinite_count(x: Tensor, mask: Tensor | None = None) -> Tensor:
     """Number of NaN/Inf entries of ``x`` (only where ``mask`` is True, when given)."""
     return count(nonfinite(x) & mask) if mask is not None else count_nonfinite(x)
-
-
-def nonfinite_ratio_count(lr: LogRatio) -> tuple[Tensor, Tensor]:
-    """Non-finite log ratios and ratios on loss tokens; the ratio is exp(log ratio) in fp32 without clamp,
-    so it also counts the tokens that would overflow where exp comes before the clamp (seed 4.2). Off the
-    loss mask the log ratio is 0 and the ratio 1: both are counted over the whole tensor."""
-    return count_nonfinite(lr.value), count_nonfinite(lr.ratio)
 
 
 class MaskAudit(NamedTuple):
@@ -191,11 +192,11 @@ def relative_update(before: Sequence[Tensor], after: Sequence[Tensor]) -> Readin
     return fraction(delta, total_norm(before))
 
 
-def kl_k3_of(d: Tensor, loss_mask: Tensor) -> Reading:
+def kl_k3_of(d: Tensor, mask_tokens: Tensor) -> Reading:
     """Mean per-token KL(pi_theta || pi_ref) by the k3 estimator exp(d) - d - 1 (Schulman), from d = ref - logp
-    already taken on loss tokens (fp32, 0 elsewhere), over finite loss tokens; unbiased and non-negative per
-    token. Taken as expm1(d) - d: two passes, and fp32 rounding relative to d instead of to 1 (exp(d) - 1
-    loses the d^2/2 of a policy near its reference)."""
-    valid = loss_mask & finite(d)
-    d = zeroed(d, valid)
-    return fraction(sum64(torch.expm1(d).sub_(d)), count(valid))  # expm1(0) - 0 = 0 off ``valid``
+    already taken on loss tokens (fp32, 0 elsewhere; ``mask_tokens``: the loss tokens), over finite loss tokens;
+    unbiased and non-negative per token. Taken as expm1(d) - d: two passes, and fp32 rounding relative to d
+    instead of to 1 (exp(d) - 1 loses the d^2/2 of a policy near its reference). A non-finite d reads 0 (whose
+    k3 is 0) and leaves the count."""
+    kept = torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0)
+    return fraction(sum64(torch.expm1(kept).sub_(kept)), mask_tokens - count_nonfinite(d))

@@ -28,8 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.constants import constant
-from grpo_exporter.functional.reading import count, f32_bits, filled, keep_bits, reading
+from grpo_exporter.functional.reading import count, f32_bits, filled, keep_bits, zeroed
 
 MANTISSA_BITS = 7
 _SHIFT = 23 - MANTISSA_BITS
@@ -42,54 +41,76 @@ ABSOLUTE_FLOOR = 2.0**LOW_EXPONENT
 
 
 class Histogram(NamedTuple):
-    """The fine histogram of one masked sample: (BUCKETS,) int64 counts and the exact min and max (0-d fp32;
-    +inf / -inf when the sample is empty, so that they merge by max/min). A stack of k histograms has (k,
-    BUCKETS) counts and (k,) extremes; every reading below takes either."""
+    """The fine histogram of one masked sample of non-negative values: (BUCKETS,) int64 counts and the exact min
+    and max (0-d fp32; +inf and 0 when the sample is empty, so that they merge by min and max). A stack of k
+    histograms has (k, BUCKETS) counts and (k,) extremes; every reading below takes either."""
 
     counts: Tensor
     minimum: Tensor
     maximum: Tensor
 
 
-def histogram(x: Tensor, valid: Tensor, exact_min: bool = True, bits: Tensor | None = None) -> Histogram:
-    """The fine histogram of ``x`` over ``valid`` positions (any shape, same shape as ``valid``).
+def histogram(
+    x: Tensor,
+    valid: Tensor | None,
+    exact_min: bool = True,
+    bits: Tensor | None = None,
+    kept: Tensor | None = None,
+    valid_count: Tensor | None = None,
+    signed: bool = True,
+) -> Histogram:
+    """The fine histogram of non-negative ``x`` over ``valid`` positions (any shape, same shape as ``valid``).
 
-    A few passes of integer ops on the bits (``valid`` enters as a word ANDed in: the invalid positions all
-    land in bucket 0 and are taken out of it by their count) and one ``bincount``; ``valid`` must exclude NaN
-    (callers pass loss mask and finiteness; +inf is a valid value and lands in the top bucket).
-    ``exact_min=False`` saves the passes of the minimum where no reading needs it (no q = 0): it is then 0, a
-    lower bound of these non-negative distributions, and readings are clamped at 0 below. ``bits``:
-    :func:`~grpo_exporter.functional.reading.keep_bits` of ``valid``, when the caller has them."""
-    values = x.float().contiguous()
-    valid = valid.expand(values.shape)
-    bits = keep_bits(valid) if bits is None else bits
-    key = _bucket_keys(values)
-    key = torch.where(bits, key, 0) if bits.dtype == torch.bool else key.bitwise_and_(bits)
+    The values on ``valid`` (+0.0 elsewhere: those land in bucket 0 and are taken out of it by their count) go
+    through a few passes of integer ops on their bits and one ``bincount``; their max is the histogram's (x >= 0,
+    so the zeros elsewhere never exceed it). ``valid`` must exclude NaN (callers pass loss mask and finiteness;
+    +inf is a valid value and lands in the top bucket). ``exact_min=False`` saves the passes of the minimum where
+    no reading needs it (no q = 0): it is then 0, a lower bound of these non-negative distributions, and
+    readings are clamped at 0 below. What the caller already has is not taken again: ``bits``
+    (:func:`~grpo_exporter.functional.reading.keep_bits` of ``valid``), ``kept`` (``zeroed(x, bits)``) and
+    ``valid_count`` (valid positions); with both of the last two and no exact minimum, ``valid`` is not read and
+    may be None. ``signed=False`` promises that ``kept`` holds no negative value nor -0.0 (an abs or an exp),
+    which saves a pass."""
+    values = x.float()
+    if kept is None or exact_min:
+        assert valid is not None
+        valid = valid.expand(values.shape)
+        bits = keep_bits(valid) if bits is None else bits
+    if kept is None:
+        kept = zeroed(values, bits)
+    if valid_count is None:
+        assert valid is not None
+        valid_count = count(valid)
+    key = _bucket_keys(kept, signed)
     counts = torch.bincount(key.flatten(), minlength=BUCKETS)
-    counts[0] -= key.numel() - count(valid)  # every invalid position was counted in bucket 0
+    counts[0] -= key.numel() - valid_count  # every position off ``valid`` was counted in bucket 0
     lowest = filled(values, bits, math.inf).amin() if exact_min else _zero(values.device)
-    highest = filled(values, bits, -math.inf).amax()
-    return Histogram(counts, lowest, highest)
+    return Histogram(counts, lowest, kept.amax())
 
 
 def histograms(x: Tensor, members: Tensor) -> Histogram:
     """k fine histograms of one (N,) sample at once, one per row of ``members`` (k, N) bool (subsets of the
     sample, e.g. completion lengths by outcome): the bucket keys are taken once and counted by one
-    ``bincount`` over k x BUCKETS bins. ``x`` must be finite where a member (NaN is never valid)."""
+    ``bincount`` over k x BUCKETS bins. ``x`` must be non-negative and finite where a member."""
     k = members.shape[0]
     values = x.float().contiguous()
     rows = _row_offsets(k, values.device).unsqueeze(1)
     keys = torch.where(members, _bucket_keys(values).unsqueeze(0) + rows, k * BUCKETS)
     counts = torch.bincount(keys.flatten(), minlength=k * BUCKETS + 1)[: k * BUCKETS].view(k, BUCKETS)
     lowest = torch.where(members, values, math.inf).amin(dim=1)
-    highest = torch.where(members, values, -math.inf).amax(dim=1)
+    highest = torch.where(members, values, 0.0).amax(dim=1)
     return Histogram(counts, lowest, highest)
 
 
-def _bucket_keys(values: Tensor) -> Tensor:
-    """int32 bucket of each fp32 value: a shift of its bits (negatives and -0.0, bits <= 0, go to bucket 0)."""
-    key = values.view(torch.int32).clamp(min=1)
-    return key.sub_(1 + ((_FIRST - 1) << _SHIFT)).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
+def _bucket_keys(values: Tensor, signed: bool = True) -> Tensor:
+    """int32 bucket of each fp32 value: a shift of its bits (negatives and -0.0, bits <= 0, go to bucket 0).
+    ``signed=False``: no value has its sign bit set, so the subtraction cannot wrap and needs no clamp first."""
+    bits = values.view(torch.int32)
+    key = bits.clamp(min=1).sub_(_KEY_OFFSET) if signed else bits - _KEY_OFFSET
+    return key.bitwise_right_shift_(_SHIFT).clamp_(0, _TOP)
+
+
+_KEY_OFFSET = 1 + ((_FIRST - 1) << _SHIFT)  # buckets are (lower, upper]: the upper edge's bits belong below
 
 
 @functools.lru_cache(maxsize=16)
@@ -145,93 +166,220 @@ def _f32(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
-def _order_statistics(h: Histogram, ranks: Tensor) -> Tensor:
-    """The ``ranks``-th smallest values (0-based, fp64 ranks, (..., r)), read at bucket middles, clamped to
-    [min, max]."""
-    cum = h.counts.cumsum(-1)
-    bucket = torch.searchsorted(cum, ranks.to(cum.dtype), right=True).clamp_(max=BUCKETS - 1)
-    lowest, highest = h.minimum.double().unsqueeze(-1), h.maximum.double().unsqueeze(-1)
-    return _midpoints(h.counts.device)[bucket].clamp_(lowest, highest)
+class HostHistograms:
+    """Fine histograms on the host, after the step's one transfer: (K, BUCKETS) counts (fp64: exact below 2^53)
+    and each row's exact min and max. Every reading of the step is taken here, in Python arithmetic on a few
+    looked-up buckets: a handful of host operators for all of a stage's histograms, where reading each on the
+    device cost ~35 small operators (and on a GPU, as many kernels on the training stream)."""
+
+    def __init__(self, counts: Tensor, lows: Sequence[float], highs: Sequence[float]) -> None:
+        self.counts = counts.reshape(-1, BUCKETS).double()
+        self.cum = self.counts.cumsum(-1)
+        self.totals: list[float] = self.cum[:, -1].tolist()
+        self.lows, self.highs = list(lows), list(highs)
+
+    @classmethod
+    def of(cls, h: Histogram) -> HostHistograms:
+        """A histogram (or a stack of them) brought to the host (a device sync: for use outside the step)."""
+        lows, highs = h.minimum.reshape(-1).tolist(), h.maximum.reshape(-1).tolist()
+        return cls(h.counts.cpu(), lows, highs)
+
+    def quantiles(self, row: int, quantiles: Sequence[float]) -> list[float] | None:
+        """Quantiles with numpy's linear interpolation between order statistics (fp64; q = 0 and q = 1 the exact
+        min and max); None for an empty row."""
+        n = self.totals[row]
+        if n <= 0:
+            return None
+        last = n - 1.0
+        positions = [last * q for q in quantiles]
+        lower = [math.floor(p) for p in positions]
+        upper = [min(r + 1.0, last) for r in lower]
+        stats = self.order_statistics(row, [float(r) for r in lower] + upper)
+        low, high = self.lows[row], self.highs[row]
+        out = []
+        m = len(lower)
+        for q, p, r, v0, v1 in zip(quantiles, positions, lower, stats[:m], stats[m:], strict=True):
+            t = p - r
+            value = v0 + (v1 - v0) * t if t > 0 and v1 != v0 else v0  # never inf - inf, never 0 * inf
+            out.append(low if q == 0 else high if q == 1 else value)
+        return out
+
+    def order_statistics(self, row: int, ranks: list[float]) -> list[float]:
+        """The ``ranks``-th smallest values (0-based) of a row, read at bucket middles, clamped to [min, max]."""
+        cum = self.cum[row]
+        buckets = torch.searchsorted(cum, torch.tensor(ranks, dtype=cum.dtype), right=True).tolist()
+        middle, low, high = _host_midpoints(), self.lows[row], self.highs[row]
+        return [min(max(middle[min(b, BUCKETS - 1)], low), high) for b in buckets]
+
+    def top_mean(self, row: int, fraction: float) -> float | None:
+        """Mean of the ceil(fraction n) largest values (fp64), each read at its bucket's middle clamped to
+        [min, max]; the partial bucket at the threshold contributes only what the count needs. None when empty."""
+        n = self.totals[row]
+        if n <= 0:
+            return None
+        k = max(float(math.ceil(n * fraction - 1e-9)), 1.0)  # 0.2 * 15 is 3.0000000000000004
+        values = _midpoints(torch.device("cpu")).clamp(self.lows[row], self.highs[row])
+        counts = self.counts[row]
+        above = n - self.cum[row]  # values in higher buckets (integers in fp64: exact)
+        take = torch.clamp(torch.minimum(counts, k - above), min=0.0)
+        return float(torch.where(take > 0, take * values, 0.0).sum()) / k
+
+    def buckets(self, row: int, bounds: Sequence[float]) -> list[float]:
+        """Counts of values <= each bound (fine edges, increasing), then the total (``le="+Inf"``)."""
+        return [*self.cum[row][_bound_index(tuple(bounds), torch.device("cpu"))].tolist(), self.totals[row]]
 
 
-class Quantiles(NamedTuple):
-    """Quantiles of a masked sample, with its histogram kept for merging across ranks."""
-
-    value: Tensor
-    present: Tensor
-    histogram: Histogram
-    quantiles: tuple[float, ...]
+@functools.lru_cache(maxsize=1)
+def _host_midpoints() -> list[float]:
+    return _midpoints(torch.device("cpu")).tolist()
 
 
-class TopMean(NamedTuple):
-    """Mean of the top ``fraction`` of a masked sample, with its histogram kept for merging across ranks."""
+def f32(value: float) -> float:
+    """``value`` rounded to fp32, as the device readings were (values here are fp32 ones or between two)."""
+    if not math.isfinite(value):
+        return value
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
-    value: Tensor
-    present: Tensor
-    histogram: Histogram
-    fraction: float
+
+class HostReading:
+    """A reading of a fine histogram (row ``row`` of a stack, or the histogram itself) taken on the host after
+    the step's transfer (see :class:`HostHistograms`); ``value`` and ``present`` take it at once, with a
+    device sync, for use outside the step."""
+
+    __slots__ = ("row", "stack")
+
+    def __init__(self, stack: Histogram, row: int | None = None) -> None:
+        self.stack, self.row = stack, row
+
+    @property
+    def histogram(self) -> Histogram:
+        """This reading's own histogram: (BUCKETS,) counts, 0-d min and max."""
+        if self.row is None:
+            return self.stack
+        return Histogram(*(t[self.row] for t in self.stack))
+
+    def read(self, host: HostHistograms, row: int) -> list[float] | None:
+        """The values of this reading from row ``row`` of ``host``; None when absent."""
+        raise NotImplementedError
+
+    def _now(self) -> list[float] | None:
+        return self.read(HostHistograms.of(self.histogram), 0)
+
+    @property
+    def value(self) -> Tensor:
+        got = self._now()
+        return torch.tensor([0.0] if got is None else got, dtype=torch.float32).squeeze()
+
+    @property
+    def present(self) -> Tensor:
+        return torch.tensor(self._now() is not None)
+
+
+class Quantiles(HostReading):
+    """Quantiles of a masked sample (fp32 values, as published), with its histogram kept for merging across
+    ranks."""
+
+    __slots__ = ("quantiles",)
+
+    def __init__(self, stack: Histogram, quantiles: Sequence[float], row: int | None = None) -> None:
+        super().__init__(stack, row)
+        self.quantiles = tuple(quantiles)
+
+    def read(self, host: HostHistograms, row: int) -> list[float] | None:
+        values = host.quantiles(row, self.quantiles)
+        return None if values is None else [f32(v) for v in values]
+
+    @property
+    def value(self) -> Tensor:
+        got = self._now()
+        return torch.tensor([0.0] * len(self.quantiles) if got is None else got, dtype=torch.float32)
+
+
+class TopMean(HostReading):
+    """Mean of the top ``fraction`` of a masked sample (fp32), with its histogram kept for merging across ranks."""
+
+    __slots__ = ("fraction",)
+
+    def __init__(self, stack: Histogram, fraction: float, row: int | None = None) -> None:
+        super().__init__(stack, row)
+        self.fraction = fraction
+
+    def read(self, host: HostHistograms, row: int) -> list[float] | None:
+        value = host.top_mean(row, self.fraction)
+        return None if value is None else [f32(value)]
+
+
+class Buckets(HostReading):
+    """A classic Prometheus histogram read exactly from a fine one: counts of values <= each of ``bounds``
+    (fine edges), then the total; always present (an empty sample counts 0 everywhere)."""
+
+    __slots__ = ("bounds",)
+
+    def __init__(self, stack: Histogram, bounds: Sequence[float], row: int | None = None) -> None:
+        super().__init__(stack, row)
+        self.bounds = tuple(bounds)
+
+    def read(self, host: HostHistograms, row: int) -> list[float] | None:
+        return host.buckets(row, self.bounds)
+
+    @property
+    def value(self) -> Tensor:
+        got = self._now()
+        return torch.tensor(got, dtype=torch.int64)
 
 
 def quantile_values(h: Histogram, quantiles: Sequence[float]) -> Tensor:
-    """Quantiles with numpy's linear interpolation between order statistics, read from the histogram (fp64;
-    q = 0 and q = 1 are the exact min and max; 0 where the sample is empty)."""
-    n = h.counts.sum(-1, keepdim=True).double()
-    q = constant(quantiles, torch.float64, h.counts.device)
-    last = (n - 1).clamp(min=0)
-    position = last * q
-    lower = position.floor()
-    upper = torch.minimum(lower + 1, last)
-    v0, v1 = _order_statistics(h, torch.cat([lower, upper], -1)).chunk(2, -1)
-    t = position - lower
-    value = torch.where((t > 0) & (v1 != v0), v0 + (v1 - v0) * t, v0)  # never inf - inf, never 0 * inf
-    if 0.0 in quantiles or 1.0 in quantiles:  # the levels are host numbers: no operator when neither is asked
-        lowest, highest = h.minimum.double().unsqueeze(-1), h.maximum.double().unsqueeze(-1)
-        value = torch.where(q == 0, lowest, torch.where(q == 1, highest, value))
-    return torch.where(n > 0, value, 0.0)
+    """Quantiles (fp64, on the CPU, (..., len(quantiles))) of a histogram or a stack, as the step reads them on
+    the host (0 where empty)."""
+    host = HostHistograms.of(h)
+    rows = [host.quantiles(i, quantiles) or [0.0] * len(quantiles) for i in range(len(host.totals))]
+    return torch.tensor(rows, dtype=torch.float64).reshape(*h.counts.shape[:-1], len(quantiles))
 
 
 def top_mean_value(h: Histogram, fraction: float) -> Tensor:
-    """Mean of the ceil(fraction n) largest values (fp64), each read at its bucket's middle clamped to
-    [min, max]; the partial bucket at the threshold contributes only what the count needs."""
-    n = h.counts.sum().double()
-    k = torch.ceil(n * fraction - 1e-9).clamp(min=1)  # 0.2 * 15 is 3.0000000000000004
-    middle = _midpoints(h.counts.device)
-    values = torch.minimum(torch.maximum(middle, h.minimum.double()), h.maximum.double())
-    counts = h.counts.double()
-    above = n - counts.cumsum(0)  # values in higher buckets (integers in fp64: exact)
-    take = torch.clamp(torch.minimum(counts, k - above), min=0.0)
-    return torch.where(take > 0, take * values, 0.0).sum() / k
+    """Mean of the top ``fraction`` (fp64, 0-d, on the CPU; 0 when empty), as the step reads it on the host."""
+    value = HostHistograms.of(h).top_mean(0, fraction)
+    return torch.tensor(0.0 if value is None else value, dtype=torch.float64)
 
 
 def masked_quantiles(
-    x: Tensor, valid: Tensor, quantiles: Sequence[float], bits: Tensor | None = None
+    x: Tensor,
+    valid: Tensor,
+    quantiles: Sequence[float],
+    bits: Tensor | None = None,
+    kept: Tensor | None = None,
+    valid_count: Tensor | None = None,
 ) -> Quantiles:
     """Quantiles of ``x`` (non-negative) over ``valid`` positions (relative error <= 2^-8), absent when none is
-    valid; the exact minimum is taken only when q = 0 is asked for (``bits``: as in :func:`histogram`)."""
-    h = histogram(x, valid, exact_min=0.0 in quantiles, bits=bits)
-    r = reading(quantile_values(h, quantiles).float(), h.counts.sum() > 0)
-    return Quantiles(r.value, r.present, h, tuple(quantiles))
+    valid; the exact minimum is taken only when q = 0 is asked for (``bits``, ``kept``, ``valid_count``: as in
+    :func:`histogram`)."""
+    h = histogram(x, valid, exact_min=0.0 in quantiles, bits=bits, kept=kept, valid_count=valid_count)
+    return Quantiles(h, quantiles)
 
 
 def top_fraction_mean(
-    x: Tensor, valid: Tensor, fraction: float, h: Histogram | None = None, bits: Tensor | None = None
+    x: Tensor,
+    valid: Tensor,
+    fraction: float,
+    bits: Tensor | None = None,
+    kept: Tensor | None = None,
+    valid_count: Tensor | None = None,
 ) -> TopMean:
     """Mean of the ceil(fraction * n) largest valid values (relative error <= 2^-8).
 
     The set has a fixed share of the step's positions, so the value is comparable across steps even as the
     policy sharpens (seed, 高不确定性位置的熵, remedy 3: quantile instead of an absolute threshold).
     """
-    h = histogram(x, valid, exact_min=False, bits=bits) if h is None else h
-    r = reading(top_mean_value(h, fraction).float(), h.counts.sum() > 0)
-    return TopMean(r.value, r.present, h, fraction)
+    return TopMean(histogram(x, valid, exact_min=False, bits=bits, kept=kept, valid_count=valid_count), fraction)
 
 
 def cumulative_buckets(h: Histogram, bounds: Sequence[float]) -> Tensor:
-    """(len(bounds) + 1,) int64 counts of values <= each bound (bounds must be fine edges, increasing), the
-    last one the total (``le="+Inf"``): a classic Prometheus histogram read exactly from the fine one."""
-    cum = h.counts.cumsum(-1)
-    index = _bound_index(tuple(bounds), h.counts.device)
-    return torch.cat([cum[..., index], cum[..., -1:]], -1)
+    """(..., len(bounds) + 1) int64 counts of values <= each bound (bounds must be fine edges, increasing), the
+    last one the total (``le="+Inf"``): a classic Prometheus histogram read exactly from the fine one (on the
+    CPU, as the step reads it on the host)."""
+    host = HostHistograms.of(h)
+    rows = [host.buckets(i, bounds) for i in range(len(host.totals))]
+    return torch.tensor(rows, dtype=torch.int64).reshape(*h.counts.shape[:-1], len(bounds) + 1)
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups, group_stats
-from grpo_exporter.functional.histogram import Histogram, Quantiles, histograms, quantile_values
+from grpo_exporter.functional.histogram import Quantiles, histograms
 from grpo_exporter.functional.reading import Reading, count, filled, finite, fraction, masked_max, masked_mean
 
 
@@ -78,11 +78,8 @@ def length_stats(
     totals = torch.where(chosen, lengths, 0.0).sum(dim=1)
     counts = count(chosen, dim=1)
     h = histograms(completion_lengths, chosen)
-    values = quantile_values(h, quantiles).float()
-    present = counts > 0
-    values = torch.where(present.unsqueeze(1), values, 0.0)
     qs = tuple(quantiles)
     return [
-        LengthStats(totals[i], counts[i], Quantiles(values[i], present[i], Histogram(*(t[i] for t in h)), qs))
+        LengthStats(totals[i], counts[i], Quantiles(h, qs, row=i))
         for i in range(chosen.shape[0])
     ]

@@ -18,15 +18,16 @@ from torch import Tensor
 from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.gradient import LogRatio
 from grpo_exporter.functional.groups import Groups, group_stats
-from grpo_exporter.functional.histogram import masked_quantiles
+from grpo_exporter.functional.histogram import Quantiles, histogram
 from grpo_exporter.functional.reading import (
     Ratio,
     Reading,
     count,
+    count_nonfinite,
+    filled,
     finite,
     fraction,
     keep_bits,
-    masked_max,
     sum64,
     zeroed,
 )
@@ -89,10 +90,11 @@ class Effective(Ratio):
 
 def shifted_weight_sums(log_weights: Tensor, valid: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     """(sum w, sum w^2) with w = exp(log_weights - shift) over ``valid`` (a bool mask or its keep_bits);
-    ``shift`` >= every log weight keeps every w <= 1 (no overflow); ESS is scale invariant, so any common shift
-    gives the same ratio. The weights are fp32 (relative error ~1e-7 each; fp64 exp costs ~15x on CPU), the
-    sums fp64."""
-    w = zeroed(torch.exp((log_weights.float() - shift.float()).clamp(max=0.0)), valid)
+    ``shift`` must be >= every valid log weight (their max, so that no w overflows and the largest is 1; ESS is
+    scale invariant, so any such shift gives the same ratio). Elsewhere w may be anything, NaN included: the
+    mask zeroes it after the exp. The weights are fp32 (relative error ~1e-7 each; fp64 exp costs ~15x on CPU),
+    the sums fp64."""
+    w = zeroed(torch.exp(log_weights.float() - shift.float()), valid)
     return sum64(w), sum64(w.square())
 
 
@@ -101,13 +103,17 @@ def ess_from_sums(s1: Tensor, s2: Tensor, n: Tensor) -> Ratio:
     return fraction(s1.square() / s2.clamp(min=torch.finfo(torch.float64).tiny), n)
 
 
-def _ess(log_weights: Tensor, valid: Tensor, bits: Tensor | None = None) -> Effective:
+def _ess(log_weights: Tensor, valid: Tensor, bits: Tensor | None = None, n: Tensor | None = None,
+         shift: Tensor | None = None) -> Effective:
     """(sum w)^2 / (sum w^2) / n with w = exp(log_weights), shifted by the max log weight first so that
-    huge ratios neither overflow nor vanish (``bits``: keep_bits of ``valid``, when the caller has them)."""
+    huge ratios neither overflow nor vanish (``bits``: keep_bits of ``valid``; ``n``: its count; ``shift``: a
+    number >= every valid log weight; when the caller has them). With no valid weight n = 0 and the reading is
+    absent, whatever the shift."""
     bits = keep_bits(valid) if bits is None else bits
-    shift = masked_max(log_weights, valid, bits).value.double()
+    if shift is None:
+        shift = filled(log_weights, bits, torch.finfo(torch.float32).min).amax()
     s1, s2 = shifted_weight_sums(log_weights, bits, shift)
-    r = ess_from_sums(s1, s2, count(valid))
+    r = ess_from_sums(s1, s2, count(valid) if n is None else n)
     return Effective(r, log_weights, valid)
 
 
@@ -116,11 +122,29 @@ class ESS(NamedTuple):
     sequence: Effective
 
 
-def ess_ratio(lr: LogRatio) -> ESS:
+def ess_ratio(lr: LogRatio, tokens: Tensor | None = None, largest_ratio: Tensor | None = None) -> ESS:
     """ESS ratio of the importance weights of loss tokens, and of sequences with w_i = exp(sum_t log r_it)
-    (the sequence-level importance weight) over sequences with at least one finite loss token."""
-    seq_log_w = zeroed(lr.exponent, lr.keep).sum(dim=1)
-    return ESS(_ess(lr.exponent, lr.valid, lr.keep), _ess(seq_log_w, count(lr.valid, 1) > 0))
+    (the sequence-level importance weight) over sequences with at least one finite loss token (``tokens``: the
+    finite loss tokens, when the caller has them).
+
+    ``largest_ratio``: the largest ratio over the finite loss tokens (the ratio histogram's exact max), when the
+    caller has it: the token weights are then shifted by its log, which costs no pass over the tokens. Where it
+    overflowed to +inf the shift is the largest log weight (> 88, the max of the log weights with 0 off the valid
+    tokens, which the sequence sums take anyway); where it underflowed to 0 (every log ratio below -103.9) the
+    weights do too and the token ESS reads 0. Within those bounds it equals the exact shift to a few ulps (to 4%
+    for subnormal ratios), enough to keep every weight <= ~1 and the largest ~1."""
+    kept = zeroed(lr.exponent, lr.keep)
+    seq_log_w = kept.sum(dim=1)
+    shift = None
+    if largest_ratio is not None:
+        largest = largest_ratio.double()
+        usable = (largest > 0) & (largest < math.inf)
+        shift = torch.where(usable, largest.clamp(min=_TINY).log(), kept.amax().clamp(min=0.0).double())
+    token = _ess(lr.exponent, lr.valid, lr.keep, tokens, shift)
+    return ESS(token, _ess(seq_log_w, count(lr.valid, 1) > 0))
+
+
+_TINY = float(torch.finfo(torch.float64).tiny)  # log never sees 0 (the where discards that branch)
 
 
 class SignCounts(NamedTuple):
@@ -190,9 +214,22 @@ def clip_counts(
     )
 
 
-def importance_weight_quantiles(lr: LogRatio, quantiles: Sequence[float]) -> Reading:
-    """Quantiles of the per-token ratio exp(log ratio) over finite loss tokens (may be +Inf, never NaN)."""
-    return masked_quantiles(lr.ratio, lr.valid, quantiles, lr.keep)
+class ImportanceWeights(NamedTuple):
+    """The per-token ratio's distribution over finite loss tokens, and its sum and count over those whose ratio
+    is finite (an overflowed ratio never enters the cumulative ``_sum``)."""
+
+    quantiles: Quantiles
+    total: Tensor
+    count: Tensor
+
+
+def importance_weights(lr: LogRatio, quantiles: Sequence[float], tokens: Tensor) -> ImportanceWeights:
+    """Quantiles of the per-token ratio exp(log ratio) over finite loss tokens (may be +Inf, never NaN), and
+    the sum and count of its finite values; ``tokens``: the finite loss tokens (``count(lr.valid)``)."""
+    kept = zeroed(lr.ratio, lr.keep)
+    h = histogram(lr.ratio, lr.valid, 0.0 in quantiles, lr.keep, kept, tokens, signed=False)  # an exp: >= +0.0
+    weights = Quantiles(h, quantiles)
+    return ImportanceWeights(weights, sum64(torch.nan_to_num(kept, posinf=0.0)), tokens - count_nonfinite(kept))
 
 
 class ZeroVariance(NamedTuple):
