@@ -101,7 +101,7 @@ def _pack(entries: list[Entry]) -> Packed:
                 rows += h.counts.numel() // BUCKETS
                 vectors.setdefault(id(h.minimum), h.minimum)
                 vectors.setdefault(id(h.maximum), h.maximum)
-            where.append(((HOST, stacks[id(h.counts)][0] + (r.row or 0)), (HOST, 0), HOST))
+            where.append((("rows", stacks[id(h.counts)][0] + (r.row or 0)), ("rows", 0), HOST))
             continue
         if isinstance(r, Ratio):
             if r.numerator.dim() == 0:
@@ -119,7 +119,7 @@ def _pack(entries: list[Entry]) -> Packed:
             vectors.setdefault(id(value), value)
             where.append(((id(value), e.index), flag, PLAIN))
     parts: list[Tensor] = []
-    start: dict[Any, int] = {HOST: 0}
+    start: dict[Any, int] = {"rows": 0}  # a histogram reading's position is its row, not a packed offset
     offset = 0
     for kind, group in scalars.items():
         parts.append(torch.stack(group).double())
