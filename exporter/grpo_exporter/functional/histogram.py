@@ -236,9 +236,7 @@ def _host_midpoints() -> list[float]:
 
 def f32(value: float) -> float:
     """``value`` rounded to fp32, as the device readings were (values here are fp32 ones or between two)."""
-    if not math.isfinite(value):
-        return value
-    return struct.unpack("<f", struct.pack("<f", value))[0]
+    return _f32(f32_bits(value)) if math.isfinite(value) else value
 
 
 class HostReading:
