@@ -557,7 +557,7 @@ class GRPOMonitor:
         start = time.perf_counter()
         with self._publication.writing:
             try:
-                with self._contained(stage):
+                with self._contained(stage), torch.inference_mode():
                     yield
             finally:
                 self._publication.add(duration_increments(stage, time.perf_counter() - start))

@@ -395,11 +395,11 @@ def compute_step_carrying(
     if failed_inputs:
         g.failed |= tags
     g.checks = list(inputs.value_errors)
-    with torch.no_grad():
+    with torch.inference_mode():
         ctx = _Context(inputs, config)
         for block in stage:
             g.run(block, ctx, strict)
-    metrics, carried, families = g.transfer(merger, tags)
+        metrics, carried, families = g.transfer(merger, tags)
     if strict and g.errors:
         raise g.errors[0][1]
     return StepResult(metrics, carried, g.errors, families)

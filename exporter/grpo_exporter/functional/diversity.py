@@ -7,14 +7,13 @@ positions, a fixed-size set), §3 (pass@k with k = group size, computed before z
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.constants import constant
+from grpo_exporter.functional.constants import cached_constant, constant
 from grpo_exporter.functional.groups import Groups
 from grpo_exporter.functional.histogram import TopMean, histogram
 from grpo_exporter.functional.reading import Ratio, Reading, count, fraction, sum64
@@ -53,7 +52,7 @@ def pass_at_ks(correct: Tensor, groups: Groups, ks: Sequence[int]) -> Ratio:
     return fraction(torch.where(eligible, 1.0 - none_passes, 0.0).sum(dim=0), count(eligible, 0))
 
 
-@functools.lru_cache(maxsize=32)
+@cached_constant(maxsize=32)
 def _multipliers(width: int, device: str) -> Tensor:
     """(width,) fixed random odd 64-bit multipliers, one per position (seeded: the same in every process)."""
     gen = torch.Generator().manual_seed(0x6772706F)

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from grpo_exporter.functional.constants import cached_constant
 from grpo_exporter.functional.reading import count, f32_bits, filled, keep_bits, zeroed
 
 MANTISSA_BITS = 7
@@ -113,12 +114,12 @@ def _bucket_keys(values: Tensor, signed: bool = True) -> Tensor:
 _KEY_OFFSET = 1 + ((_FIRST - 1) << _SHIFT)  # buckets are (lower, upper]: the upper edge's bits belong below
 
 
-@functools.lru_cache(maxsize=16)
+@cached_constant(maxsize=16)
 def _row_offsets(k: int, device: torch.device) -> Tensor:
     return torch.arange(k, device=device, dtype=torch.int32) * BUCKETS
 
 
-@functools.lru_cache(maxsize=8)
+@cached_constant(maxsize=8)
 def _zero(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.float32, device=device)
 
@@ -130,7 +131,7 @@ def _upper_edges() -> Tensor:
     return torch.cat([edges, torch.tensor([math.inf], dtype=torch.float64)])
 
 
-@functools.lru_cache(maxsize=8)
+@cached_constant(maxsize=8)
 def _midpoints(device: torch.device) -> Tensor:
     upper = _upper_edges()
     lower = torch.cat([torch.zeros(1, dtype=torch.float64), upper[:-1]])
@@ -380,6 +381,6 @@ def cumulative_buckets(h: Histogram, bounds: Sequence[float]) -> Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(*h.counts.shape[:-1], len(bounds) + 1)
 
 
-@functools.lru_cache(maxsize=64)
+@cached_constant(maxsize=64)
 def _bound_index(bounds: tuple[float, ...], device: torch.device) -> Tensor:
     return torch.tensor([edge_index(b) for b in bounds], dtype=torch.int64, device=device)

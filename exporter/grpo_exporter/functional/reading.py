@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from grpo_exporter.functional.constants import cached_constant
+
 
 class Reading(NamedTuple):
     """``value``: 0-d (or 1-d for quantile vectors) float tensor; ``present``: 0-d bool tensor."""
@@ -76,7 +78,7 @@ def always(value: Tensor) -> Reading:
     return Reading(value, _true(value.device))
 
 
-@functools.lru_cache(maxsize=16)
+@cached_constant(maxsize=16)
 def _true(device: torch.device) -> Tensor:
     return torch.ones((), dtype=torch.bool, device=device)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_exporter.functional.constants import cached_constant
 from grpo_exporter.functional.gradient import completion_positions
 from grpo_exporter.inputs import SEQUENCE_BOOLS, SEQUENCE_FLOATS, TOKEN_BOOLS, TOKEN_FLOATS, StepInputs
 
@@ -44,7 +45,7 @@ def spread_rows(n: int, rows: int) -> tuple[int, ...]:
     return tuple(round(i * (n - 1) / (k - 1)) for i in range(k)) if k > 1 else tuple(range(k))
 
 
-@functools.lru_cache(maxsize=64)
+@cached_constant(maxsize=64)
 def _spread_index(n: int, rows: int, device: torch.device) -> Tensor:
     return torch.tensor(spread_rows(n, rows), dtype=torch.long, device=device)  # made once per shape and device
 
