@@ -34,6 +34,7 @@ class Publication:
         self.writing = threading.RLock()  # the training thread and the edit-distance worker both write
         self._additive: dict[str, float] = {}
         self._replaced: dict[str, dict[str, float]] = {}  # family -> its current samples
+        self._gauges: dict[str, float] | None = {}  # every family's current samples, flat (None: to rebuild)
         self._snapshot: Mapping[str, float] = MappingProxyType({})
 
     def add(self, increments: Mapping[str, float]) -> None:
@@ -55,15 +56,21 @@ class Publication:
             else:
                 fresh.setdefault(family_of(key.sample).name, {})[key] = value
                 gauges[key] = value
-        self._replaced.update(fresh)
+        if fresh:
+            self._replaced.update(fresh)
+            self._gauges = None
         if self._anchors is not None and self._anchors.observe(gauges):
             self._replaced[_ANCHOR] = dict(self._anchors.samples)
+            self._gauges = None
 
     def publish(self) -> None:
-        """Make the current state visible to scrapers (one reference swap under the lock)."""
+        """Make the current state visible to scrapers (one reference swap under the lock). The replaced
+        families are flattened once per change, not at every publish (an observe call publishes, and most
+        micro-batch calls change only additive samples)."""
+        if self._gauges is None:
+            self._gauges = {k: v for values in self._replaced.values() for k, v in values.items()}
         merged = dict(self._additive)
-        for values in self._replaced.values():
-            merged.update(values)
+        merged.update(self._gauges)
         snapshot = MappingProxyType(merged)
         with self._lock:
             self._snapshot = snapshot

@@ -65,8 +65,9 @@ PLAIN, RATIO, HOST = 0, 1, 2
 
 
 class Packed(NamedTuple):
-    """The device parts of a stage's readings: ``parts`` (fp64, read back as a list), ``histograms`` (the fine
-    counts of every distinct histogram, fp64, read back as one (K, BUCKETS) view), each entry's
+    """The device parts of a stage's readings, 1-d, each of its own dtype (the transfer's one ``cat`` makes them
+    fp64): ``parts`` (read back as a list), ``histograms`` (the fine counts of every distinct histogram, read
+    back as one (K, BUCKETS) view), each entry's
     :class:`Position`, and where each histogram row's min and max lie in the packed list."""
 
     parts: list[Tensor]
@@ -92,8 +93,12 @@ def _pack(entries: list[Entry]) -> Packed:
         group.append(t)
         return (t.dtype, t.device), len(group) - 1
 
+    host: tuple[Any, Any] = (None, None)  # the last histogram reading and its position
     for e in entries:
         r = e.reading
+        if r is host[0]:  # the next sample of a histogram reading (a bucket, a quantile): the same position
+            where.append(host[1])
+            continue
         if isinstance(r, HostReading):
             h = r.stack
             if id(h.counts) not in stacks:
@@ -101,7 +106,8 @@ def _pack(entries: list[Entry]) -> Packed:
                 rows += h.counts.numel() // BUCKETS
                 vectors.setdefault(id(h.minimum), h.minimum)
                 vectors.setdefault(id(h.maximum), h.maximum)
-            where.append((("rows", stacks[id(h.counts)][0] + (r.row or 0)), ("rows", 0), HOST))
+            host = (r, (("rows", stacks[id(h.counts)][0] + (r.row or 0)), ("rows", 0), HOST))
+            where.append(host[1])
             continue
         if isinstance(r, Ratio):
             if r.numerator.dim() == 0:
@@ -122,14 +128,14 @@ def _pack(entries: list[Entry]) -> Packed:
     start: dict[Any, int] = {"rows": 0}  # a histogram reading's position is its row, not a packed offset
     offset = 0
     for kind, group in scalars.items():
-        parts.append(torch.stack(group).double())
+        parts.append(torch.stack(group))
         start[kind], offset = offset, offset + len(group)
     for vid, vector in vectors.items():
         parts.append(_flat(vector))
         start[vid], offset = offset, offset + vector.numel()
     if flags:
         device = next(iter(flags.values()))[1].device
-        parts.append(torch.stack([f if f.device == device else f.to(device) for _, f in flags.values()]).double())
+        parts.append(torch.stack([f if f.device == device else f.to(device) for _, f in flags.values()]))
         start["flags"] = offset
     extremes = [
         (start[id(h.minimum)] + i, start[id(h.maximum)] + i)
@@ -141,9 +147,8 @@ def _pack(entries: list[Entry]) -> Packed:
 
 
 def _flat(t: Tensor) -> Tensor:
-    """``t`` as a 1-d fp64 tensor (no call where it already is one: a few hundred no-op calls a step add up)."""
-    t = t if t.dim() == 1 else t.reshape(-1)
-    return t if t.dtype == torch.float64 else t.double()
+    """``t`` as a 1-d tensor of its own dtype (the step's one ``cat`` converts every part to fp64)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 _host = threading.local()
@@ -283,7 +288,7 @@ class _Gather:
         parts = packed_parts.parts
         width = sum(p.numel() for p in parts)
         if self.checks:
-            parts.append(torch.stack([count for _, count in self.checks]).double())
+            parts.append(torch.stack([count for _, count in self.checks]))
         extra = merger.device_parts(self.entries, self.device) if merger is not None else None
         if extra is not None:
             parts.append(extra)
@@ -291,7 +296,9 @@ class _Gather:
         parts += packed_parts.histograms
         parts += [_flat(t) for t in self.carried.values()]
         parts = [p if p.device == self.device else p.to(self.device) for p in parts]
-        block = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        if not any(p.dtype == torch.float64 for p in parts):  # cat promotes the parts to their widest dtype
+            parts.append(torch.zeros(0, dtype=torch.float64, device=self.device))
+        block = torch.cat(parts)  # every part converted to fp64 in the copy (bools, counts, fp32/bf16 values)
         host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
         packed = host[:listed].tolist()
         with _on_host_copy():
@@ -324,7 +331,7 @@ class _Gather:
                 out[e.key] = packed[v] / packed[p]
             elif kind == PLAIN and packed[p]:
                 out[e.key] = packed[v]
-        families = frozenset(catalog.family_of(e.key.sample).name for e in self.entries)
+        families = frozenset(catalog.family_of(sample).name for sample in {e.key.sample for e in self.entries})
         offset = width
         for name, _ in self.checks:
             if packed[offset]:
