@@ -19,6 +19,8 @@ concatenated batch's histogram: the merge loses nothing the single process had.
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import functools
 import math
 import struct
@@ -174,8 +176,9 @@ class HostHistograms:
     device cost ~35 small operators (and on a GPU, as many kernels on the training stream)."""
 
     def __init__(self, counts: Tensor, lows: Sequence[float], highs: Sequence[float]) -> None:
-        self.counts = counts.reshape(-1, BUCKETS).double()
+        self.counts = counts.reshape(-1, BUCKETS).double().cpu()
         self.cum = self.counts.cumsum(-1)
+        self._cum = _doubles(self.cum)  # read by index and bisect, no operator per read (lives with self.cum)
         self.totals: list[float] = self.cum[:, -1].tolist()
         self.lows, self.highs = list(lows), list(highs)
 
@@ -192,25 +195,35 @@ class HostHistograms:
         if n <= 0:
             return None
         last = n - 1.0
-        positions = [last * q for q in quantiles]
-        lower = [math.floor(p) for p in positions]
-        upper = [min(r + 1.0, last) for r in lower]
-        stats = self.order_statistics(row, [float(r) for r in lower] + upper)
         low, high = self.lows[row], self.highs[row]
         out = []
-        m = len(lower)
-        for q, p, r, v0, v1 in zip(quantiles, positions, lower, stats[:m], stats[m:], strict=True):
+        for q in quantiles:
+            if q == 0 or q == 1:
+                out.append(low if q == 0 else high)
+                continue
+            p = last * q
+            r = float(math.floor(p))
             t = p - r
-            value = v0 + (v1 - v0) * t if t > 0 and v1 != v0 else v0  # never inf - inf, never 0 * inf
-            out.append(low if q == 0 else high if q == 1 else value)
+            lower = self._bucket(row, r)
+            upper = min(r + 1.0, last)
+            if t > 0 and self._cum[row * BUCKETS + lower] <= upper:  # else rank r + 1 lies in the same bucket
+                v0, v1 = self._value(row, lower), self._value(row, self._bucket(row, upper))
+                out.append(v0 + (v1 - v0) * t if v1 != v0 else v0)  # never inf - inf, never 0 * inf
+            else:
+                out.append(self._value(row, lower))
         return out
 
     def order_statistics(self, row: int, ranks: list[float]) -> list[float]:
         """The ``ranks``-th smallest values (0-based) of a row, read at bucket middles, clamped to [min, max]."""
-        cum = self.cum[row]
-        buckets = torch.searchsorted(cum, torch.tensor(ranks, dtype=cum.dtype), right=True).tolist()
-        middle, low, high = _host_midpoints(), self.lows[row], self.highs[row]
-        return [min(max(middle[min(b, BUCKETS - 1)], low), high) for b in buckets]
+        return [self._value(row, self._bucket(row, r)) for r in ranks]
+
+    def _bucket(self, row: int, rank: float) -> int:
+        """The bucket of the ``rank``-th smallest value of a row: the first whose cumulative count exceeds it."""
+        base = row * BUCKETS
+        return bisect.bisect_right(self._cum, rank, base, base + BUCKETS) - base
+
+    def _value(self, row: int, bucket: int) -> float:
+        return min(max(_host_midpoints()[min(bucket, BUCKETS - 1)], self.lows[row]), self.highs[row])
 
     def top_mean(self, row: int, fraction: float) -> float | None:
         """Mean of the ceil(fraction n) largest values (fp64), each read at its bucket's middle clamped to
@@ -219,15 +232,35 @@ class HostHistograms:
         if n <= 0:
             return None
         k = max(float(math.ceil(n * fraction - 1e-9)), 1.0)  # 0.2 * 15 is 3.0000000000000004
-        values = _midpoints(torch.device("cpu")).clamp(self.lows[row], self.highs[row])
-        counts = self.counts[row]
-        above = n - self.cum[row]  # values in higher buckets (integers in fp64: exact)
-        take = torch.clamp(torch.minimum(counts, k - above), min=0.0)
-        return float(torch.where(take > 0, take * values, 0.0).sum()) / k
+        threshold = self._bucket(row, n - k)  # holds the k-th largest: every higher bucket is taken whole
+        above = n - self._cum[row * BUCKETS + threshold]  # values in higher buckets (integers in fp64: exact)
+        counts = self.counts[row, threshold + 1 :]
+        values = _midpoints(torch.device("cpu"))[threshold + 1 :].clamp(self.lows[row], self.highs[row])
+        higher = float(torch.where(counts > 0, counts * values, 0.0).sum())  # no 0 * inf from empty buckets
+        return (higher + (k - above) * self._value(row, threshold)) / k
 
     def buckets(self, row: int, bounds: Sequence[float]) -> list[float]:
         """Counts of values <= each bound (fine edges, increasing), then the total (``le="+Inf"``)."""
-        return [*self.cum[row][_bound_index(tuple(bounds), torch.device("cpu"))].tolist(), self.totals[row]]
+        base, cum = row * BUCKETS, self._cum
+        return [*(cum[base + i] for i in _bound_positions(tuple(bounds))), self.totals[row]]
+
+
+def _doubles(t: Tensor) -> ctypes.Array[ctypes.c_double]:
+    """A contiguous CPU fp64 tensor's values as a ctypes array over the same memory (no copy): indexed and
+    bisected in Python without a torch operator per read. Valid only while ``t`` lives: keep both together."""
+    if t.device.type != "cpu" or t.dtype != torch.float64 or not t.is_contiguous():
+        raise ValueError(f"a contiguous CPU fp64 tensor, got {t.dtype} on {t.device}")
+    return _doubles_type(t.numel()).from_address(t.data_ptr())
+
+
+@functools.lru_cache(maxsize=16)
+def _doubles_type(n: int) -> type[ctypes.Array[ctypes.c_double]]:
+    return ctypes.c_double * n  # a new ctypes type costs ~10 us: one per length (a stage has a fixed row count)
+
+
+@functools.lru_cache(maxsize=64)
+def _bound_positions(bounds: tuple[float, ...]) -> tuple[int, ...]:
+    return tuple(edge_index(b) for b in bounds)
 
 
 @functools.lru_cache(maxsize=1)
@@ -380,7 +413,3 @@ def cumulative_buckets(h: Histogram, bounds: Sequence[float]) -> Tensor:
     rows = [host.buckets(i, bounds) for i in range(len(host.totals))]
     return torch.tensor(rows, dtype=torch.int64).reshape(*h.counts.shape[:-1], len(bounds) + 1)
 
-
-@cached_constant(maxsize=64)
-def _bound_index(bounds: tuple[float, ...], device: torch.device) -> Tensor:
-    return torch.tensor([edge_index(b) for b in bounds], dtype=torch.int64, device=device)
