@@ -143,15 +143,16 @@ def test_masking_helpers_drop_nan_and_infinities_outside_the_mask(small, monkeyp
 
 
 def test_finiteness_and_counts_agree_with_torch_in_every_dtype():
-    """``finite`` / ``nonfinite`` / ``count_nonfinite`` (|x| < inf, x * 0) and ``count`` along a dimension (bytes
-    summed) give torch's own answers on NaN, +-inf, -0.0, the largest and smallest floats, any float dtype,
-    integers, and a non-contiguous mask."""
+    """``finite`` / ``nonfinite`` / ``count_nonfinite`` (|x| < inf, the bits of x - x) and ``count`` along a
+    dimension (bytes summed) give torch's own answers on NaN, +-inf, -0.0, the largest and smallest floats, any
+    float dtype, integers, and non-contiguous tensors and masks."""
     values = [1.5, float("nan"), -float("inf"), float("inf"), -0.0, 0.0, 3.0e38, -3.0e38, 1e-45, -2.0]
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         x = torch.tensor(values).to(dtype).reshape(2, 5)
         assert torch.equal(reading.finite(x), torch.isfinite(x)), dtype
         assert torch.equal(reading.nonfinite(x), ~torch.isfinite(x)), dtype
         assert reading.count_nonfinite(x).item() == (~torch.isfinite(x)).sum().item(), dtype
+        assert reading.count_nonfinite(x.t()[1:]).item() == (~torch.isfinite(x.t()[1:])).sum().item(), dtype
     ints = torch.arange(6).reshape(2, 3)
     assert reading.finite(ints).all()
     assert reading.count_nonfinite(ints).item() == 0

@@ -454,6 +454,17 @@ class _Context:
         return self._nonfinite[id(t)][1]
 
     @functools.cached_property
+    def positions(self) -> Tensor | None:
+        """(N, T) completion positions: ``completion_mask``, else t < ``completion_lengths`` (built once)."""
+        x = self.x
+        if x.completion_mask is not None:
+            return x.completion_mask
+        width = next((t.shape[1] for t in (x.loss_mask, x.completion_ids) if t is not None), None)
+        if x.completion_lengths is None or width is None:
+            return None
+        return gradient.completion_positions(x.completion_lengths, width)
+
+    @functools.cached_property
     def groups(self) -> Groups | None:
         """The prompt groups; a grouping error raises here, in the blocks that need groups, and only there."""
         return self.x.groups(self.cfg.group_size)
@@ -533,7 +544,7 @@ def _log_ratio_checks(g: _Gather, c: _Context) -> None:
 def _mask_audit(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.completion_lengths is not None:
-        audit = gradient.mask_audit(x.loss_mask, x.completion_lengths, x.completion_mask, c.row_tokens)
+        audit = gradient.mask_audit(x.loss_mask, x.completion_lengths, x.completion_mask, c.row_tokens, c.positions)
         g.add("grpo_loss_mask_length_mismatch_sequences_total", audit.length_mismatch)
         g.add("grpo_loss_mask_empty_sequences_total", audit.empty)
         g.add("grpo_loss_mask_outside_completion_tokens_total", audit.outside_completion)
@@ -750,9 +761,7 @@ def _distinct_completions(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.completion_ids is None or c.groups is None:
         return
-    positions = x.completion_mask
-    if positions is None and x.completion_lengths is not None:
-        positions = gradient.completion_positions(x.completion_lengths, x.completion_ids.shape[1])
+    positions = c.positions
     if positions is not None:
         ratio = diversity.unique_completion_ratio(x.completion_ids, positions, c.groups)
         g.add("grpo_unique_completions_ratio", ratio)

@@ -136,20 +136,22 @@ def completion_positions(completion_lengths: Tensor, width: int) -> Tensor:
 
 def mask_audit(
     loss_mask: Tensor, completion_lengths: Tensor, completion_mask: Tensor | None = None,
-    row_tokens: Tensor | None = None,
+    row_tokens: Tensor | None = None, positions: Tensor | None = None,
 ) -> MaskAudit:
     """Audit the loss mask against the rollout engine's completion lengths (seed 第 2 步).
 
     * length mismatch: sequences with loss tokens whose loss-token count differs from their length;
     * empty: sequences with a completion but no loss token (masked whole: counted as a reason, not a bug);
     * outside completion: loss tokens on positions that are not completion tokens (prompt, tool, padding),
-      judged by ``completion_mask`` when given, else by t < completion_lengths.
+      judged by ``completion_mask`` when given, else by t < completion_lengths (``positions``: that (N, T)
+      mask, when the caller has it).
     """
     counts = count(loss_mask, dim=1) if row_tokens is None else row_tokens
     lengths = completion_lengths.to(counts.dtype)
-    positions = completion_mask if completion_mask is not None else completion_positions(
-        completion_lengths, loss_mask.shape[1]
-    )
+    if positions is None:
+        positions = completion_mask if completion_mask is not None else completion_positions(
+            completion_lengths, loss_mask.shape[1]
+        )
     return MaskAudit(
         ((counts > 0) & (counts != lengths)).sum(),
         ((counts == 0) & (lengths > 0)).sum(),

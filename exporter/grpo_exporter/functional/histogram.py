@@ -74,7 +74,7 @@ def histogram(
     ``valid_count`` (valid positions); with both of the last two and no exact minimum, ``valid`` is not read and
     may be None. ``signed=False`` promises that ``kept`` holds no negative value nor -0.0 (an abs or an exp),
     which saves a pass."""
-    values = x.float()
+    values = x if x.dtype == torch.float32 else x.float()
     if kept is None or exact_min:
         assert valid is not None
         valid = valid.expand(values.shape)

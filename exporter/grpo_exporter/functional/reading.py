@@ -126,19 +126,21 @@ def zeroed(x: Tensor, mask: Tensor) -> Tensor:
     ~20x slower on one that alternates (multi-turn tool spans, random masks: 1.9 ms against 0.1 ms at 1.5M
     values, torch 2.13)."""
     bits = _bits(x, mask)
+    x = x if x.dtype == torch.float32 else x.float()  # a no-op .float() is still an operator call
     if bits.dtype == torch.bool:
-        return torch.where(bits, x.float(), 0.0)
-    return (x.float().view(torch.int32) & bits).view(torch.float32)
+        return torch.where(bits, x, 0.0)
+    return (x.view(torch.int32) & bits).view(torch.float32)
 
 
 def filled(x: Tensor, mask: Tensor, fill: float) -> Tensor:
     """``x`` in fp32 on ``mask``, ``fill`` elsewhere (see :func:`zeroed`). When large, three integer passes on one
     new tensor: ((x ^ fill) & mask) ^ fill is x where the mask word is all ones and fill where it is 0."""
     bits = _bits(x, mask)
+    x = x if x.dtype == torch.float32 else x.float()
     if bits.dtype == torch.bool:
-        return torch.where(bits, x.float(), fill)
+        return torch.where(bits, x, fill)
     word = f32_bits(fill)
-    return (x.float().view(torch.int32) ^ word).bitwise_and_(bits).bitwise_xor_(word).view(torch.float32)
+    return (x.view(torch.int32) ^ word).bitwise_and_(bits).bitwise_xor_(word).view(torch.float32)
 
 
 def _bits(x: Tensor, mask: Tensor) -> Tensor:
@@ -171,12 +173,16 @@ def nonfinite(x: Tensor) -> Tensor:
 
 
 def count_nonfinite(x: Tensor) -> Tensor:
-    """Number of NaN / +-Inf entries (int64): ``x * 0`` is +-0 where finite and NaN elsewhere, and
-    ``count_nonzero`` counts the NaNs. One arithmetic pass and one count, no bool tensor (the comparison
-    would cost more than both)."""
+    """Number of NaN / +-Inf entries (int64): ``x - x`` is +0.0 (no bit set) where finite and NaN elsewhere, and
+    ``count_nonzero`` of its bits counts the NaNs. One arithmetic pass and one count, no bool tensor (the
+    comparison would cost more than both). Counting integer bits is ~1.5x faster than counting floats (torch
+    2.13, CPU); ``x * 0`` would not do, -0.0 has its sign bit set."""
     if not x.is_floating_point():
         return torch.zeros((), dtype=torch.int64, device=x.device)
-    return torch.count_nonzero(x * 0)
+    return torch.count_nonzero((x - x).view(_SAME_WIDTH_INT[x.element_size()]))
+
+
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def count(mask: Tensor, dim: int | None = None) -> Tensor:
