@@ -161,14 +161,12 @@ def test_the_solve_rate_table_follows_the_batches_device():
     rates = SolveRates(slots=64, prior=0.5, halflife=4.0)
     cpu = StepInputs(correct=torch.ones(4, dtype=torch.bool))
     rates.slots_of(cpu, torch.arange(4))
-    assert rates.hits is not None
-    assert rates.hits.device.type == "cpu"
+    assert rates.table is not None
+    assert rates.table.device.type == "cpu"
     meta = StepInputs(correct=torch.ones(4, dtype=torch.bool, device="meta"))
     rates.slots_of(meta, torch.arange(4, device="meta"))  # another device: the table moves, nothing fails
-    assert rates.hits.device.type == "meta"
-    assert rates.trials is not None
-    assert rates.trials.device.type == "meta"
-    assert rates.mean.device.type == "meta"
+    assert rates.table.device.type == "meta"
+    assert rates.moments.device.type == "meta"
 
 
 def test_a_step_that_never_ends_is_bounded_and_holds_no_graph():

@@ -28,18 +28,20 @@ _MIN_SHAPE = 1e-3
 
 
 class SolveRates:
-    """Discounted hits and trials per prompt slot, and the discounted moments of the population's solve rates."""
+    """Discounted hits and trials per prompt slot, and the discounted moments of the population's solve rates.
+
+    ``table`` (slots, 2): the discounted hits and trials of each slot; ``moments`` (2,): E[p] and E[p^2]. Kept
+    side by side so that a rollout updates each with one operator: this runs on every rollout, on tensors of a
+    few hundred values, where the operator count is the cost."""
 
     def __init__(self, slots: int, prior: float, halflife: float) -> None:
         self.slots = slots
         self.keep = 0.5 ** (1.0 / halflife)
-        self.hits: Tensor | None = None
-        self.trials: Tensor | None = None
+        self.table: Tensor | None = None
         # before any batch: a Beta of concentration 2 around the configured prior (a0 = 2p, b0 = 2(1-p)),
         # whose second moment is a0 (a0 + 1) / ((a0 + b0)(a0 + b0 + 1))
         a0 = 2.0 * prior
-        self.mean = torch.tensor(prior, dtype=torch.float64)
-        self.second = torch.tensor(a0 * (a0 + 1.0) / 6.0, dtype=torch.float64)
+        self.moments = torch.tensor([prior, a0 * (a0 + 1.0) / 6.0], dtype=torch.float64)
 
     def slots_of(self, inputs: StepInputs, prompt_ids: Tensor | None) -> Tensor | None:
         """This batch's table slots (None without ``prompt_ids`` and ``correct``)."""
@@ -55,45 +57,41 @@ class SolveRates:
         device = inputs.device
         if prompt_ids.device != device:
             raise InputError("prompt_ids", f"device {device} like `correct`", f"device {prompt_ids.device}")
-        if self.hits is None or self.trials is None:
-            self.hits = torch.zeros(self.slots, dtype=torch.float64, device=device)
-            self.trials = torch.zeros(self.slots, dtype=torch.float64, device=device)
-        elif self.hits.device != device:
-            self.hits, self.trials = self.hits.to(device), self.trials.to(device)
-        self.mean, self.second = self.mean.to(device), self.second.to(device)
+        if self.table is None:
+            self.table = torch.zeros(self.slots, 2, dtype=torch.float64, device=device)
+        elif self.table.device != device:
+            self.table = self.table.to(device)
+        self.moments = self.moments.to(device)
         return prompt_ids.long().remainder(self.slots)
 
     def population(self) -> tuple[Tensor, Tensor]:
         """(a0, b0): the Beta with the population's mean and second moment (method of moments), fp64."""
-        m = self.mean.clamp(1e-6, 1.0 - 1e-6)
-        variance = (self.second - m * m).clamp(min=m * (1.0 - m) / (_MAX_CONCENTRATION + 1.0))
+        m = self.moments[0].clamp(1e-6, 1.0 - 1e-6)
+        variance = (self.moments[1] - m * m).clamp(min=m * (1.0 - m) / (_MAX_CONCENTRATION + 1.0))
         concentration = (m * (1.0 - m) / variance - 1.0).clamp(min=2.0 * _MIN_SHAPE, max=_MAX_CONCENTRATION)
         return (m * concentration).clamp(min=_MIN_SHAPE), ((1.0 - m) * concentration).clamp(min=_MIN_SHAPE)
 
     def predict(self, slots: Tensor, groups: Groups) -> Tensor:
         """Per sample: the predicted probability that its group is all-correct or all-wrong, from its
         prompt's posterior *before* this batch (fp64, on the device, no host sync)."""
-        assert self.hits is not None
-        assert self.trials is not None
+        assert self.table is not None
         a0, b0 = self.population()
-        hits, trials = self.hits[slots], self.trials[slots]
-        size = groups.sizes().double()[groups.index]
+        hits, trials = self.table[slots].unbind(1)
+        size = groups.sizes()[groups.index]
         return beta_binomial_zero_variance(a0 + hits, b0 + (trials - hits), size)
 
     def update(self, slots: Tensor, correct: Tensor, groups: Groups) -> None:
         """Discount each prompt's history and add this batch's outcomes (prompts sharing a slot share it); move
         the population moments toward this batch's groups."""
-        assert self.hits is not None
-        assert self.trials is not None
-        hits = groups.count(correct.bool()).double()
-        sizes = groups.sizes().double()
+        assert self.table is not None
+        counts = torch.stack([groups.count(correct.bool()), groups.sizes()], dim=1).double()  # (bins, 2)
         # every member of a group carries its group's counts; index_put_ keeps one write per slot
-        self.hits.index_put_((slots,), self.keep * self.hits[slots] + hits[groups.index])
-        self.trials.index_put_((slots,), self.keep * self.trials[slots] + sizes[groups.index])
-        pairs = sizes >= 2
-        n = pairs.sum().clamp(min=1)
-        rate = torch.where(pairs, hits / sizes.clamp(min=1.0), 0.0).sum() / n
-        second = torch.where(pairs, hits * (hits - 1.0) / (sizes * (sizes - 1.0)).clamp(min=1.0), 0.0).sum() / n
+        self.table.index_put_((slots,), self.table[slots].mul_(self.keep).add_(counts[groups.index]))
+        hits, sizes = counts.unbind(1)
+        pairs = sizes >= 2  # groups of one say nothing about E[p^2]
+        # per group: k/n and the unbiased k(k-1)/(n(n-1)), averaged over the groups with pairs
+        ratios = torch.stack([hits, hits * (hits - 1.0)], dim=1) / torch.stack(
+            [sizes, sizes * (sizes - 1.0)], dim=1).clamp(min=1.0)
+        shares = torch.where(pairs.unsqueeze(1), ratios, 0.0)
         step = torch.where(pairs.any(), 1.0 - self.keep, 0.0)
-        self.mean = self.mean + step * (rate - self.mean)
-        self.second = self.second + step * (second - self.second)
+        self.moments = self.moments + step * (shares.sum(dim=0) / pairs.sum().clamp(min=1) - self.moments)
