@@ -67,3 +67,19 @@ def test_config_errors_name_the_field():
         MetricsConfig(group_size=0)
     with pytest.raises(ValueError, match="gap_quantiles"):
         MetricsConfig(group_size=4, gap_quantiles=(0.9, 0.5))
+
+
+def test_replaced_swaps_fields_without_touching_the_original():
+    """``replaced`` (a detached copy, the monitor's own prediction) keeps everything validation set and leaves
+    the original as it was."""
+    logprobs = torch.zeros(2, 3, requires_grad=True) - 1.0
+    x = StepInputs(rewards=torch.ones(2), logprobs=logprobs, loss_mask=torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    detached = x.replaced(logprobs=x.logprobs.detach(), zero_variance_prob=torch.full((2,), 0.5, dtype=torch.float64))
+    assert x.logprobs.requires_grad
+    assert x.zero_variance_prob is None
+    assert not detached.logprobs.requires_grad
+    assert detached.zero_variance_prob is not None
+    assert detached.zero_variance_prob.tolist() == [0.5, 0.5]
+    assert (detached.n, detached.device) == (2, x.device)
+    assert detached.loss_mask is x.loss_mask
+    assert detached.loss_mask.dtype == torch.bool  # the validated (normalised) mask, not the 0/1 ints given

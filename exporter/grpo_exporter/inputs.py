@@ -189,6 +189,15 @@ class StepInputs:
         object.__setattr__(self, "_n", shape.n)
         object.__setattr__(self, "_device", device[0][1] if device else torch.device("cpu"))
 
+    def replaced(self, **changes: Tensor) -> StepInputs:
+        """A copy with tensor fields replaced by tensors of the same shape, dtype and device as validation would
+        accept (a detached copy of a field, the monitor's own per-sample prediction): not validated again,
+        which on every micro-batch of a training loop cost ~20 us."""
+        copy = object.__new__(StepInputs)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(changes)
+        return copy
+
     @property
     def n(self) -> int | None:
         """Number of completions N, when any per-completion field was given."""

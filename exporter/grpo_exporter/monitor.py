@@ -226,9 +226,7 @@ class GRPOMonitor:
                     with contextlib.suppress(InputError):  # a grouping error is the metric blocks' to count
                         groups = inputs.groups(self.config.group_size)
                     if groups is not None:
-                        inputs = dataclasses.replace(
-                            inputs, zero_variance_prob=self._solve_rates.predict(slots, groups)
-                        )
+                        inputs = inputs.replaced(zero_variance_prob=self._solve_rates.predict(slots, groups))
                 carry = edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
             result = self._compute("rollout", inputs, carry or {})
             if slots is not None and groups is not None and inputs is not None and inputs.correct is not None:

@@ -19,7 +19,6 @@ that samples rollout k+1 while update k runs keeps its steps whole.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -132,12 +131,8 @@ def _rows(part: StepInputs) -> Tensor:
 
 
 def _detached(inputs: StepInputs) -> StepInputs:
-    changes = {
-        f.name: getattr(inputs, f.name).detach()
-        for f in dataclasses.fields(inputs)
-        if isinstance(getattr(inputs, f.name), Tensor) and getattr(inputs, f.name).requires_grad
-    }
-    return dataclasses.replace(inputs, **changes) if changes else inputs
+    changes = {name: v.detach() for name, v in vars(inputs).items() if isinstance(v, Tensor) and v.requires_grad}
+    return inputs.replaced(**changes) if changes else inputs
 
 
 def _pad(value: Tensor, width: int) -> Tensor:
