@@ -454,6 +454,14 @@ class _Context:
         return self._nonfinite[id(t)][1]
 
     @functools.cached_property
+    def signs(self) -> samples.SignedRows:
+        """The loss tokens (or rows) with a finite advantage, by sign: the token counts and the clip counts
+        both read them. Only where ``advantages`` and ``loss_mask`` were given."""
+        assert self.x.advantages is not None
+        assert self.x.loss_mask is not None
+        return samples.advantage_signs(self.x.advantages, self.x.loss_mask)
+
+    @functools.cached_property
     def positions(self) -> Tensor | None:
         """(N, T) completion positions: ``completion_mask``, else t < ``completion_lengths`` (built once)."""
         x = self.x
@@ -655,7 +663,7 @@ def _advantage_signs(g: _Gather, c: _Context) -> None:
     mask, advantages = c.x.loss_mask, c.x.advantages
     if mask is None or advantages is None:
         return
-    signs = samples.advantage_sign_tokens(advantages, mask, c.row_tokens)
+    signs = samples.advantage_sign_tokens(advantages, mask, c.row_tokens, c.signs)
     for sign, value in zip(catalog.ADVANTAGE_SIGNS, signs, strict=True):
         g.add("grpo_update_tokens_total", value, advantage_sign=sign)
     total = signs.positive + signs.negative + signs.zero
@@ -686,7 +694,7 @@ def _clipping(g: _Gather, c: _Context) -> None:
     if c.lr is None or c.x.advantages is None or c.x.old_logprobs is None:
         return
     clip = samples.clip_counts(c.lr, c.x.advantages, c.masked("old_logprobs"), c.cfg.clip_eps_low,
-                               c.cfg.clip_eps_high, c.row_tokens, old_masked=True)
+                               c.cfg.clip_eps_high, c.row_tokens, old_masked=True, signs=c.signs)
     g.add("grpo_upper_clip_reachable_tokens_total", clip.reachable)
     g.add("grpo_clipped_tokens_total", clip.upper, bound="upper")
     g.add("grpo_clipped_tokens_total", clip.lower, bound="lower")

@@ -153,10 +153,12 @@ class SignCounts(NamedTuple):
     zero: Tensor
 
 
-def advantage_sign_tokens(advantages: Tensor, loss_mask: Tensor, row_tokens: Tensor | None = None) -> SignCounts:
+def advantage_sign_tokens(
+    advantages: Tensor, loss_mask: Tensor, row_tokens: Tensor | None = None, signs: SignedRows | None = None
+) -> SignCounts:
     """Loss tokens with a finite advantage, by sign (``advantages`` (N,) or (N, T); ``row_tokens``: the loss
-    tokens per row, when the caller has them)."""
-    signs = advantage_signs(advantages, loss_mask)
+    tokens per row, ``signs``: :func:`advantage_signs`, when the caller has them)."""
+    signs = advantage_signs(advantages, loss_mask) if signs is None else signs
     row_tokens = count(loss_mask, dim=1) if row_tokens is None else row_tokens
     return SignCounts(*(_tokens(m, signs, row_tokens) for m in (signs.positive, signs.negative, signs.zero)))
 
@@ -173,7 +175,7 @@ class ClipCounts(NamedTuple):
 
 def clip_counts(
     lr: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float,
-    row_tokens: Tensor | None = None, old_masked: bool = False,
+    row_tokens: Tensor | None = None, old_masked: bool = False, signs: SignedRows | None = None,
 ) -> ClipCounts:
     """Truly clipped tokens by bound, the opposite-sign out-of-range tokens apart, and per-step fractions
     normalised by the tokens of the gating sign (upper / positive-advantage, lower / negative-advantage).
@@ -185,9 +187,10 @@ def clip_counts(
     (r = p_new/p_old <= 1/p_old): in a solved task most positive tokens sit at p_old ~1 and a missing upper
     clip says nothing about asymmetry. ``advantages`` (N,) or (N, T); (N,) is counted per row (O(N) after one
     row sum per token mask). ``old_logprobs`` may hold anything off the loss mask (padding), unless
-    ``old_masked`` (it is 0 there); ``row_tokens``: the loss tokens per row, when the caller has them.
+    ``old_masked`` (it is 0 there); ``row_tokens``: the loss tokens per row, ``signs``: :func:`advantage_signs`,
+    when the caller has them.
     """
-    signs = advantage_signs(advantages, lr.loss_mask)
+    signs = advantage_signs(advantages, lr.loss_mask) if signs is None else signs
     above = lr.valid & (lr.ratio > 1.0 + eps_high)
     below = lr.valid & (lr.ratio < 1.0 - eps_low)
     old = old_logprobs.float() if old_masked else zeroed(old_logprobs, lr.loss_mask)
