@@ -60,34 +60,36 @@ def _multipliers(width: int, device: str) -> Tensor:
 
 
 def sequence_hashes(completion_ids: Tensor, positions: Tensor) -> Tensor:
-    """(N, 2) int64 fingerprint of each completion: sum_t (token_t + 1) m_t over the tokens at ``positions``,
-    wrapping modulo 2^64 (int64 arithmetic wraps), with m_t fixed random odd multipliers, and the token count.
-    Two different completions of one length collide with probability ~2^-63: a difference confined to one
-    position never cancels (an odd multiplier is invertible mod 2^64). One multiply and one row sum: O(N T)
-    in three passes."""
+    """(N,) int64 fingerprint of each completion: sum_t (token_t + 1) m_t over the tokens at ``positions``,
+    wrapping modulo 2^64 (int64 arithmetic wraps), with m_t fixed random odd multipliers. Two different
+    completions collide with probability ~2^-64; a difference confined to one position never cancels (an odd
+    multiplier is invertible mod 2^64), and one of another length has terms (token + 1 >= 1) the other lacks.
+    One multiply and one row sum: O(N T) in three passes."""
     width = completion_ids.shape[1]
     tokens = (completion_ids.long() + 1).mul_(positions).mul_(_multipliers(width, str(completion_ids.device)))
-    digest = tokens.sum(dim=1)
-    return torch.stack([digest, count(positions, 1).long()], dim=1)
+    return tokens.sum(dim=1)
+
+
+_GROUP_MIX = 0x9E3779B97F4A7C15 - 2**64  # an odd 64-bit constant (as int64): mixes the group into the key
 
 
 def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Reading:
     """Mean over groups of (distinct completions in the group) / (group size), by exact token identity up
-    to the hash above. Sorting is lexicographic by (group, fingerprint) with stable argsorts: no host sync."""
-    keys = torch.cat([groups.index.unsqueeze(1), sequence_hashes(completion_ids, positions)], dim=1)
-    order = torch.arange(keys.shape[0], device=keys.device)
-    for column in reversed(range(keys.shape[1])):
-        order = order[torch.argsort(keys[order, column], stable=True)]
-    ordered = keys[order]
-    first = torch.ones(ordered.shape[0], dtype=torch.bool, device=keys.device)
-    first[1:] = (ordered[1:] != ordered[:-1]).any(dim=1)
-    distinct = groups.count(torch.empty_like(first).scatter_(0, order, first))
+    to the hash above. One key per completion, fingerprint + group x an odd constant (mod 2^64: completions of
+    different groups collide with probability ~2^-64 too), one sort: equal neighbours are the repeats. No host
+    sync."""
+    key = sequence_hashes(completion_ids, positions).add_(groups.index * _GROUP_MIX)
+    order = torch.argsort(key)
+    ordered = key[order]
+    first = torch.ones(ordered.shape[0], dtype=torch.int64, device=key.device)  # 1 where a new key starts
+    first[1:] = ordered[1:] != ordered[:-1]
+    distinct = torch.zeros(groups.bins, dtype=torch.int64, device=key.device).index_add_(
+        0, groups.index[order], first
+    )
     sizes = groups.sizes()
     populated = sizes > 0
     share = torch.where(populated, distinct.double() / sizes.clamp(min=1).double(), 0.0)
     return fraction(share.sum(), populated.sum())
-
-
 
 
 def retrieval_accuracy(scores: Tensor, own_prompt: Tensor) -> Reading:
