@@ -224,3 +224,32 @@ def test_token_ess_from_the_largest_ratio_equals_the_exact_shift(scale, offset):
     fast = samples.ess_ratio(lr, tokens, largest).token
     exact = samples.ess_ratio(lr).token
     assert float(fast.value) == pytest.approx(float(exact.value), rel=1e-6)
+
+
+def test_distinct_completions_match_a_set_of_token_sequences():
+    """Completions drawn from a few templates (repeats within and across groups), groups in any order, masks that
+    are prefixes or arbitrary: the share of distinct completions per group equals a Python set's count of the
+    (position, token) sequences; the same completion in two groups counts in each."""
+    from grpo_exporter.functional import diversity
+    from grpo_exporter.functional.groups import groups_from_ids
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        n, t = int(torch.randint(1, 48, (1,), generator=gen)), int(torch.randint(1, 24, (1,), generator=gen))
+        ids = torch.randint(0, 3, (4, t), generator=gen)[torch.randint(0, 4, (n,), generator=gen)]
+        if trial % 2:
+            positions = torch.arange(t)[None] < torch.randint(0, t + 1, (n,), generator=gen)[:, None]
+        else:
+            positions = (torch.rand(n, t, generator=gen) < 0.8) | (torch.rand(n, 1, generator=gen) < 0.5)
+        group_ids = torch.randint(0, 5, (n,), generator=gen)
+        got = diversity.unique_completion_ratio(ids, positions, groups_from_ids(group_ids))
+        shares = []
+        for g in group_ids.unique().tolist():
+            rows = (group_ids == g).nonzero().flatten().tolist()
+            seen = {tuple((j, int(ids[i, j])) for j in range(t) if positions[i, j]) for i in rows}
+            shares.append(len(seen) / len(rows))
+        assert float(got.value) == pytest.approx(sum(shares) / len(shares), abs=1e-12), trial
+    same = torch.ones(4, 6, dtype=torch.int64)  # one completion, twice in each of two groups
+    two_groups = groups_from_ids(torch.tensor([0, 1, 0, 1]))
+    got = diversity.unique_completion_ratio(same, torch.ones(4, 6, dtype=torch.bool), two_groups)
+    assert float(got.value) == 0.5
