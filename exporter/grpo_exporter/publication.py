@@ -34,7 +34,7 @@ class Publication:
         self.writing = threading.RLock()  # the training thread and the edit-distance worker both write
         self._additive: dict[str, float] = {}
         self._replaced: dict[str, dict[str, float]] = {}  # family -> its current samples
-        self._gauges: dict[str, float] | None = {}  # every family's current samples, flat (None: to rebuild)
+        self._gauges: dict[str, float] = {}  # the same samples, flat: what every publish copies
         self._snapshot: Mapping[str, float] = MappingProxyType({})
 
     def add(self, increments: Mapping[str, float]) -> None:
@@ -56,19 +56,22 @@ class Publication:
             else:
                 fresh.setdefault(family_of(key.sample).name, {})[key] = value
                 gauges[key] = value
-        if fresh:
-            self._replaced.update(fresh)
-            self._gauges = None
+        for name, values in fresh.items():
+            self._replace(name, values)
         if self._anchors is not None and self._anchors.observe(gauges):
-            self._replaced[_ANCHOR] = dict(self._anchors.samples)
-            self._gauges = None
+            self._replace(_ANCHOR, dict(self._anchors.samples))
+
+    def _replace(self, family: str, values: dict[str, float]) -> None:
+        """``family``'s samples become ``values``, in the per-family map and the flat one alike (a sample key
+        belongs to one family, so its old keys are exactly the ones to drop)."""
+        for key in self._replaced.get(family, ()):
+            del self._gauges[key]
+        self._gauges.update(values)
+        self._replaced[family] = values
 
     def publish(self) -> None:
-        """Make the current state visible to scrapers (one reference swap under the lock). The replaced
-        families are flattened once per change, not at every publish (an observe call publishes, and most
-        micro-batch calls change only additive samples)."""
-        if self._gauges is None:
-            self._gauges = {k: v for values in self._replaced.values() for k, v in values.items()}
+        """Make the current state visible to scrapers (one reference swap under the lock): a copy of the
+        additive samples and of the flat replaced ones (each observe call publishes)."""
         merged = dict(self._additive)
         merged.update(self._gauges)
         snapshot = MappingProxyType(merged)
