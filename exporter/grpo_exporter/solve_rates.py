@@ -90,8 +90,8 @@ class SolveRates:
         hits, sizes = counts.unbind(1)
         pairs = sizes >= 2  # groups of one say nothing about E[p^2]
         # per group: k/n and the unbiased k(k-1)/(n(n-1)), averaged over the groups with pairs
-        ratios = torch.stack([hits, hits * (hits - 1.0)], dim=1) / torch.stack(
-            [sizes, sizes * (sizes - 1.0)], dim=1).clamp(min=1.0)
-        shares = torch.where(pairs.unsqueeze(1), ratios, 0.0)
+        numerators = torch.stack([hits, hits * (hits - 1.0)], dim=1)
+        denominators = torch.stack([sizes, sizes * (sizes - 1.0)], dim=1).clamp(min=1.0)
+        shares = torch.where(pairs.unsqueeze(1), numerators / denominators, 0.0)
         step = torch.where(pairs.any(), 1.0 - self.keep, 0.0)
         self.moments = self.moments + step * (shares.sum(dim=0) / pairs.sum().clamp(min=1) - self.moments)

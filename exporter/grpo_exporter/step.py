@@ -67,8 +67,8 @@ PLAIN, RATIO, HOST = 0, 1, 2
 class Packed(NamedTuple):
     """The device parts of a stage's readings, 1-d, each of its own dtype (the transfer's one ``cat`` makes them
     fp64): ``parts`` (read back as a list), ``histograms`` (the fine counts of every distinct histogram, read
-    back as one (K, BUCKETS) view), each entry's
-    :class:`Position`, and where each histogram row's min and max lie in the packed list."""
+    back as one (K, BUCKETS) view), each entry's :class:`Position`, and where each histogram row's min and max
+    lie in the packed list."""
 
     parts: list[Tensor]
     histograms: list[Tensor]

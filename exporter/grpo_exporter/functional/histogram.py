@@ -213,16 +213,13 @@ class HostHistograms:
                 out.append(self._value(row, lower))
         return out
 
-    def order_statistics(self, row: int, ranks: list[float]) -> list[float]:
-        """The ``ranks``-th smallest values (0-based) of a row, read at bucket middles, clamped to [min, max]."""
-        return [self._value(row, self._bucket(row, r)) for r in ranks]
-
     def _bucket(self, row: int, rank: float) -> int:
         """The bucket of the ``rank``-th smallest value of a row: the first whose cumulative count exceeds it."""
         base = row * BUCKETS
         return bisect.bisect_right(self._cum, rank, base, base + BUCKETS) - base
 
     def _value(self, row: int, bucket: int) -> float:
+        """A bucket's middle, clamped to the row's [min, max] (the value every order statistic in it reads)."""
         return min(max(_host_midpoints()[min(bucket, BUCKETS - 1)], self.lows[row]), self.highs[row])
 
     def top_mean(self, row: int, fraction: float) -> float | None:
