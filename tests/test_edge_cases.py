@@ -220,7 +220,7 @@ def test_token_ess_from_the_largest_ratio_equals_the_exact_shift(scale, offset):
     value = torch.where(mask, value, 0.0)
     lr = gradient.log_ratio_of(value, mask)
     tokens = lr.valid.sum()
-    largest = histogram(lr.ratio, lr.valid, exact_min=False, signed=False).maximum
+    largest = histogram(lr.ratio, lr.valid, exact_min=False).maximum
     fast = samples.ess_ratio(lr, tokens, largest).token
     exact = samples.ess_ratio(lr).token
     assert float(fast.value) == pytest.approx(float(exact.value), rel=1e-6)

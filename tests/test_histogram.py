@@ -96,6 +96,25 @@ def test_nan_outside_the_valid_positions_is_never_counted():
     assert h.counts[0] == 1
 
 
+@pytest.mark.parametrize("shape", [(64,), (1, 1), (5, 1), (3, 2), (7, 3), (4, 7), (33, 256), (2, 1000)])
+def test_counts_equal_the_bucket_of_each_value_searched_in_the_edges(shape):
+    """The banked bincount (neighbours count into different copies of the buckets) and the clamped keys give
+    each valid value exactly the bucket a search in the upper edges does, for every width (a multiple of the
+    bank count or not), with negatives and -0.0 in bucket 0, values beyond 2^32 and +inf in the top one."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    n = math.prod(shape)
+    x = torch.exp(torch.randn(n, generator=gen) * 12).float()  # ~e^-50 .. e^50: beyond both ends
+    specials = torch.tensor([0.0, -0.0, -1.0, math.inf, 2.0**-32, 2.0**32, 1.0, 3e38, 1e-45])
+    x[: min(n, len(specials))] = specials[: min(n, len(specials))]
+    x = x.reshape(shape)
+    valid = torch.rand(shape, generator=gen) < 0.7
+    h = hist.histogram(x, valid)
+    edges = hist._upper_edges()  # the bucket definition itself
+    picked = x[valid].double().clamp(min=0.0)
+    want = torch.bincount(torch.searchsorted(edges, picked, right=False), minlength=hist.BUCKETS)
+    assert torch.equal(h.counts, want)
+
+
 def test_buckets_are_half_open_from_below_so_le_is_exact():
     bounds = (1.0, 2.0, 256.0)
     x = torch.tensor([0.5, 1.0, 1.0000001, 2.0, 255.0, 256.0, 257.0, 1e12])
@@ -153,6 +172,10 @@ def test_finiteness_and_counts_agree_with_torch_in_every_dtype():
         assert torch.equal(reading.nonfinite(x), ~torch.isfinite(x)), dtype
         assert reading.count_nonfinite(x).item() == (~torch.isfinite(x)).sum().item(), dtype
         assert reading.count_nonfinite(x.t()[1:]).item() == (~torch.isfinite(x.t()[1:])).sum().item(), dtype
+        scratch = torch.full((4, 2), 7.0, dtype=dtype)  # a reused buffer: its old values never count
+        for _ in range(2):
+            expected = (~torch.isfinite(x.t()[1:])).sum().item()
+            assert reading.count_nonfinite(x.t()[1:], scratch).item() == expected, dtype
     ints = torch.arange(6).reshape(2, 3)
     assert reading.finite(ints).all()
     assert reading.count_nonfinite(ints).item() == 0

@@ -26,6 +26,7 @@ from grpo_exporter.functional import diversity, gradient, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
 from grpo_exporter.functional.histogram import BUCKETS, Buckets, Histogram, HostHistograms, HostReading, Quantiles
 from grpo_exporter.functional.reading import (
+    SMALL,
     Ratio,
     always,
     count,
@@ -420,6 +421,7 @@ class _Context:
         self.x, self.cfg = x, cfg
         self._masked: dict[str, Tensor] = {}
         self._nonfinite: dict[int, tuple[Tensor, Tensor]] = {}
+        self._scratch: Tensor | None = None
         self.lr = None
         if x.loss_mask is not None and x.logprobs is not None and x.old_logprobs is not None:
             difference = self.masked("logprobs") - self.masked("old_logprobs")
@@ -448,10 +450,23 @@ class _Context:
 
     def nonfinite(self, t: Tensor) -> Tensor:
         """NaN / +-inf entries of ``t`` (0-d int64), counted once per tensor of the step (the non-finite input
-        counters and the metrics that skip those tokens share the count)."""
+        counters and the metrics that skip those tokens share the count). The counts of a stage's token
+        tensors share one scratch tensor: it stays in cache, where a fresh one per count would not."""
         if id(t) not in self._nonfinite:
-            self._nonfinite[id(t)] = (t, count_nonfinite(t))  # the tensor is kept: its id stays its own
+            scratch = None
+            if t.dtype == torch.float32 and t.numel() >= SMALL:
+                if self._scratch is None or self._scratch.shape != t.shape or self._scratch.device != t.device:
+                    self._scratch = torch.empty_like(t, memory_format=torch.contiguous_format)
+                scratch = self._scratch
+            self._nonfinite[id(t)] = (t, count_nonfinite(t, scratch))  # the tensor is kept: its id stays its own
         return self._nonfinite[id(t)][1]
+
+    @functools.cached_property
+    def finite_ratio_tokens(self) -> Tensor:
+        """The loss tokens with a finite log ratio (0-d int64): ``lr.valid`` counted (its bools read in a
+        quarter of the bytes a non-finite count of the log ratio would)."""
+        assert self.lr is not None
+        return count(self.lr.valid)
 
     @functools.cached_property
     def signs(self) -> samples.SignedRows:
@@ -508,7 +523,8 @@ def _engine_gap(g: _Gather, c: _Context) -> None:
     x, cfg = c.x, c.cfg
     if x.loss_mask is not None and x.rollout_logprobs is not None and x.old_logprobs is not None:
         difference = c.masked("rollout_logprobs") - c.masked("old_logprobs")
-        gap = gradient.engine_gap_of(difference, x.loss_mask, c.tokens, cfg.gap_quantiles)
+        tokens = c.tokens - c.nonfinite(difference)
+        gap = gradient.engine_gap_of(difference, x.loss_mask, tokens, cfg.gap_quantiles)
         g.summary("grpo_engine_logprob_gap_nats", gap.total, gap.count, gap.quantiles, cfg.gap_quantiles)
         g.histogram("grpo_token_engine_logprob_gap_nats", gap.quantiles, gap.total)
         g.add("grpo_engine_logprob_gap_mean_nats", gap.mean)
@@ -529,7 +545,8 @@ def _log_ratio_checks(g: _Gather, c: _Context) -> None:
         return
     # the ratio is exp(log ratio) in fp32 without clamp: its count also holds the tokens that would overflow
     # where exp comes before the clamp (seed 4.2); off the loss mask the log ratio is 0 and the ratio 1
-    g.add("grpo_nonfinite_values_total", c.nonfinite(lr.value), tensor="log_ratio")
+    # the log ratio is 0 off the loss mask: its non-finite values are the loss tokens it leaves out of ``valid``
+    g.add("grpo_nonfinite_values_total", c.tokens - c.finite_ratio_tokens, tensor="log_ratio")
     g.add("grpo_nonfinite_values_total", c.nonfinite(lr.ratio), tensor="ratio")
     rows = c.x.on_policy
     if rows is True or isinstance(rows, Tensor):
@@ -562,7 +579,8 @@ def _mask_audit(g: _Gather, c: _Context) -> None:
 def _kl(g: _Gather, c: _Context) -> None:
     x = c.x
     if x.loss_mask is not None and x.logprobs is not None and x.ref_logprobs is not None:
-        g.add("grpo_kl_ref_nats", gradient.kl_k3_of(c.masked("ref_logprobs") - c.masked("logprobs"), c.tokens))
+        d = c.masked("ref_logprobs") - c.masked("logprobs")
+        g.add("grpo_kl_ref_nats", gradient.kl_k3_of(d, c.tokens - c.nonfinite(d)))
 
 
 @produces(
@@ -675,7 +693,7 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     lr, qs = c.lr, c.cfg.ratio_quantiles
     if lr is None:
         return
-    tokens = c.tokens - c.nonfinite(lr.value)  # the finite loss tokens: the log ratio is 0 off the mask
+    tokens = c.finite_ratio_tokens
     weights = samples.importance_weights(lr, qs, tokens)
     ess = samples.ess_ratio(lr, tokens, weights.quantiles.stack.maximum)
     g.add("grpo_ess_ratio", ess.token, level="token")

@@ -75,10 +75,11 @@ class EngineGap(NamedTuple):
 
 
 def engine_gap_of(
-    difference: Tensor, loss_mask: Tensor, mask_tokens: Tensor, quantiles: Sequence[float]
+    difference: Tensor, loss_mask: Tensor, tokens: Tensor, quantiles: Sequence[float]
 ) -> EngineGap:
     """|rollout_logprobs - old_logprobs| on finite loss tokens, nats, from ``difference`` = rollout - old
-    already taken on loss tokens (fp32, 0 elsewhere; ``mask_tokens``: the loss tokens): sum, count, mean and
+    already taken on loss tokens (fp32, 0 elsewhere; ``tokens``: the loss tokens where it is finite, the
+    caller's count, e.g. ``count(loss_mask) - count_nonfinite(difference)``): sum, count, mean and
     quantiles. A non-finite difference reads 0 and leaves the count, so no validity mask is built (only for
     the exact minimum, when q = 0 is asked for).
 
@@ -86,11 +87,10 @@ def engine_gap_of(
     track the worst tokens; max locates samples but never carries the 0.01 line.
     """
     kept = torch.nan_to_num(difference, nan=0.0, posinf=0.0, neginf=0.0).abs_()
-    tokens = mask_tokens - count_nonfinite(difference)
     total = sum64(kept)
     exact_min = 0.0 in quantiles
     valid = loss_mask & finite(difference) if exact_min else None
-    h = histogram(kept, valid, exact_min, kept=kept, valid_count=tokens, signed=False)
+    h = histogram(kept, valid, exact_min, kept=kept, valid_count=tokens)
     return EngineGap(total, tokens, fraction(total, tokens), Quantiles(h, quantiles))
 
 
@@ -194,11 +194,12 @@ def relative_update(before: Sequence[Tensor], after: Sequence[Tensor]) -> Readin
     return fraction(delta, total_norm(before))
 
 
-def kl_k3_of(d: Tensor, mask_tokens: Tensor) -> Reading:
+def kl_k3_of(d: Tensor, tokens: Tensor) -> Reading:
     """Mean per-token KL(pi_theta || pi_ref) by the k3 estimator exp(d) - d - 1 (Schulman), from d = ref - logp
-    already taken on loss tokens (fp32, 0 elsewhere; ``mask_tokens``: the loss tokens), over finite loss tokens;
+    already taken on loss tokens (fp32, 0 elsewhere; ``tokens``: the loss tokens where d is finite, the caller's
+    count), over finite loss tokens;
     unbiased and non-negative per token. Taken as expm1(d) - d: two passes, and fp32 rounding relative to d
     instead of to 1 (exp(d) - 1 loses the d^2/2 of a policy near its reference). A non-finite d reads 0 (whose
     k3 is 0) and leaves the count."""
     kept = torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0)
-    return fraction(sum64(torch.expm1(kept).sub_(kept)), mask_tokens - count_nonfinite(d))
+    return fraction(sum64(torch.expm1(kept).sub_(kept)), tokens)

@@ -230,7 +230,7 @@ def importance_weights(lr: LogRatio, quantiles: Sequence[float], tokens: Tensor)
     """Quantiles of the per-token ratio exp(log ratio) over finite loss tokens (may be +Inf, never NaN), and
     the sum and count of its finite values; ``tokens``: the finite loss tokens (``count(lr.valid)``)."""
     kept = zeroed(lr.ratio, lr.keep)
-    h = histogram(lr.ratio, lr.valid, 0.0 in quantiles, lr.keep, kept, tokens, signed=False)  # an exp: >= +0.0
+    h = histogram(lr.ratio, lr.valid, 0.0 in quantiles, lr.keep, kept, tokens)
     weights = Quantiles(h, quantiles)
     return ImportanceWeights(weights, sum64(torch.nan_to_num(kept, posinf=0.0)), tokens - count_nonfinite(kept))
 
