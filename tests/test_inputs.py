@@ -83,3 +83,19 @@ def test_replaced_swaps_fields_without_touching_the_original():
     assert (detached.n, detached.device) == (2, x.device)
     assert detached.loss_mask is x.loss_mask
     assert detached.loss_mask.dtype == torch.bool  # the validated (normalised) mask, not the 0/1 ints given
+
+
+def test_groups_are_built_once_and_shared_with_replaced_copies():
+    """The grouping (and what it remembers: counts of outcomes) is built once per group size; a ``replaced``
+    copy shares it unless the group ids change; a grouping error raises on every call."""
+    x = StepInputs(rewards=torch.ones(4), correct=torch.tensor([True, False, True, True]))
+    groups = x.groups(2)
+    assert x.groups(2) is groups
+    assert x.replaced(zero_variance_prob=torch.zeros(4, dtype=torch.float64)).groups(2) is groups
+    assert x.groups(4) is not groups
+    assert x.groups(4).bins == 1
+    regrouped = x.replaced(group_ids=torch.tensor([0, 1, 1, 0]))
+    assert regrouped.groups(4).index.tolist() == [0, 1, 1, 0]
+    for _ in range(2):
+        with pytest.raises(InputError, match="group_ids"):
+            x.groups(3)

@@ -196,6 +196,8 @@ class StepInputs:
         copy = object.__new__(StepInputs)
         copy.__dict__.update(self.__dict__)
         copy.__dict__.update(changes)
+        if "group_ids" in changes:
+            copy.__dict__.pop("_groups", None)
         return copy
 
     @property
@@ -209,18 +211,26 @@ class StepInputs:
         return self._device  # type: ignore[attr-defined, no-any-return]
 
     def groups(self, group_size: int) -> Groups | None:
-        """Prompt groups: from ``group_ids`` when given, else contiguous blocks of ``group_size``."""
+        """Prompt groups: from ``group_ids`` when given, else contiguous blocks of ``group_size``. Built once per
+        ``group_size`` and shared by every reader of these inputs and of their :meth:`replaced` copies (the
+        monitor's solve-rate prediction and the stage's blocks count the same outcomes once)."""
         if self.n is None:
             return None
+        known = self.__dict__.get("_groups")
+        if known is not None and known[0] == group_size:
+            return known[1]  # type: ignore[no-any-return]
         if self.group_ids is not None:
-            return groups_from_ids(self.group_ids)
-        if self.n % group_size:
+            made = groups_from_ids(self.group_ids)
+        elif self.n % group_size:
             raise InputError(
                 "group_ids",
                 f"group_ids, or N divisible by group_size={group_size} for contiguous groups",
                 f"N={self.n} and no group_ids",
             )
-        return contiguous_groups(self.n, group_size, self.device)
+        else:
+            made = contiguous_groups(self.n, group_size, self.device)
+        self.__dict__["_groups"] = (group_size, made)
+        return made
 
     def given(self) -> tuple[str, ...]:
         """Names of the fields that were provided."""

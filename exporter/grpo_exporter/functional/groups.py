@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.config import AdvantageNorm
+from grpo_exporter.functional.constants import cached_constant
 
 T = TypeVar("T")
 
@@ -23,6 +24,8 @@ T = TypeVar("T")
 @dataclass(frozen=True, eq=False)
 class Groups:
     """``index`` (N,) int64 group of each completion in [0, bins); ``bins`` is a host-known upper bound.
+    ``size``: set for contiguous groups of that many members (``index`` = arange(N) // size), whose per-group
+    reductions are a reshape and one reduction along it (one operator, where a scatter takes two to five).
 
     One grouping serves one computation (a stage of one step): the counts and statistics it takes are
     remembered per input tensor, since several metrics count the same outcomes (sizes, hits) or read the same
@@ -30,6 +33,7 @@ class Groups:
 
     index: Tensor
     bins: int
+    size: int | None = None
     _memo: dict[object, tuple[Tensor | None, Any]] = field(default_factory=dict, repr=False)
 
     def remembered(self, kind: str, of: Tensor | None, make: Callable[[], T]) -> T:
@@ -44,30 +48,51 @@ class Groups:
 
     def sum(self, values: Tensor) -> Tensor:
         """Per-bin sum of (N,) ``values`` (accumulated in the values' dtype; pass fp64/int64 for exactness)."""
+        if self.size is not None:
+            return values.reshape(self.bins, self.size).sum(dim=1)
         return torch.zeros(self.bins, dtype=values.dtype, device=values.device).index_add_(0, self.index, values)
 
     def count(self, mask: Tensor) -> Tensor:
-        """Per-bin count of True entries of (N,) ``mask`` (remembered for this very tensor object)."""
+        """Per-bin count (int64) of True entries of (N,) ``mask`` (remembered for this very tensor object)."""
+        if self.size is not None:  # a bool sum is int64
+            return self.remembered("count", mask, lambda: mask.reshape(self.bins, self.size).sum(dim=1))
         return self.remembered("count", mask, lambda: self.sum(mask.to(torch.int64)))
 
     def amax(self, values: Tensor, valid: Tensor) -> Tensor:
-        """Per-bin max over ``valid`` entries; -inf for bins without one."""
+        """Per-bin max over ``valid`` entries (fp64); -inf for bins without one."""
         src = torch.where(valid, values.double(), -math.inf)
+        if self.size is not None:
+            return src.reshape(self.bins, self.size).amax(dim=1)
         out = torch.full((self.bins,), -math.inf, dtype=torch.float64, device=values.device)
         return out.scatter_reduce_(0, self.index, src, reduce="amax")
 
     def amin(self, values: Tensor, valid: Tensor) -> Tensor:
-        """Per-bin min over ``valid`` entries; +inf for bins without one."""
+        """Per-bin min over ``valid`` entries (fp64); +inf for bins without one."""
+        if self.size is not None:
+            return torch.where(valid, values.double(), math.inf).reshape(self.bins, self.size).amin(dim=1)
         return -self.amax(-values.double(), valid)
 
     def sizes(self) -> Tensor:
-        """Members per bin (0 for unused bins)."""
+        """Members per bin (int64; 0 for unused bins). Shared: never modify it in place."""
+        if self.size is not None:
+            return _filled(self.bins, self.size, self.index.device)
         return self.remembered("sizes", None, lambda: self.sum(torch.ones_like(self.index)))
 
 
 def contiguous_groups(n: int, group_size: int, device: torch.device | str = "cpu") -> Groups:
-    """Groups of ``group_size`` consecutive completions (the usual GRPO layout); ``n`` must be a multiple."""
-    return Groups(torch.arange(n, device=device) // group_size, n // group_size)
+    """Groups of ``group_size`` consecutive completions (the usual GRPO layout); ``n`` must be a multiple.
+    The index is built once per (n, group_size, device) and shared (read-only)."""
+    return Groups(_contiguous_index(n, group_size, torch.device(device)), n // group_size, group_size)
+
+
+@cached_constant(maxsize=16)
+def _contiguous_index(n: int, group_size: int, device: torch.device) -> Tensor:
+    return torch.arange(n, device=device) // group_size
+
+
+@cached_constant(maxsize=16)
+def _filled(bins: int, size: int, device: torch.device) -> Tensor:
+    return torch.full((bins,), size, dtype=torch.int64, device=device)
 
 
 def groups_from_ids(group_ids: Tensor) -> Groups:
