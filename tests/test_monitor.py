@@ -220,6 +220,30 @@ def test_solve_rate_history_predicts_zero_variance():
         assert half < unseen < solved
 
 
+def test_population_moments_follow_the_discounted_group_shares():
+    """The population's E[p] and E[p^2] (kept on the host, moved by three sums that come back with the
+    rollout's transfer) equal a Python reference: per rollout, move by (1 - keep) toward the mean over groups of
+    two or more of k/n and k(k-1)/(n(n-1)); groups of one say nothing, a batch of only such groups moves nothing."""
+    g, halflife = 4, 3.0
+    keep = 0.5 ** (1.0 / halflife)
+    rng = np.random.default_rng(5)
+    mean, second = 0.5, 1.0 * 2.0 / 6.0  # the prior 0.5: Beta(1, 1)
+    with monitor(group_size=g, solve_rate_halflife=halflife) as mon:
+        for step in range(12):
+            ids = torch.arange(3 * step, 3 * step + 3).repeat_interleave(g)
+            correct = torch.from_numpy(rng.random(3 * g) < rng.random(3).repeat(g))
+            mon.observe_rollout(step, rewards=correct.float(), correct=correct, prompt_ids=ids)
+            hits = correct.view(3, g).sum(1).double()
+            mean += (1 - keep) * (float((hits / g).mean()) - mean)
+            second += (1 - keep) * (float((hits * (hits - 1) / (g * (g - 1))).mean()) - second)
+            assert mon._solve_rates.mean == pytest.approx(mean, rel=1e-12), step
+            assert mon._solve_rates.second == pytest.approx(second, rel=1e-12), step
+        single = torch.tensor([True, False, True])
+        mon.observe_rollout(12, rewards=single.float(), correct=single, prompt_ids=torch.arange(3),
+                            group_ids=torch.arange(3))
+        assert (mon._solve_rates.mean, mon._solve_rates.second) == pytest.approx((mean, second), rel=1e-12)
+
+
 @pytest.mark.parametrize("shape", [(0.3, 0.3), (4.0, 1.0), (0.5, 3.0)], ids=["spread", "mostly-solved", "hard"])
 def test_zero_variance_prediction_holds_for_spread_difficulty(shape):
     """The seed's averaging trap: prompts of spread difficulty (p ~ Beta(0.3, 0.3), G = 16) give ~0.43

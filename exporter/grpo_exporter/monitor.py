@@ -60,6 +60,7 @@ from grpo_exporter.step import (
     StepResult,
     compute_step_carrying,
     families_of,
+    host_values,
 )
 from grpo_exporter.stitching import StepStitcher
 
@@ -68,6 +69,7 @@ PreflightReport = ABCReport | AccumulationReport | ReachReport | MaskTableReport
 log = logging.getLogger("grpo_exporter")
 
 _STAGE_BLOCKS = {"rollout": ROLLOUT_BLOCKS, "update": UPDATE_BLOCKS}
+_SOLVE_TERMS = "solve_rate_terms"  # the rollout's solve-rate moment terms, carried to the host with its transfer
 # the loss-mask audit of the rollout is published only when the update does not audit its own mask
 _AUDIT = frozenset(MASK_AUDIT_FAMILIES)
 UPDATE_FIELDS = frozenset(f.name for f in dataclasses.fields(StepInputs)) - {
@@ -205,7 +207,8 @@ class GRPOMonitor:
             self._advance(step)
             violations += self._publish_held_audit()  # the last step had no update to audit its mask
             inputs: StepInputs | None = None
-            slots = carry = groups = None
+            slots = groups = None
+            carry: dict[str, Tensor] = {}
             with self._contained("rollout"):
                 device = next((t.device for t in (rewards, correct, truncated, rollout_logprobs, old_logprobs,
                                                    loss_mask, completion_lengths, completion_ids)
@@ -225,14 +228,17 @@ class GRPOMonitor:
                 if slots is not None:
                     with contextlib.suppress(InputError):  # a grouping error is the metric blocks' to count
                         groups = inputs.groups(self.config.group_size)
-                    if groups is not None:
+                    if groups is not None and inputs.correct is not None:
                         inputs = inputs.replaced(zero_variance_prob=self._solve_rates.predict(slots, groups))
-                carry = edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
-            result = self._compute("rollout", inputs, carry or {})
+                        carry[_SOLVE_TERMS] = SolveRates.moment_terms(inputs.correct, groups)
+                carry |= edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
+            result = self._compute("rollout", inputs, carry)
             if slots is not None and groups is not None and inputs is not None and inputs.correct is not None:
                 # the groups the prediction used (no second grouping); an error here is the metric blocks' too
                 with contextlib.suppress(Exception):
-                    self._solve_rates.update(slots, inputs.correct, groups)
+                    terms = result.carried.get(_SOLVE_TERMS)
+                    moments = None if terms is None else host_values(terms)
+                    self._solve_rates.update(slots, inputs.correct, groups, moments)
             if inputs is not None and inputs.completion_ids is not None:
                 self._edit_worker.submit(result.carried, inputs.completion_ids.shape[1])
             audit = {k: v for k, v in result.metrics.items() if catalog.family_of(k.sample).name in _AUDIT}

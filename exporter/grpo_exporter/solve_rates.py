@@ -11,10 +11,13 @@ trap: p ~ Beta(0.3, 0.3), G = 16 gives 0.43, p = 0.5 gives 3e-5). So each prompt
 
 The prediction is the Beta-binomial probability of k = 0 or k = G. Tables live on the tensors' device,
 indexed by ``prompt_id`` modulo their size, updated in place with no host sync; they follow the batches from
-device to device (a rollout on another device moves them there once).
+device to device (a rollout on another device moves them there once). The population's two moments live on
+the host: three sums per rollout travel with its one transfer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -28,11 +31,14 @@ _MIN_SHAPE = 1e-3
 
 
 class SolveRates:
-    """Discounted hits and trials per prompt slot, and the discounted moments of the population's solve rates.
+    """Discounted hits and trials per prompt slot (on the device), and the discounted moments of the population's
+    solve rates (on the host).
 
-    ``table`` (slots, 2): the discounted hits and trials of each slot; ``moments`` (2,): E[p] and E[p^2]. Kept
-    side by side so that a rollout updates each with one operator: this runs on every rollout, on tensors of a
-    few hundred values, where the operator count is the cost."""
+    ``table`` (slots, 2): the discounted hits and trials of each slot, updated in place by each rollout.
+    ``mean`` and ``second``: E[p] and E[p^2] of the population, Python floats: a rollout's groups add their
+    terms (:meth:`moment_terms`, three sums on the device) to the step's one transfer, and the host moves the
+    moments with them (:meth:`update`); the population's Beta is then host arithmetic, no operator (this runs
+    on every rollout, on tensors of a few hundred values, where the operator count is the cost)."""
 
     def __init__(self, slots: int, prior: float, halflife: float) -> None:
         self.slots = slots
@@ -41,7 +47,7 @@ class SolveRates:
         # before any batch: a Beta of concentration 2 around the configured prior (a0 = 2p, b0 = 2(1-p)),
         # whose second moment is a0 (a0 + 1) / ((a0 + b0)(a0 + b0 + 1))
         a0 = 2.0 * prior
-        self.moments = torch.tensor([prior, a0 * (a0 + 1.0) / 6.0], dtype=torch.float64)
+        self.mean, self.second = prior, a0 * (a0 + 1.0) / 6.0
 
     def slots_of(self, inputs: StepInputs, prompt_ids: Tensor | None) -> Tensor | None:
         """This batch's table slots (None without ``prompt_ids`` and ``correct``)."""
@@ -61,15 +67,14 @@ class SolveRates:
             self.table = torch.zeros(self.slots, 2, dtype=torch.float64, device=device)
         elif self.table.device != device:
             self.table = self.table.to(device)
-        self.moments = self.moments.to(device)
         return prompt_ids.long().remainder(self.slots)
 
-    def population(self) -> tuple[Tensor, Tensor]:
-        """(a0, b0): the Beta with the population's mean and second moment (method of moments), fp64."""
-        m = self.moments[0].clamp(1e-6, 1.0 - 1e-6)
-        variance = (self.moments[1] - m * m).clamp(min=m * (1.0 - m) / (_MAX_CONCENTRATION + 1.0))
-        concentration = (m * (1.0 - m) / variance - 1.0).clamp(min=2.0 * _MIN_SHAPE, max=_MAX_CONCENTRATION)
-        return (m * concentration).clamp(min=_MIN_SHAPE), ((1.0 - m) * concentration).clamp(min=_MIN_SHAPE)
+    def population(self) -> tuple[float, float]:
+        """(a0, b0): the Beta with the population's mean and second moment (method of moments)."""
+        m = min(max(self.mean, 1e-6), 1.0 - 1e-6)
+        variance = max(self.second - m * m, m * (1.0 - m) / (_MAX_CONCENTRATION + 1.0))
+        concentration = min(max(m * (1.0 - m) / variance - 1.0, 2.0 * _MIN_SHAPE), _MAX_CONCENTRATION)
+        return max(m * concentration, _MIN_SHAPE), max((1.0 - m) * concentration, _MIN_SHAPE)
 
     def predict(self, slots: Tensor, groups: Groups) -> Tensor:
         """Per sample: the predicted probability that its group is all-correct or all-wrong, from its
@@ -78,20 +83,28 @@ class SolveRates:
         a0, b0 = self.population()
         hits, trials = self.table[slots].unbind(1)
         size = groups.sizes()[groups.index]
-        return beta_binomial_zero_variance(a0 + hits, b0 + (trials - hits), size)
+        return beta_binomial_zero_variance(hits + a0, (trials - hits).add_(b0), size)
 
-    def update(self, slots: Tensor, correct: Tensor, groups: Groups) -> None:
+    @staticmethod
+    def moment_terms(correct: Tensor, groups: Groups) -> Tensor:
+        """(3,) fp64 on the device: over this batch's groups of two or more, the sums of k/n and of the unbiased
+        k(k-1)/(n(n-1)), and their number (groups of one say nothing about E[p^2])."""
+        hits = groups.count(correct.bool()).double()
+        sizes = groups.sizes().double()
+        pairs = sizes >= 2
+        share = hits / sizes.clamp(min=1.0)
+        second = share * (hits - 1.0) / (sizes - 1.0).clamp(min=1.0)
+        return torch.where(pairs, torch.stack([share, second, pairs.double()]), 0.0).sum(dim=1)
+
+    def update(self, slots: Tensor, correct: Tensor, groups: Groups, terms: Sequence[float] | None) -> None:
         """Discount each prompt's history and add this batch's outcomes (prompts sharing a slot share it); move
-        the population moments toward this batch's groups."""
+        the population moments toward this batch's groups by their :meth:`moment_terms`, read on the host
+        (None: the step brought none back; the moments stay)."""
         assert self.table is not None
         counts = torch.stack([groups.count(correct.bool()), groups.sizes()], dim=1).double()  # (bins, 2)
         # every member of a group carries its group's counts; index_put_ keeps one write per slot
         self.table.index_put_((slots,), self.table[slots].mul_(self.keep).add_(counts[groups.index]))
-        hits, sizes = counts.unbind(1)
-        pairs = sizes >= 2  # groups of one say nothing about E[p^2]
-        # per group: k/n and the unbiased k(k-1)/(n(n-1)), averaged over the groups with pairs
-        numerators = torch.stack([hits, hits * (hits - 1.0)], dim=1)
-        denominators = torch.stack([sizes, sizes * (sizes - 1.0)], dim=1).clamp(min=1.0)
-        shares = torch.where(pairs.unsqueeze(1), numerators / denominators, 0.0)
-        step = torch.where(pairs.any(), 1.0 - self.keep, 0.0)
-        self.moments = self.moments + step * (shares.sum(dim=0) / pairs.sum().clamp(min=1) - self.moments)
+        if terms is not None and terms[2] > 0:
+            step = 1.0 - self.keep
+            self.mean += step * (terms[0] / terms[2] - self.mean)
+            self.second += step * (terms[1] / terms[2] - self.second)

@@ -162,6 +162,13 @@ def reading_host_copy() -> bool:
     return getattr(_host, "active", False)
 
 
+def host_values(carried: Tensor) -> list[float]:
+    """The values of a carried vector (:class:`StepResult`), a view of the step's block already on the host:
+    read with no transfer (and not counted as one by the bench's probes, as on a CPU run it would be)."""
+    with _on_host_copy():
+        return carried.tolist()  # type: ignore[no-any-return]
+
+
 @contextlib.contextmanager
 def _on_host_copy() -> Iterator[None]:
     _host.active = True
@@ -386,7 +393,7 @@ def compute_step_carrying(
     failed_inputs: bool = False,
 ) -> StepResult:
     """:func:`compute_step`, plus device vectors ``carry`` brought to the host in the same single transfer
-    (the monitor carries prompt ids and outcomes for its solve-rate history this way).
+    (the monitor carries its solve-rate moment terms and the edit-distance rows this way).
 
     Each metric block runs on its own: with ``strict=False`` a block that raises is dropped whole and
     returned in the error list, and every other block is still computed and transferred. ``merger`` merges
