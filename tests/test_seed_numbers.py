@@ -194,3 +194,17 @@ def test_pass_at_k_against_closed_form():
         assert (every_k.numerator[k - 1] / every_k.denominator[k - 1]).item() == pytest.approx(got, rel=1e-12)
         if k == 1:
             assert got == pytest.approx(0.5)
+
+
+def test_the_averaging_trap_in_closed_form():
+    """Seed 第 3 篇 §1: p ~ Beta(0.3, 0.3), G = 16 gives ~0.43 zero-variance groups where p = 0.5 plugged in gives
+    3e-5. The log-gamma form gives the former as the product form E[p^G] = prod_i (a + i) / (a + b + i) does,
+    with one G for all samples (contiguous groups) or a G per sample."""
+    alpha, beta = torch.full((3,), 0.3, dtype=torch.float64), torch.full((3,), 0.3, dtype=torch.float64)
+    one_g = samples.beta_binomial_zero_variance(alpha, beta, 16.0)
+    per_sample = samples.beta_binomial_zero_variance(alpha, beta, torch.full((3,), 16))
+    exact = 2 * math.prod((0.3 + i) / (0.6 + i) for i in range(16))
+    assert torch.equal(one_g, per_sample)
+    assert one_g.tolist() == pytest.approx([exact] * 3, rel=1e-12)
+    assert round(exact, 2) == 0.43
+    assert float(samples.zero_variance_probability(torch.tensor(0.5), 16)) == pytest.approx(3.05e-5, rel=1e-2)

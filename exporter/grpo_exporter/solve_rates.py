@@ -82,7 +82,7 @@ class SolveRates:
         assert self.table is not None
         a0, b0 = self.population()
         hits, trials = self.table[slots].unbind(1)
-        size = groups.sizes()[groups.index]
+        size = float(groups.size) if groups.size is not None else groups.sizes()[groups.index]
         return beta_binomial_zero_variance(hits + a0, (trials - hits).add_(b0), size)
 
     @staticmethod

@@ -83,7 +83,7 @@ def histogram(
         assert valid is not None
         valid_count = count(valid)
     counts = _banked_counts(kept)
-    counts[0] -= kept.numel() - valid_count  # every position off ``valid`` was counted in bucket 0
+    counts[:1].sub_(kept.numel() - valid_count)  # every position off ``valid`` was counted in bucket 0
     lowest = filled(values, bits, math.inf).amin() if exact_min else _zero(values.device)
     # non-negative fp32 values order as their bits do: an integer max, without the float kernel's NaN checks
     return Histogram(counts, lowest, kept.view(torch.int32).amax().view(torch.float32))
@@ -197,7 +197,9 @@ class HostHistograms:
     device cost ~35 small operators (and on a GPU, as many kernels on the training stream)."""
 
     def __init__(self, counts: Tensor, lows: Sequence[float], highs: Sequence[float]) -> None:
-        self.counts = counts.reshape(-1, BUCKETS).double().cpu()
+        counts = counts.reshape(-1, BUCKETS)
+        counts = counts if counts.dtype == torch.float64 else counts.double()
+        self.counts = counts if counts.device.type == "cpu" else counts.cpu()  # the step's block: both already
         self.cum = self.counts.cumsum(-1)
         self._cum = _doubles(self.cum)  # read by index and bisect, no operator per read (lives with self.cum)
         self.totals: list[float] = self.cum[:, -1].tolist()

@@ -273,14 +273,22 @@ def zero_variance_probability(p: Tensor, size: Tensor | float) -> Tensor:
     return p.pow(size) + (1.0 - p).pow(size)
 
 
-def beta_binomial_zero_variance(alpha: Tensor, beta: Tensor, size: Tensor) -> Tensor:
+def beta_binomial_zero_variance(alpha: Tensor, beta: Tensor, size: Tensor | float) -> Tensor:
     """E[p^G + (1-p)^G] for p ~ Beta(alpha, beta): B(a+G, b)/B(a, b) + B(a, b+G)/B(a, b), fp64.
 
     The Beta-binomial probability of k = G or k = 0: the prediction averaged over the solve rates a prompt may
     have, not taken at their mean (the function is convex; the mean underestimates it). The six log-gammas
     are taken in one call and combined by one product with their signs (a dozen operators where one call per
-    term took thirty: this runs on every rollout)."""
-    a, b, g = torch.broadcast_tensors(alpha.double(), beta.double(), size.double())
+    term took thirty: this runs on every rollout). ``size``: per sample, or one G for all (contiguous groups)."""
+    a = alpha if alpha.dtype == torch.float64 else alpha.double()
+    b = beta if beta.dtype == torch.float64 else beta.double()
+    g: Tensor | float = size
+    if isinstance(size, Tensor):
+        g = size if size.dtype == torch.float64 else size.double()
+        if not a.shape == b.shape == g.shape:
+            a, b, g = torch.broadcast_tensors(a, b, g)
+    elif a.shape != b.shape:
+        a, b = torch.broadcast_tensors(a, b)
     ab = a + b
     logs = torch.lgamma(torch.stack([a, b, ab, a + g, b + g, ab + g]))
     signs = constant(_BETA_SIGNS, torch.float64, logs.device).view(2, 6)
