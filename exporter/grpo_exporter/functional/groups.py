@@ -60,7 +60,7 @@ class Groups:
 
     def amax(self, values: Tensor, valid: Tensor) -> Tensor:
         """Per-bin max over ``valid`` entries (fp64); -inf for bins without one."""
-        src = torch.where(valid, values.double(), -math.inf)
+        src = torch.where(valid, values if values.dtype == torch.float64 else values.double(), -math.inf)
         if self.size is not None:
             return src.reshape(self.bins, self.size).amax(dim=1)
         out = torch.full((self.bins,), -math.inf, dtype=torch.float64, device=values.device)
@@ -69,7 +69,8 @@ class Groups:
     def amin(self, values: Tensor, valid: Tensor) -> Tensor:
         """Per-bin min over ``valid`` entries (fp64); +inf for bins without one."""
         if self.size is not None:
-            return torch.where(valid, values.double(), math.inf).reshape(self.bins, self.size).amin(dim=1)
+            wide = values if values.dtype == torch.float64 else values.double()
+            return torch.where(valid, wide, math.inf).reshape(self.bins, self.size).amin(dim=1)
         return -self.amax(-values.double(), valid)
 
     def sizes(self) -> Tensor:
@@ -107,9 +108,11 @@ def groups_from_ids(group_ids: Tensor) -> Groups:
 
 
 class GroupStats(NamedTuple):
-    """Per-bin statistics of one reward vector over its finite entries (fp64)."""
+    """Per-bin statistics of one reward vector over its finite entries (fp64; ``count`` int64). A bin without
+    a finite entry has sum, mean, both stds and range 0, so sums over bins need no mask."""
 
     count: Tensor
+    sum: Tensor
     mean: Tensor
     population_std: Tensor
     unbiased_std: Tensor
@@ -129,13 +132,14 @@ def _group_stats(values: Tensor, groups: Groups) -> GroupStats:
     count = groups.count(valid)
     exists = count > 0
     safe = count.clamp(min=1).double()
-    mean = groups.sum(x) / safe
+    total = groups.sum(x)
+    mean = total / safe
     dev = torch.where(valid, x - mean[groups.index], 0.0)
     ss = groups.sum(dev * dev)
     population = (ss / safe).sqrt()
     unbiased = (ss / (count - 1).clamp(min=1).double()).sqrt()
-    spread = torch.where(exists, groups.amax(values, valid) - groups.amin(values, valid), 0.0)
-    return GroupStats(count, mean, population, unbiased, spread, exists)
+    spread = torch.where(exists, groups.amax(x, valid) - groups.amin(x, valid), 0.0)
+    return GroupStats(count, total, mean, population, unbiased, spread, exists)
 
 
 def group_normalized_advantages(

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups, group_stats
 from grpo_exporter.functional.histogram import Quantiles, histograms
-from grpo_exporter.functional.reading import Reading, count, filled, finite, fraction, masked_max, masked_mean
+from grpo_exporter.functional.reading import Reading, count, filled, finite, fraction, masked_max
 
 
 class RewardStats(NamedTuple):
@@ -25,13 +25,13 @@ class RewardStats(NamedTuple):
 
 
 def reward_stats(values: Tensor, groups: Groups) -> RewardStats:
-    """Mean of finite rewards, and the means over groups of the within-group population std and range."""
+    """Mean of finite rewards, and the means over groups of the within-group population std and range (groups
+    with a finite reward; the others add 0 to every sum)."""
     stats = group_stats(values, groups)
-    n_groups = stats.exists.sum()
     return RewardStats(
-        masked_mean(values, torch.isfinite(values)),
-        fraction(torch.where(stats.exists, stats.population_std, 0.0).sum(), n_groups),
-        fraction(torch.where(stats.exists, stats.range, 0.0).sum(), n_groups),
+        fraction(stats.sum.sum(), stats.count.sum()),
+        fraction(stats.population_std.sum(), stats.exists.sum()),
+        fraction(stats.range.sum(), stats.exists.sum()),
     )
 
 
