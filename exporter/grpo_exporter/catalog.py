@@ -108,6 +108,11 @@ class Metric:
         assert self.merge is not None  # validate() requires it of every step gauge
         return self.merge
 
+    def __hash__(self) -> int:
+        """The name's hash (cached by the string; equal entries have equal names): a catalogue entry is a key of
+        the sample-key cache, asked a few hundred times a step, where hashing every field cost ~0.25 us."""
+        return hash(self.name)
+
     def key(self, suffix: str = "", **labels: str) -> SampleKey:
         """The sample key of ``name+suffix`` with ``labels``, used in step mappings, the publication and tests.
 

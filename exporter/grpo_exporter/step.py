@@ -51,6 +51,14 @@ class Entry(NamedTuple):
     index: int = 0
 
 
+class Element(NamedTuple):
+    """Position ``index`` of ``vector``, as a value for :meth:`_Gather.add` (always present): the whole vector
+    is packed once however many samples read it, with no select operator per sample."""
+
+    vector: Tensor
+    index: int
+
+
 class Position(NamedTuple):
     """Where an entry's value is after the transfer. ``kind`` PLAIN: ``value`` and ``present`` (a flag) index
     the packed block; RATIO: its numerator (``value``) and denominator (``present``): the host divides, and the
@@ -241,7 +249,10 @@ class _Gather:
 
     def add(self, name: str, value: Any, suffix: str = "", **labels: str) -> None:
         key = catalog.metric(name).key(suffix, **labels)
-        if isinstance(value, int | float):
+        if isinstance(value, Element):
+            self.entries.append(Entry(key, always(value.vector), value.index))
+            return
+        if isinstance(value, (int, float)):
             value = torch.full((), float(value), dtype=torch.float64, device=self.device)  # a fill, no copy
         if isinstance(value, Tensor):
             value = always(value)
@@ -254,14 +265,15 @@ class _Gather:
             self.entries.append(Entry(family.key(**{label: value}), r, i))
 
     def summary(
-        self, name: str, total: Tensor, count: Tensor, r: Quantiles, qs: Sequence[float], **labels: str
+        self, name: str, total: Tensor | Element, count: Tensor | Element, r: Quantiles, qs: Sequence[float],
+        **labels: str,
     ) -> None:
         for i, key in enumerate(_quantile_keys(name, tuple(qs), tuple(labels.items()))):
             self.entries.append(Entry(key, r, i))
         self.add(name, total, "_sum", **labels)
         self.add(name, count, "_count", **labels)
 
-    def histogram(self, name: str, h: HostReading, total: Tensor, **labels: str) -> None:
+    def histogram(self, name: str, h: HostReading, total: Tensor | Element, **labels: str) -> None:
         """A classic histogram read exactly from the fine one of ``h`` (any reading of it): this step's
         increments of every ``_bucket`` (the catalogue's bounds, which are fine edges), ``_sum`` (``total``) and
         ``_count`` (the +Inf bucket)."""
@@ -671,11 +683,12 @@ def _lengths(g: _Gather, c: _Context) -> None:
         outcomes = {"all": torch.ones_like(x.completion_lengths, dtype=torch.bool)}
         if x.correct is not None:
             outcomes |= {"correct": x.correct, "incorrect": ~x.correct}
-        for outcome, stats in zip(outcomes, reward.length_stats(x.completion_lengths, outcomes.values(), qs),
-                                  strict=True):
-            g.summary("grpo_completion_length_tokens", stats.total, stats.count, stats.quantiles, qs, outcome=outcome)
-            g.histogram("grpo_completion_length_distribution_tokens", stats.quantiles, stats.total,
-                        outcome=outcome)
+        stats = reward.length_stats(x.completion_lengths, outcomes.values(), qs)
+        for i, outcome in enumerate(outcomes):
+            total = Element(stats.totals, i)
+            g.summary("grpo_completion_length_tokens", total, Element(stats.counts, i), stats.quantiles[i], qs,
+                      outcome=outcome)
+            g.histogram("grpo_completion_length_distribution_tokens", stats.quantiles[i], total, outcome=outcome)
     if x.truncated is not None:
         g.add("grpo_truncated_completions_total", x.truncated.sum())
 
@@ -759,7 +772,8 @@ def _solve_rates(g: _Gather, c: _Context) -> None:
     hist = samples.mixed_group_solve_rates(x.correct, groups, buckets)
     name = "grpo_mixed_group_solve_rate_ratio"
     for i, bound in enumerate((*buckets, math.inf)):
-        g.add(name, hist.cumulative[i], "_bucket", le="+Inf" if bound == math.inf else format_quantile(bound))
+        le = "+Inf" if bound == math.inf else format_quantile(bound)
+        g.add(name, Element(hist.cumulative, i), "_bucket", le=le)
     g.add(name, hist.total, "_sum")
     g.add(name, hist.count, "_count")
 

@@ -63,14 +63,16 @@ def advantage_check(
 
 
 class LengthStats(NamedTuple):
-    total: Tensor
-    count: Tensor
-    quantiles: Quantiles
+    """Per subset (row i): the sum (fp64) and count of its lengths, (k,) each, and its quantiles."""
+
+    totals: Tensor
+    counts: Tensor
+    quantiles: list[Quantiles]
 
 
 def length_stats(
     completion_lengths: Tensor, members: Sequence[Tensor], quantiles: Sequence[float]
-) -> list[LengthStats]:
+) -> LengthStats:
     """Sum, count and quantiles of the completion lengths (tokens) of each ``members`` (N,) bool subset (the
     outcomes: all, correct, incorrect), in one pass: one histogram stack, one read of its quantiles."""
     chosen = torch.stack(list(members))
@@ -79,7 +81,4 @@ def length_stats(
     counts = count(chosen, dim=1)
     h = histograms(completion_lengths, chosen)
     qs = tuple(quantiles)
-    return [
-        LengthStats(totals[i], counts[i], Quantiles(h, qs, row=i))
-        for i in range(chosen.shape[0])
-    ]
+    return LengthStats(totals, counts, [Quantiles(h, qs, row=i) for i in range(chosen.shape[0])])
