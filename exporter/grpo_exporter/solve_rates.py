@@ -67,7 +67,7 @@ class SolveRates:
             self.table = torch.zeros(self.slots, 2, dtype=torch.float64, device=device)
         elif self.table.device != device:
             self.table = self.table.to(device)
-        return prompt_ids.long().remainder(self.slots)
+        return (prompt_ids if prompt_ids.dtype == torch.int64 else prompt_ids.long()).remainder(self.slots)
 
     def population(self) -> tuple[float, float]:
         """(a0, b0): the Beta with the population's mean and second moment (method of moments)."""
@@ -89,7 +89,7 @@ class SolveRates:
     def moment_terms(correct: Tensor, groups: Groups) -> Tensor:
         """(3,) fp64 on the device: over this batch's groups of two or more, the sums of k/n and of the unbiased
         k(k-1)/(n(n-1)), and their number (groups of one say nothing about E[p^2])."""
-        hits = groups.count(correct.bool()).double()
+        hits = groups.count(correct).double()
         sizes = groups.sizes().double()
         pairs = sizes >= 2
         share = hits / sizes.clamp(min=1.0)
@@ -101,7 +101,7 @@ class SolveRates:
         the population moments toward this batch's groups by their :meth:`moment_terms`, read on the host
         (None: the step brought none back; the moments stay)."""
         assert self.table is not None
-        counts = torch.stack([groups.count(correct.bool()), groups.sizes()], dim=1).double()  # (bins, 2)
+        counts = torch.stack([groups.count(correct), groups.sizes()], dim=1).double()  # (bins, 2)
         # every member of a group carries its group's counts; index_put_ keeps one write per slot
         self.table.index_put_((slots,), self.table[slots].mul_(self.keep).add_(counts[groups.index]))
         if terms is not None and terms[2] > 0:

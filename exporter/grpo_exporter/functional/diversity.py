@@ -43,7 +43,7 @@ def pass_at_ks(correct: Tensor, groups: Groups, ks: Sequence[int]) -> Ratio:
     """:func:`pass_at_k` for every k of ``ks`` at once: a :class:`Ratio` of (len(ks),) numerators and
     denominators. The running product over i < max(ks) is taken once and read at each k."""
     n = groups.sizes().double()
-    c = groups.count(correct.bool()).double()
+    c = groups.count(correct).double()
     i = constant(range(max(ks)), torch.float64, correct.device)
     terms = ((n - c).unsqueeze(1) - i).clamp(min=0.0) / (n.unsqueeze(1) - i).clamp(min=1.0)
     k = constant(ks, torch.float64, correct.device)
@@ -66,7 +66,8 @@ def sequence_hashes(completion_ids: Tensor, positions: Tensor) -> Tensor:
     multiplier is invertible mod 2^64), and one of another length has terms (token + 1 >= 1) the other lacks.
     One multiply and one row sum: O(N T) in three passes."""
     width = completion_ids.shape[1]
-    tokens = (completion_ids.long() + 1).mul_(positions).mul_(_multipliers(width, str(completion_ids.device)))
+    ids = completion_ids if completion_ids.dtype == torch.int64 else completion_ids.long()
+    tokens = (ids + 1).mul_(positions).mul_(_multipliers(width, str(completion_ids.device)))
     return tokens.sum(dim=1)
 
 

@@ -53,10 +53,11 @@ class Groups:
         return torch.zeros(self.bins, dtype=values.dtype, device=values.device).index_add_(0, self.index, values)
 
     def count(self, mask: Tensor) -> Tensor:
-        """Per-bin count (int64) of True entries of (N,) ``mask`` (remembered for this very tensor object)."""
+        """Per-bin count (int64) of True (non-zero) entries of (N,) ``mask`` (remembered for this very tensor
+        object: pass the same tensor, not a fresh ``.bool()`` of it)."""
         if self.size is not None:  # a bool sum is int64
-            return self.remembered("count", mask, lambda: mask.reshape(self.bins, self.size).sum(dim=1))
-        return self.remembered("count", mask, lambda: self.sum(mask.to(torch.int64)))
+            return self.remembered("count", mask, lambda: _bools(mask).reshape(self.bins, self.size).sum(dim=1))
+        return self.remembered("count", mask, lambda: self.sum(_bools(mask).to(torch.int64)))
 
     def amax(self, values: Tensor, valid: Tensor) -> Tensor:
         """Per-bin max over ``valid`` entries (fp64); -inf for bins without one."""
@@ -78,6 +79,10 @@ class Groups:
         if self.size is not None:
             return _filled(self.bins, self.size, self.index.device)
         return self.remembered("sizes", None, lambda: self.sum(torch.ones_like(self.index)))
+
+
+def _bools(mask: Tensor) -> Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def contiguous_groups(n: int, group_size: int, device: torch.device | str = "cpu") -> Groups:

@@ -258,7 +258,7 @@ def zero_variance_groups(rewards: Tensor, groups: Groups, correct: Tensor | None
         all_correct = all_incorrect = torch.zeros((), dtype=torch.int64, device=rewards.device)
         unknown = zero.sum()
     else:
-        hits = groups.count(correct.bool())
+        hits = groups.count(correct)
         sizes = groups.sizes()
         all_correct = (zero & (hits == sizes)).sum()
         all_incorrect = (zero & (hits == 0)).sum()
@@ -318,7 +318,7 @@ class SolveRateHistogram(NamedTuple):
 def mixed_group_solve_rates(correct: Tensor, groups: Groups, buckets: Sequence[float]) -> SolveRateHistogram:
     """Histogram of the solve rate c/n of groups with mixed outcomes (0 < c < n): are they piled at the
     ends, where sigma normalisation gives the lone minority the largest weight (seed 第 4 篇 落地顺序 2)?"""
-    hits = groups.count(correct.bool()).double()
+    hits = groups.count(correct).double()
     sizes = groups.sizes().double()
     mixed = (hits > 0) & (hits < sizes)
     rate = hits / sizes.clamp(min=1.0)
