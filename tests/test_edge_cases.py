@@ -291,3 +291,37 @@ def test_contiguous_groups_reduce_as_the_scatter_of_their_ids(seed):
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15, nan_ok=True), key
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_nonfinite_input_counts_are_exact_whichever_input_holds_them(case):
+    """The log-prob inputs' non-finite counts are witnessed by the differences they enter (0 there: 0, no
+    count taken); otherwise counted after the transfer. Either way each input's count is its own exact count on
+    loss tokens: NaN, +-inf in one input alone (cases 0-4), in every input (5), the same +inf in two inputs of
+    one difference (6: inf - inf), off the mask (never counted), and finite values whose differences overflow
+    (7: witnesses > 0, counts 0)."""
+    names = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy")
+    gen = torch.Generator().manual_seed(case)
+    batch = make_batch(case % 3)
+    base = batch.healthy_inputs()
+    hits = torch.rand(base.loss_mask.shape, generator=gen) < 0.05
+    bad = torch.tensor([math.nan, math.inf, -math.inf])[torch.randint(0, 3, (int(hits.sum()),), generator=gen)]
+    changed = {name: getattr(base, name).clone() for name in names}
+    if case < 5:
+        changed[names[case]][hits] = bad
+    elif case == 5:
+        for name in names:
+            changed[name][hits] = bad
+    elif case == 6:
+        for name in ("logprobs", "ref_logprobs"):
+            changed[name][hits] = math.inf
+    else:
+        for name in names:
+            changed[name][base.loss_mask] = 3e38 if name in ("rollout_logprobs", "ref_logprobs") else -3e38
+    x = batch.inputs(**changed, loss_mask=base.loss_mask)
+    m = compute_step(x, CFG)
+    for name in names:
+        expected = int((~torch.isfinite(changed[name]) & x.loss_mask).sum())
+        if case < 5:
+            assert (expected > 0) == (name == names[case])
+        assert m[f'grpo_nonfinite_values_total{{tensor="{name}"}}'] == expected, (case, name)

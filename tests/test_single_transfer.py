@@ -31,19 +31,28 @@ def host_calls(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_step_makes_exactly_one_transfer(host_calls, dtype):
+    """A step whose inputs are finite on the loss tokens: one transfer. The test batch's own mask bug (row 7
+    trains on a -inf padding position of every log-prob input, NaN entropy) is the exception the non-finite
+    counters exist for: their per-input counts, witnessed by the log-prob differences, take one more transfer,
+    and stay exact."""
     batch = make_batch(0, dtype=dtype, shuffled_groups=True)
-    inputs = batch.inputs(
-        grads=[torch.randn(3, 4), torch.randn(5)],
-        grad_norm_pre_clip=None,
-        params_before=[torch.ones(4)],
-        params_after=[torch.full((4,), 1.01)],
-        loss=torch.tensor(0.3),
-    )
+    extra = {"grads": [torch.randn(3, 4), torch.randn(5)], "grad_norm_pre_clip": None,
+             "params_before": [torch.ones(4)], "params_after": [torch.full((4,), 1.01)], "loss": torch.tensor(0.3)}
+    faulty, healthy = batch.inputs(**extra), batch.healthy_inputs(**extra)
+    names = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy")
     cfg = MetricsConfig(group_size=8, log_ratio_clamp=20.0, pass_k=(2, 4))
     host_calls.clear()
-    metrics = compute_step(inputs, cfg)
+    metrics = compute_step(healthy, cfg)
     assert host_calls == ["tolist"]
     assert len(metrics) > 90
+    assert all(metrics[f'grpo_nonfinite_values_total{{tensor="{name}"}}'] == 0 for name in names)
+    host_calls.clear()
+    metrics = compute_step(faulty, cfg)
+    assert host_calls == ["tolist", "tolist"]
+    for name in names:
+        expected = int((~torch.isfinite(getattr(faulty, name)) & faulty.loss_mask).sum())
+        assert expected == 1
+        assert metrics[f'grpo_nonfinite_values_total{{tensor="{name}"}}'] == expected, name
 
 
 def test_the_spy_sees_hidden_syncs(host_calls):
@@ -60,7 +69,7 @@ def test_monitor_calls_transfer_once_per_step(host_calls):
     from grpo_exporter import GRPOMonitor
     from monitor_helpers import rollout_kwargs, update_kwargs
 
-    x = make_batch(0).inputs()
+    x = make_batch(0).healthy_inputs()
     model = torch.nn.Linear(3, 2)
     model(torch.randn(4, 3)).sum().backward()
     with GRPOMonitor(run="t", group_size=8, port=None, guard="off", edit_distance_groups=0) as mon:
@@ -86,7 +95,7 @@ def test_only_the_steps_own_host_copy_is_exempt(host_calls, monkeypatch):
 
     syncing.families, syncing.tags = (), ()
     monkeypatch.setattr(step_module, "BLOCKS", (*step_module.BLOCKS, syncing))
-    inputs = make_batch(0).inputs()
+    inputs = make_batch(0).healthy_inputs()
     host_calls.clear()
     compute_step(inputs, MetricsConfig(group_size=8))
     assert host_calls == ["__float__", "tolist"]

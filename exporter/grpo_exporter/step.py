@@ -70,7 +70,18 @@ class Position(NamedTuple):
     kind: int
 
 
-PLAIN, RATIO, HOST = 0, 1, 2
+PLAIN, RATIO, HOST, WITNESSED = 0, 1, 2, 3
+
+
+class Witnessed(NamedTuple):
+    """The non-finite count of ``tensor``, when a cheaper count witnesses it: ``witness`` (0-d) counts the
+    non-finite values of a tensor that is non-finite wherever ``tensor`` is (a difference ``tensor`` entered,
+    which the step counts anyway). Witness 0 (every healthy step): the count is 0 and no pass over ``tensor`` is
+    made. Otherwise ``tensor`` is counted after the transfer, with the stage's other such counts: a stage with
+    NaN or inf in a log-prob input on a loss token takes one more transfer (a few integers)."""
+
+    tensor: Tensor
+    witness: Tensor
 
 
 class Packed(NamedTuple):
@@ -117,6 +128,10 @@ def _pack(entries: list[Entry]) -> Packed:
                 vectors.setdefault(id(h.maximum), h.maximum)
             host = (r, (("rows", stacks[id(h.counts)][0] + (r.row or 0)), ("rows", 0), HOST))
             where.append(host[1])
+            continue
+        if isinstance(r, Witnessed):
+            at = scalar(r.witness)
+            where.append((at, at, WITNESSED))
             continue
         if isinstance(r, Ratio):
             if r.numerator.dim() == 0:
@@ -168,6 +183,17 @@ def reading_host_copy() -> bool:
     count device reads and tensors built from Python data; reads of the host copy are neither, though on a
     CPU run the host copy and the device block are the same tensor."""
     return getattr(_host, "active", False)
+
+
+def _counts_after_transfer(tensors: list[Tensor]) -> list[float]:
+    """The non-finite counts of ``tensors``, taken after the step's transfer (:class:`Witnessed` counts whose
+    witness saw NaN or inf) and read together: on an accelerator one more transfer, which the bench's probes
+    count as one."""
+    active, _host.active = getattr(_host, "active", False), False
+    try:
+        return torch.stack([count_nonfinite(t) for t in tensors]).tolist()  # type: ignore[no-any-return]
+    finally:
+        _host.active = active
 
 
 def host_values(carried: Tensor) -> list[float]:
@@ -339,6 +365,7 @@ class _Gather:
         ) if counted else None
         read: dict[int, list[float] | None] = {}  # each histogram reading once, however many samples it has
         out = {}
+        late: list[tuple[SampleKey, Tensor]] = []  # witnessed counts whose witness saw NaN or inf
         for e, (v, p, kind) in zip(self.entries, positions, strict=True):
             if kind == HOST:
                 r = e.reading
@@ -351,6 +378,13 @@ class _Gather:
                 out[e.key] = packed[v] / packed[p]
             elif kind == PLAIN and packed[p]:
                 out[e.key] = packed[v]
+            elif kind == WITNESSED:
+                if packed[v]:
+                    late.append((e.key, e.reading.tensor))
+                else:
+                    out[e.key] = 0.0
+        if late:
+            out |= zip((key for key, _ in late), _counts_after_transfer([t for _, t in late]), strict=True)
         families = frozenset(catalog.family_of(sample).name for sample in {e.key.sample for e in self.entries})
         offset = width
         for name, _ in self.checks:
@@ -511,6 +545,38 @@ class _Context:
         """The prompt groups; a grouping error raises here, in the blocks that need groups, and only there."""
         return self.x.groups(self.cfg.group_size)
 
+    @functools.cached_property
+    def gap_difference(self) -> Tensor | None:
+        """rollout_logprobs - old_logprobs on the loss mask (fp32, 0 elsewhere), when both are given."""
+        x = self.x
+        if x.loss_mask is None or x.rollout_logprobs is None or x.old_logprobs is None:
+            return None
+        return self.masked("rollout_logprobs") - self.masked("old_logprobs")
+
+    @functools.cached_property
+    def kl_difference(self) -> Tensor | None:
+        """ref_logprobs - logprobs on the loss mask (fp32, 0 elsewhere), when both are given."""
+        x = self.x
+        if x.loss_mask is None or x.logprobs is None or x.ref_logprobs is None:
+            return None
+        return self.masked("ref_logprobs") - self.masked("logprobs")
+
+    @functools.cached_property
+    def witnesses(self) -> dict[str, Tensor]:
+        """Per token input, the non-finite count of a difference it entered, which the step takes anyway (the
+        log ratio, the engine gap, the KL's ref - logprobs): non-finite wherever the input is (NaN or inf in
+        either side of a difference leaves NaN or inf), so 0 there means 0 in the input (:class:`Witnessed`)."""
+        out: dict[str, Tensor] = {}
+        if self.lr is not None:
+            out["logprobs"] = out["old_logprobs"] = self.tokens - self.finite_ratio_tokens
+        if self.gap_difference is not None:
+            out["rollout_logprobs"] = self.nonfinite(self.gap_difference)
+            out.setdefault("old_logprobs", out["rollout_logprobs"])
+        if self.kl_difference is not None:
+            out["ref_logprobs"] = self.nonfinite(self.kl_difference)
+            out.setdefault("logprobs", out["ref_logprobs"])
+        return out
+
 
 # ---- layer 1 ----------------------------------------------------------------------------------------------
 
@@ -520,9 +586,12 @@ class _Context:
 def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
     x, mask = c.x, c.x.loss_mask
     if mask is not None:
+        witnesses = c.witnesses
         for name in ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy"):
             if getattr(x, name) is not None:  # 0 off the mask: counted over the whole masked tensor
-                g.add("grpo_nonfinite_values_total", c.nonfinite(c.masked(name)), tensor=name)
+                masked, witness = c.masked(name), witnesses.get(name)
+                count = c.nonfinite(masked) if witness is None else Witnessed(masked, witness)
+                g.add("grpo_nonfinite_values_total", count, tensor=name)
     if x.advantages is not None and (x.advantages.dim() == 1 or mask is not None):
         adv_mask = None if x.advantages.dim() == 1 else mask
         g.add("grpo_nonfinite_values_total", gradient.nonfinite_count(x.advantages, adv_mask), tensor="advantages")
@@ -540,8 +609,8 @@ def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
 @produces("grpo_engine_logprob_gap_nats", "grpo_token_engine_logprob_gap_nats", "grpo_engine_logprob_gap_mean_nats")
 def _engine_gap(g: _Gather, c: _Context) -> None:
     x, cfg = c.x, c.cfg
-    if x.loss_mask is not None and x.rollout_logprobs is not None and x.old_logprobs is not None:
-        difference = c.masked("rollout_logprobs") - c.masked("old_logprobs")
+    difference = c.gap_difference
+    if difference is not None:
         tokens = c.tokens - c.nonfinite(difference)
         gap = gradient.engine_gap_of(difference, x.loss_mask, tokens, cfg.gap_quantiles)
         g.summary("grpo_engine_logprob_gap_nats", gap.total, gap.count, gap.quantiles, cfg.gap_quantiles)
@@ -596,9 +665,8 @@ def _mask_audit(g: _Gather, c: _Context) -> None:
 
 @produces("grpo_kl_ref_nats")
 def _kl(g: _Gather, c: _Context) -> None:
-    x = c.x
-    if x.loss_mask is not None and x.logprobs is not None and x.ref_logprobs is not None:
-        d = c.masked("ref_logprobs") - c.masked("logprobs")
+    d = c.kl_difference
+    if d is not None:
         g.add("grpo_kl_ref_nats", gradient.kl_k3_of(d, c.tokens - c.nonfinite(d)))
 
 
