@@ -73,20 +73,23 @@ def test_naive_reference_covers_the_monitors_metric_set_and_agrees_with_it() -> 
 
 def test_probes_count_host_reads_and_python_data_and_restore_torch() -> None:
     x = torch.arange(4.0)
-    item, tensor = torch.Tensor.item, torch.tensor
+    item, tensor, as_tensor = torch.Tensor.item, torch.tensor, torch.as_tensor
     with counting() as counts:
         x.sum().item()
         x.tolist()
         float(x[0])
         torch.tensor([1, 2])
+        torch.as_tensor(1.0)  # a number: a copy from host memory as well
         torch.tensor(x)  # from a tensor: not Python data
+        torch.as_tensor(x)
         worker = threading.Thread(target=lambda: (x.tolist(), torch.tensor([3])))  # off the training thread
         worker.start()
         worker.join()
     assert counts.host_reads == 3
-    assert counts.from_python == 1
+    assert counts.from_python == 2
     assert torch.Tensor.item is item
     assert torch.tensor is tensor
+    assert torch.as_tensor is as_tensor
     assert operators(lambda: (x * 2).sum()) >= 2
 
 

@@ -9,6 +9,7 @@ import torch
 
 from batches import make_batch
 from grpo_exporter.config import MetricsConfig
+from grpo_exporter.inputs import StepInputs
 from grpo_exporter.step import compute_step, reading_host_copy
 
 HOST_METHODS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
@@ -100,3 +101,19 @@ def test_only_the_steps_own_host_copy_is_exempt(host_calls, monkeypatch):
     compute_step(inputs, MetricsConfig(group_size=8))
     assert host_calls == ["__float__", "tolist"]
     assert not reading_host_copy()
+
+
+def test_numbers_a_framework_reports_never_become_tensors_from_host_memory():
+    """Grad norms, the clip limit and a framework's entropy mean given as Python numbers enter the step by a
+    fill on the device, never ``torch.tensor``/``as_tensor`` of the number (on an accelerator a blocking copy
+    that waits for the training stream); the clip flag and the post-clip norm are as torch computes them."""
+    from grpo_exporter.bench.probes import counting
+
+    for pre, post in ((2.5, None), (0.5, None), (2.5, 1.0)):
+        inputs = StepInputs(grad_norm_pre_clip=pre, grad_norm_post_clip=post, max_grad_norm=1.0, entropy_mean=0.7)
+        with counting() as counts:
+            m = compute_step(inputs, MetricsConfig(group_size=8))
+        assert counts.from_python == 0
+        assert m["grpo_grad_clip_active_steps_total"] == float(pre > 1.0)
+        assert m["grpo_grad_norm_post_clip"] == pytest.approx(post or min(pre, pre * 1.0 / (pre + 1e-6)))
+        assert m["grpo_entropy_mean_nats"] == pytest.approx(0.7)

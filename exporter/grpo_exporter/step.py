@@ -185,6 +185,14 @@ def reading_host_copy() -> bool:
     return getattr(_host, "active", False)
 
 
+def _scalar(value: Tensor | float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``value`` as a tensor of ``dtype`` on ``device``: a Python number by a fill (a kernel; ``as_tensor`` of a
+    number is a copy from host memory, on an accelerator a blocking one that waits for the training stream)."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=dtype)
+    return torch.full((), float(value), dtype=dtype, device=device)
+
+
 def _counts_after_transfer(tensors: list[Tensor]) -> list[float]:
     """The non-finite counts of ``tensors``, taken after the step's transfer (:class:`Witnessed` counts whose
     witness saw NaN or inf) and read together: on an accelerator one more transfer, which the bench's probes
@@ -684,18 +692,19 @@ def _grad_norms(g: _Gather, c: _Context) -> None:
         pre = gradient.total_norm(x.grads)
     if pre is None:
         return
-    pre_t = torch.as_tensor(pre, dtype=torch.float32, device=g.device)
-    g.add("grpo_nonfinite_values_total", (~torch.isfinite(pre_t)).to(torch.int64), tensor="grad_norm")
-    g.add("grpo_optimizer_steps_total", torch.ones((), device=g.device))
+    pre_t = _scalar(pre, torch.float32, g.device)
+    g.add("grpo_nonfinite_values_total", count_nonfinite(pre_t), tensor="grad_norm")
+    g.add("grpo_optimizer_steps_total", 1.0)
     g.add("grpo_grad_norm_pre_clip", pre_t)
     post = x.grad_norm_post_clip
     if post is None and x.max_grad_norm is not None:
         post = gradient.clipped_norm(pre_t, x.max_grad_norm)
     if post is not None:
-        g.add("grpo_grad_norm_post_clip", torch.as_tensor(post, dtype=torch.float32, device=g.device))
-    if x.max_grad_norm is not None:
-        limit = torch.as_tensor(x.max_grad_norm, dtype=torch.float32, device=g.device)
-        g.add("grpo_grad_clip_active_steps_total", (pre_t > limit).to(torch.int64))
+        g.add("grpo_grad_norm_post_clip", _scalar(post, torch.float32, g.device))
+    limit = x.max_grad_norm
+    if limit is not None:
+        above = pre_t > (limit.to(g.device) if isinstance(limit, Tensor) else float(limit))
+        g.add("grpo_grad_clip_active_steps_total", above.to(torch.int64))
 
 
 @produces("grpo_param_relative_update", "grpo_rollout_staleness_versions")
@@ -859,7 +868,7 @@ def _entropy(g: _Gather, c: _Context) -> None:
         g.add("grpo_entropy_top_mean_nats", ent.top_mean)
         g.histogram("grpo_token_entropy_nats", ent.top_mean, ent.mean.numerator)
     elif x.entropy is None and x.entropy_mean is not None:  # a framework's own token mean (verl, OpenRLHF)
-        mean = torch.as_tensor(x.entropy_mean, dtype=torch.float64, device=g.device)
+        mean = _scalar(x.entropy_mean, torch.float64, g.device)
         ok = torch.isfinite(mean)  # a non-finite report is absent, never published
         g.add("grpo_entropy_mean_nats", fraction(torch.where(ok, mean, 0.0), ok.double()))
 

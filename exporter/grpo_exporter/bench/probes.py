@@ -25,17 +25,17 @@ class Counts:
 @contextlib.contextmanager
 def counting(device: torch.device | str = "cpu") -> Iterator[Counts]:
     """Count, while inside, the host reads of tensors (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``,
-    ``bool(t)``, ...: each a device-to-host transfer and a sync on an accelerator) and ``torch.tensor(data)``
-    calls from Python data (each a host-to-device copy on an accelerator), made on the calling (training)
-    thread: the edit-distance worker's conversions of rows already on the host are not the step's. A read
-    counts when its tensor lives on ``device`` (the bench's): on an accelerator, reading values already
-    copied to the host is not another transfer, and neither is, on any device, what the step does with its
-    block after the transfer (:func:`~grpo_exporter.step.reading_host_copy`)."""
+    ``bool(t)``, ...: each a device-to-host transfer and a sync on an accelerator) and ``torch.tensor(data)`` or
+    ``torch.as_tensor(data)`` calls from Python data (each a host-to-device copy on an accelerator), made on
+    the calling (training) thread: the edit-distance worker's conversions of rows already on the host are not
+    the step's. A read counts when its tensor lives on ``device`` (the bench's): on an accelerator, reading
+    values already copied to the host is not another transfer, and neither is, on any device, what the step
+    does with its block after the transfer (:func:`~grpo_exporter.step.reading_host_copy`)."""
     counts = Counts()
     training = threading.get_ident()
     kind = torch.device(device).type
     saved: dict[str, Any] = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
-    make = torch.tensor
+    make, convert = torch.tensor, torch.as_tensor
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -45,20 +45,23 @@ def counting(device: torch.device | str = "cpu") -> Iterator[Counts]:
 
         return counted
 
-    def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not isinstance(data, torch.Tensor) and threading.get_ident() == training and not reading_host_copy():
-            counts.from_python += 1
-        return make(data, *args, **kwargs)
+    def from_data(build: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def counted(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not isinstance(data, torch.Tensor) and threading.get_ident() == training and not reading_host_copy():
+                counts.from_python += 1
+            return build(data, *args, **kwargs)
+
+        return counted
 
     try:
         for name, original in saved.items():
             setattr(torch.Tensor, name, wrap(original))
-        torch.tensor = tensor  # type: ignore[assignment]
+        torch.tensor, torch.as_tensor = from_data(make), from_data(convert)  # type: ignore[assignment]
         yield counts
     finally:
         for name, original in saved.items():
             setattr(torch.Tensor, name, original)
-        torch.tensor = make  # type: ignore[assignment]
+        torch.tensor, torch.as_tensor = make, convert  # type: ignore[assignment]
 
 
 def operators(run: Callable[[], Any]) -> int:

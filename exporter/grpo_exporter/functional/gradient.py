@@ -184,8 +184,9 @@ def total_norm(tensors: Sequence[Tensor]) -> Tensor:
 
 def clipped_norm(pre_clip: Tensor, max_norm: Tensor | float) -> Tensor:
     """Norm after ``torch.nn.utils.clip_grad_norm_``: scaled by min(1, max_norm / (pre + 1e-6))."""
-    coefficient = torch.clamp(torch.as_tensor(max_norm, dtype=torch.float32) / (pre_clip.float() + 1e-6), max=1.0)
-    return pre_clip.float() * coefficient
+    pre = pre_clip.float()
+    limit = max_norm.float() if isinstance(max_norm, Tensor) else float(max_norm)  # a number: no tensor from it
+    return pre * (limit / (pre + 1e-6)).clamp(max=1.0)
 
 
 def relative_update(before: Sequence[Tensor], after: Sequence[Tensor]) -> Reading:
