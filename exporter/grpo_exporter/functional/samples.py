@@ -94,7 +94,8 @@ def shifted_weight_sums(log_weights: Tensor, valid: Tensor, shift: Tensor) -> tu
     scale invariant, so any such shift gives the same ratio). Elsewhere w may be anything, NaN included: the
     mask zeroes it after the exp. The weights are fp32 (relative error ~1e-7 each; fp64 exp costs ~15x on CPU),
     the sums fp64."""
-    w = zeroed(torch.exp(log_weights.float() - shift.float()), valid)
+    weights = log_weights if log_weights.dtype == torch.float32 else log_weights.float()
+    w = zeroed(torch.exp(weights - (shift if shift.dtype == torch.float32 else shift.float())), valid)
     return sum64(w), sum64(w.square())
 
 
@@ -136,15 +137,11 @@ def ess_ratio(lr: LogRatio, tokens: Tensor | None = None, largest_ratio: Tensor 
     kept = zeroed(lr.exponent, lr.keep)
     seq_log_w = kept.sum(dim=1)
     shift = None
-    if largest_ratio is not None:
-        largest = largest_ratio.double()
-        usable = (largest > 0) & (largest < math.inf)
-        shift = torch.where(usable, largest.clamp(min=_TINY).log(), kept.amax().clamp(min=0.0).double())
+    if largest_ratio is not None:  # log(+inf) and log(0) are not finite: the fallback
+        log_largest = largest_ratio.log()  # the histogram maximum: fp32
+        shift = torch.where(torch.isfinite(log_largest), log_largest, kept.amax().clamp(min=0.0))
     token = _ess(lr.exponent, lr.valid, lr.keep, tokens, shift)
     return ESS(token, _ess(seq_log_w, count(lr.valid, 1) > 0))
-
-
-_TINY = float(torch.finfo(torch.float64).tiny)  # log never sees 0 (the where discards that branch)
 
 
 class SignCounts(NamedTuple):
