@@ -639,9 +639,9 @@ def _log_ratio_checks(g: _Gather, c: _Context) -> None:
     lr, cfg = c.lr, c.cfg
     if lr is None:
         return
-    # the ratio is exp(log ratio) in fp32 without clamp: its count also holds the tokens that would overflow
-    # where exp comes before the clamp (seed 4.2); off the loss mask the log ratio is 0 and the ratio 1
-    # the log ratio is 0 off the loss mask: its non-finite values are the loss tokens it leaves out of ``valid``
+    # off the loss mask the log ratio is 0 and the ratio 1: the log ratio's non-finite values are the loss tokens
+    # it leaves out of ``valid``; the ratio is exp(log ratio) in fp32 without clamp: its count also holds the
+    # tokens that would overflow where exp comes before the clamp (seed 4.2)
     g.add("grpo_nonfinite_values_total", c.tokens - c.finite_ratio_tokens, tensor="log_ratio")
     g.add("grpo_nonfinite_values_total", c.nonfinite(lr.ratio), tensor="ratio")
     rows = c.x.on_policy
