@@ -553,21 +553,22 @@ class _Context:
         """The prompt groups; a grouping error raises here, in the blocks that need groups, and only there."""
         return self.x.groups(self.cfg.group_size)
 
+    def _difference(self, a: str, b: str) -> Tensor | None:
+        """Input ``a`` minus input ``b`` on the loss mask (fp32, 0 elsewhere), when both and the mask are given."""
+        x = self.x
+        if x.loss_mask is None or getattr(x, a) is None or getattr(x, b) is None:
+            return None
+        return self.masked(a) - self.masked(b)
+
     @functools.cached_property
     def gap_difference(self) -> Tensor | None:
-        """rollout_logprobs - old_logprobs on the loss mask (fp32, 0 elsewhere), when both are given."""
-        x = self.x
-        if x.loss_mask is None or x.rollout_logprobs is None or x.old_logprobs is None:
-            return None
-        return self.masked("rollout_logprobs") - self.masked("old_logprobs")
+        """rollout_logprobs - old_logprobs on the loss mask (the engine gap's)."""
+        return self._difference("rollout_logprobs", "old_logprobs")
 
     @functools.cached_property
     def kl_difference(self) -> Tensor | None:
-        """ref_logprobs - logprobs on the loss mask (fp32, 0 elsewhere), when both are given."""
-        x = self.x
-        if x.loss_mask is None or x.logprobs is None or x.ref_logprobs is None:
-            return None
-        return self.masked("ref_logprobs") - self.masked("logprobs")
+        """ref_logprobs - logprobs on the loss mask (the KL's)."""
+        return self._difference("ref_logprobs", "logprobs")
 
     @functools.cached_property
     def witnesses(self) -> dict[str, Tensor]:
