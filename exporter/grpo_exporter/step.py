@@ -287,7 +287,7 @@ class _Gather:
             self.entries.append(Entry(key, always(value.vector), value.index))
             return
         if isinstance(value, (int, float)):
-            value = torch.full((), float(value), dtype=torch.float64, device=self.device)  # a fill, no copy
+            value = _scalar(value, torch.float64, self.device)
         if isinstance(value, Tensor):
             value = always(value)
         self.entries.append(Entry(key, value))

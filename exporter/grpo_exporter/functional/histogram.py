@@ -103,22 +103,23 @@ def histograms(x: Tensor, members: Tensor) -> Histogram:
     return Histogram(counts, lowest, highest)
 
 
-def _bucket_keys(values: Tensor) -> Tensor:
+def _bucket_keys(values: Tensor, offsets: Tensor | None = None) -> Tensor:
     """int32 bucket of each fp32 value: a shift of its bits, clamped first (negatives and -0.0, whose bits are
-    negative integers, go to bucket 0; NaN to the top one)."""
-    return values.view(torch.int32).clamp(_LOW_BITS, _HIGH_BITS).sub_(_KEY_OFFSET).bitwise_right_shift_(_SHIFT)
+    negative integers, go to bucket 0; NaN to the top one). ``offsets``: the bits to subtract instead of the key
+    offset (:func:`_bank_offsets`: the bank folded into the same subtraction)."""
+    bits = values.view(torch.int32).clamp(_LOW_BITS, _HIGH_BITS)
+    return bits.sub_(_KEY_OFFSET if offsets is None else offsets).bitwise_right_shift_(_SHIFT)
 
 
 def _banked_counts(values: Tensor) -> Tensor:
-    """(BUCKETS,) int64 counts of the fp32 ``values`` (any shape, non-empty last dimension), by one ``bincount``
+    """(BUCKETS,) int64 counts of the fp32 ``values`` (any shape), by one ``bincount``
     into :data:`BANKS` interleaved copies of the buckets, summed after. Neighbouring positions count into
     different banks: on the CPU ``bincount`` is a serial loop of increments, and a run of equal buckets (the
     padding's zeros, ratios near 1) makes each increment wait for the last one (~1.7x slower at 64K positions,
     torch 2.13). The bank is folded into the subtraction the keys take anyway: three passes over the bits
     (clamp, subtract, shift) and the count."""
     values = values.reshape(1) if values.dim() == 0 else values
-    bits = values.view(torch.int32).clamp(_LOW_BITS, _HIGH_BITS)
-    keys = bits.sub_(_bank_offsets(values.shape[-1], values.device)).bitwise_right_shift_(_SHIFT)
+    keys = _bucket_keys(values, _bank_offsets(values.shape[-1], values.device))
     return torch.bincount(keys.flatten(), minlength=BANKS * BUCKETS).view(BANKS, BUCKETS).sum(0)
 
 
@@ -132,7 +133,8 @@ assert _HIGH_BITS - _KEY_OFFSET + ((BANKS - 1) * BUCKETS << _SHIFT) < 2**31
 @cached_constant(maxsize=16)
 def _bank_offsets(width: int, device: torch.device) -> Tensor:
     """(width,) int32: the key offset less each position's bank (position mod :data:`BANKS`) shifted into the
-    bits, so that one subtraction and the shift give bucket + bank x BUCKETS."""
+    bits, so that one subtraction and the shift give bucket + bank x BUCKETS (the ``offsets`` of
+    :func:`_bucket_keys`)."""
     bank = torch.arange(width, dtype=torch.int32, device=device) % BANKS
     return _KEY_OFFSET - bank * (BUCKETS << _SHIFT)
 
