@@ -3,6 +3,7 @@ asserted as times here) and its probes."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from grpo_exporter import bench, catalog
 from grpo_exporter.bench.naive import floor_step, naive_core_step, naive_step
-from grpo_exporter.bench.probes import counting, minor_faults, operators
+from grpo_exporter.bench.probes import counting, minor_faults, operators, passes
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, make, shape_for
 from grpo_exporter.cli import main
 
@@ -102,8 +103,13 @@ def test_minor_faults_count_fresh_pages() -> None:
 
 
 def test_bench_smallest_size_runs_and_reports(capsys) -> None:
-    results, long = bench.run([10_000], rounds=1, long_steps=30, warm_allocator=False)
-    (r,) = results
+    results, long = bench.run([10_000], rounds=1, long_steps=30, warm_allocator=False, framework_sizes=[10_000])
+    r, framework = results
+    assert framework.shape == "framework"
+    assert framework.t == r.t - 3
+    assert framework.fixed_s > 0
+    assert framework.floor_passes == r.floor_passes == 6  # four adds, the where, the sum
+    assert r.passes > 10 * r.floor_passes
     assert r.monitor_s > 0
     assert r.naive_s > 0
     assert r.naive_core_s > 0
@@ -120,13 +126,21 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert long.steps == 30
     assert long.series_late >= long.series_early > 0
     text = bench.table(results, long)
-    head = [line for line in text.splitlines() if line.startswith(("| loss tokens", "|---", "| 10,"))]
-    assert len(head) == 3
-    assert len({line.count("|") for line in head}) == 1
+    lines = text.splitlines()
+    main_table = lines[: lines.index("")]
+    assert len(main_table) == 4
+    assert len({line.count("|") for line in main_table}) == 1
     assert "| 10," in text
+    assert f"| {framework.n} x {framework.t}, framework |" in text
+    floor_table = lines[lines.index("") + 1 :][:4]
+    assert floor_table[0].startswith("| loss tokens | N x T | same metric set / floor | fixed cost")
+    assert len({line.count("|") for line in floor_table}) == 1
     assert "After 30 steps" in text
-    assert main(["bench", "--sizes", "1e4", "--rounds", "1", "--long-steps", "20", "--worker-widths", "64"]) == 0
+    assert main(["bench", "--sizes", "1e4", "--framework-sizes", "", "--rounds", "1", "--long-steps", "20",
+                 "--worker-widths", "64"]) == 0
     out = capsys.readouterr().out
+    assert "framework" not in out
+    assert "fixed cost / floor" in out
     assert "naive / monitor" in out
     assert "malloc thresholds of a training process" in out
     assert "naive, core / monitor step" in out
@@ -134,6 +148,52 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert "recorder on / off" in out
     assert "page faults / step" in out
     assert "| 64 |" in out  # the edit-distance job's row
+
+
+def test_framework_shape_is_what_a_loop_hands_over() -> None:
+    """Separate micro-batch outputs (the monitor copies them to stitch: exactly two more passes than the same
+    step handed as views of one tensor), T no multiple of 8, a multi-turn mask whose tool spans the mask audit
+    does not count as a mask bug, and the naive reference agreeing with the monitor on it."""
+    w = make(10_000, shape="framework")
+    assert w.t % 8 != 0
+    assert all(p.untyped_storage().data_ptr() != w.new.untyped_storage().data_ptr() for p in w.new_parts)
+    assert torch.equal(torch.cat(w.new_parts), w.new)
+    assert torch.equal(torch.cat(w.entropy_parts), w.entropy)
+    assert w.completion_mask is not None
+    assert bool((w.completion_mask & ~w.mask).any())  # tool spans: completion positions off the loss mask
+    assert torch.equal(w.mask.sum(1), w.lengths)  # lengths count the model's own tokens, as TRL's adapter does
+    views = dataclasses.replace(w, new_parts=(), entropy_parts=())
+    mon, same = bench.new_monitor(edit_distance_groups=0), bench.new_monitor(edit_distance_groups=0)
+    try:
+        bench.monitor_step(mon, w, 1)
+        bench.monitor_step(same, views, 1)
+        assert passes(lambda: bench.monitor_step(mon, w, 2), w.n * w.t) == passes(
+            lambda: bench.monitor_step(same, views, 2), w.n * w.t) + 2
+        got = mon.metrics()
+    finally:
+        mon.close()
+        same.close()
+    out = naive_step(w)
+    for name, naive in (("grpo_loss_mask_length_mismatch_sequences_total", "mask_mismatch"),
+                        ("grpo_loss_mask_outside_completion_tokens_total", "mask_outside_completion"),
+                        ("grpo_clipped_tokens_total", "clipped_upper_tokens")):
+        labels = {"bound": "upper"} if name == "grpo_clipped_tokens_total" else {}
+        assert got[catalog.metric(name).key(**labels)] == out[naive]
+    assert out["mask_mismatch"] == out["mask_outside_completion"] == 0
+    key = catalog.metric("grpo_entropy_mean_nats").key()
+    assert got[key] == pytest.approx(out["entropy_mean"], rel=1e-5)
+    with pytest.raises(ValueError, match="`shape`"):
+        make(10_000, shape="trl")
+
+
+def test_passes_count_operators_that_read_whole_step_tensors() -> None:
+    x = torch.ones(100, 100)
+    assert passes(lambda: (x * 2).sum(), x.numel()) == 2
+    assert passes(lambda: x[:10].sum(), x.numel()) == 0  # a view, then a tenth of the values
+    assert passes(lambda: x.view(-1).reshape(100, 100), x.numel()) == 0  # views only
+    assert passes(lambda: x.to(torch.float32), x.numel()) == 0  # a no-op conversion
+    assert passes(lambda: x.to(torch.float64), x.numel()) == 1
+    assert passes(lambda: torch.cat([x[:50], x[50:]]), x.numel()) == 1  # no input shapes recorded for a list
 
 
 def test_worker_cost_reports_every_pair_against_the_budgeted_draw() -> None:

@@ -108,8 +108,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     from grpo_exporter import bench
 
-    sizes = [int(float(s)) for s in args.sizes.split(",")]
-    results, long = bench.run(sizes, args.rounds, args.long_steps, args.device, not args.cold_allocator)
+    sizes = [int(float(s)) for s in args.sizes.split(",") if s]
+    framework = [int(float(s)) for s in args.framework_sizes.split(",") if s]
+    results, long = bench.run(sizes, args.rounds, args.long_steps, args.device, not args.cold_allocator, framework)
     allocator = "cold allocator" if args.cold_allocator else "malloc thresholds of a training process"
     print(f"grpo-exporter bench on {platform.machine()}, {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}, device {args.device}; medians of {args.rounds} interleaved rounds; {allocator}\n")
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
     bench = commands.add_parser("bench", help="the monitor's step cost against naive code and the one-pass floor")
     bench.add_argument("--sizes", default="1e4,6.4e4,2.56e5,1e6,4e6", help="loss tokens per step, comma-separated")
+    bench.add_argument("--framework-sizes", default="6.4e4,1e6",
+                       help="loss tokens per step of the framework-shaped step (separate micro-batch outputs, "
+                            "T - 3, a multi-turn loss mask), comma-separated ('' = none)")
     bench.add_argument("--rounds", type=int, default=15, help="timed rounds per size (after two warm-up rounds)")
     bench.add_argument("--long-steps", type=int, default=10_000, help="small steps for the RSS and series check")
     bench.add_argument("--device", default="cpu", help="torch device of the synthetic step (e.g. cuda)")

@@ -28,12 +28,14 @@ import torch
 from prometheus_client import generate_latest
 
 from grpo_exporter.bench.naive import EPS_HIGH, EPS_LOW, floor_step, naive_core_step, naive_step
-from grpo_exporter.bench.probes import counting, minor_faults, operators, rss_bytes
+from grpo_exporter.bench.probes import counting, minor_faults, operators, passes, rss_bytes
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, Workload, make
 from grpo_exporter.edit_distance import median_normalized_edit_distance, pair_cap
 from grpo_exporter.monitor import GRPOMonitor
 
 SIZES = (10_000, 64_000, 256_000, 1_000_000, 4_000_000)
+FRAMEWORK_SIZES = (64_000, 1_000_000)  # the framework-shaped step (bench.workload), at the targets' ends
+FIXED_SHAPE = (640, 16)  # loss tokens and T of the fixed-cost step: 64 x 16, next to no per-token work
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,21 @@ class SizeResult:
     page_faults: float = 0.0  # minor page faults of the process during the monitor step (median)
     syncs: int | None = None  # CUDA: synchronising calls per step (set_sync_debug_mode("warn"))
     update_sync_error: str = ""  # CUDA: what "error" mode around the micro-batch updates raised
+    shape: str = "bench"  # the workload's shape (bench.workload.SHAPES)
+    fixed_s: float = 0.0  # the same metric set on a 64 x 16 step, timed in the same rounds: the step's fixed cost
+    passes: int = 0  # passes over (N, T) tensors in one step of the same metric set (probes.passes)
+    floor_passes: int = 0
+
+    @property
+    def fixed_vs_floor(self) -> float:
+        """The fixed cost over the floor: what the same metric set costs over the floor before any per-token
+        work, a lower bound of ``same_set_s / floor_s`` for any implementation with this fixed cost."""
+        return self.fixed_s / self.floor_s
+
+    @property
+    def same_set_vs_floor(self) -> float:
+        """The same metric set over the floor: what the floor target (<= 10x) reads."""
+        return self.same_set_s / self.floor_s
 
     @property
     def vs_naive(self) -> float:
@@ -107,13 +124,15 @@ def monitor_step(mon: GRPOMonitor, w: Workload, step: int, update_sync: str | No
     synchronise ("error" raises on the first that does)."""
     mon.observe_rollout(step, rewards=w.rewards, correct=w.correct, truncated=w.truncated,
                         rollout_logprobs=w.rollout, old_logprobs=w.old, loss_mask=w.mask,
-                        completion_lengths=w.lengths, completion_ids=w.completion_ids, prompt_ids=w.prompt_ids)
+                        completion_lengths=w.lengths, completion_ids=w.completion_ids,
+                        completion_mask=w.completion_mask, prompt_ids=w.prompt_ids)
     rows = w.n // MICRO_BATCHES
     for k in range(MICRO_BATCHES):
         s = slice(k * rows, (k + 1) * rows)
+        logprobs, entropy = w.micro_batch(k)
         with _sync_debug(update_sync):
-            mon.observe_update(step, logprobs=w.new[s], old_logprobs=w.old[s], advantages=w.advantages[s],
-                               loss_mask=w.mask[s], entropy=w.entropy[s], ref_logprobs=w.ref[s],
+            mon.observe_update(step, logprobs=logprobs, old_logprobs=w.old[s], advantages=w.advantages[s],
+                               loss_mask=w.mask[s], entropy=entropy, ref_logprobs=w.ref[s],
                                on_policy=step % 2 == 0)
     mon.observe_update(step, grad_norm_pre_clip=torch.ones((), device=w.old.device), max_grad_norm=1.0)
     mon.end_step()
@@ -157,8 +176,10 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeResult:
-    w = make(loss_tokens, device)
+def measure_size(loss_tokens: int, rounds: int, device: torch.device, shape: str = "bench") -> SizeResult:
+    w = make(loss_tokens, device, shape=shape)
+    tiny = make(FIXED_SHAPE[0], device, width=FIXED_SHAPE[1])
+    fixed = new_monitor(edit_distance_groups=0)
     mon = new_monitor()
     records = tempfile.TemporaryDirectory(prefix="grpo-bench-recorder-")
     recording = new_monitor(recorder_dir=records.name)
@@ -168,7 +189,7 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
                                                                        float("nan")))
     step = 0
     times: dict[str, list[float]] = {"monitor": [], "naive": [], "naive_core": [], "floor": [], "worker": [],
-                                     "recorder": [], "anomalous": [], "faults": [], "same_set": []}
+                                     "recorder": [], "anomalous": [], "faults": [], "same_set": [], "fixed": []}
     quiet = logging.getLogger("grpo_exporter")
     was_disabled, quiet.disabled = quiet.disabled, True  # the anomalous monitor's incident line is no result
     try:
@@ -187,6 +208,7 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
                 "naive": _timed(lambda: naive_step(w)),
                 "naive_core": _timed(lambda: naive_core_step(w)),
                 "floor": _timed(lambda: floor_step(w)),
+                "fixed": _timed(lambda s=step: monitor_step(fixed, tiny, s)),
             }
             if r >= 2:
                 for key, value in sample.items():
@@ -194,6 +216,9 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         step += 1
         ops = operators(lambda s=step: monitor_step(mon, w, s))
         mon.wait_for_workers()
+        step += 1
+        step_passes = passes(lambda s=step: monitor_step(same_set, w, s), w.n * w.t)
+        floor_passes = passes(lambda: floor_step(w), w.n * w.t)
         step += 1
         with counting(device) as counts:
             monitor_step(mon, w, step)
@@ -217,6 +242,7 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         recording.close()
         same_set.close()
         anomalous.close()
+        fixed.close()
         records.cleanup()
         quiet.disabled = was_disabled
     median = {k: statistics.median(v) for k, v in times.items()}
@@ -229,6 +255,10 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device) -> SizeRes
         page_faults=median["faults"],
         syncs=syncs,
         update_sync_error=raised,
+        shape=shape,
+        fixed_s=median["fixed"],
+        passes=step_passes,
+        floor_passes=floor_passes,
     )
 
 
@@ -256,11 +286,15 @@ def _series(mon: GRPOMonitor) -> int:
 
 
 def run(sizes: Sequence[int] = SIZES, rounds: int = 15, long_steps: int = 10_000,
-        device: str | torch.device = "cpu", warm_allocator: bool = True) -> tuple[list[SizeResult], LongRun]:
+        device: str | torch.device = "cpu", warm_allocator: bool = True,
+        framework_sizes: Sequence[int] = FRAMEWORK_SIZES) -> tuple[list[SizeResult], LongRun]:
+    """Every size of the bench-shaped step, then every size of ``framework_sizes`` framework-shaped
+    (:mod:`grpo_exporter.bench.workload`), then the long run."""
     dev = torch.device(device)
     if warm_allocator:
         warm_malloc()
-    return [measure_size(size, rounds, dev) for size in sizes], long_run(long_steps, dev)
+    shaped = [(size, "bench") for size in sizes] + [(size, "framework") for size in framework_sizes]
+    return [measure_size(size, rounds, dev, shape) for size, shape in shaped], long_run(long_steps, dev)
 
 
 def warm_malloc() -> None:
@@ -301,6 +335,14 @@ def worker_cost(width: int, budget_s: float = 0.02) -> WorkerCost:
     return WorkerCost(width, full_s, full_pairs, time.perf_counter() - start, pairs)
 
 
+def _times(ratio: float) -> str:
+    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
+def _shape(r: SizeResult) -> str:
+    return f"{r.n} x {r.t}" + (f", {r.shape}" if r.shape != "bench" else "")
+
+
 def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[WorkerCost] = ()) -> str:
     """The bench's report as markdown."""
     lines = [
@@ -313,7 +355,7 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
     ]
     for r in results:
         lines.append(
-            f"| {r.loss_tokens:,} | {r.n} x {r.t} | {r.monitor_s * 1e3:.1f} ms | {r.same_set_s * 1e3:.1f} ms "
+            f"| {r.loss_tokens:,} | {_shape(r)} | {r.monitor_s * 1e3:.1f} ms | {r.same_set_s * 1e3:.1f} ms "
             f"| {r.naive_s * 1e3:.1f} ms | {r.naive_core_s * 1e3:.1f} ms "
             f"| {r.floor_s * 1e3:.2f} ms | {r.vs_naive:.2f}x | {r.vs_naive_core:.2f}x | {r.vs_floor:.0f}x "
             f"| {r.worker_s * 1e3:.1f} ms "
@@ -321,6 +363,17 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
             f"| {r.exposition_bytes / 1024:.1f} KiB | {r.vs_recorder:.2f}x | {r.recorder_host_reads} "
             f"| {r.vs_anomalous:.2f}x | {r.anomalous_host_reads} | {r.page_faults:,.0f} |"
         )
+    lines += [
+        "",
+        "| loss tokens | N x T | same metric set / floor | fixed cost (64 x 16 step) | fixed cost / floor "
+        "| passes over (N, T): same metric set | passes: floor | passes / floor's |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r.loss_tokens:,} | {_shape(r)} | {_times(r.same_set_vs_floor)} | {r.fixed_s * 1e3:.2f} ms "
+        f"| {_times(r.fixed_vs_floor)} | {r.passes} | {r.floor_passes} | {_times(r.passes / max(r.floor_passes, 1))} |"
+        for r in results
+    ]
     lines.append("")
     lines.append(
         f"After {long.steps:,} steps: RSS {long.rss_late_bytes / 2**20:.1f} MiB (at step {max(1, long.steps // 10):,}: "

@@ -10,6 +10,7 @@ naive expected zero-variance share plugs in each group's own solve rate.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -48,6 +49,8 @@ def naive_core_step(w: Workload) -> dict[str, float]:
 def _core(w: Workload) -> tuple[dict[str, float], _Tokens]:
     out: dict[str, float] = {}
     m = w.mask
+    if w.new_parts:  # each micro-batch's forward output: naive code concatenates them first, as the monitor does
+        w = dataclasses.replace(w, new=torch.cat(w.new_parts), entropy=torch.cat(w.entropy_parts))
     # layer 1: engine gap, non-finite values, on-policy ratio, clamp hits
     gap = (w.rollout - w.old).abs()[m]
     out["gap_mean"] = gap.mean().item()
@@ -138,7 +141,7 @@ def naive_step(w: Workload) -> dict[str, float]:
     out["clamp_hit_ratio"] = (log_ratio.abs() > 20).sum().item() / max(ratio.numel(), 1)
     tokens = m.sum(1)
     out["mask_empty"] = ((tokens == 0) & (w.lengths > 0)).sum().item()
-    positions = torch.arange(w.t)[None, :] < w.lengths[:, None]
+    positions = w.completion_mask if w.completion_mask is not None else torch.arange(w.t)[None, :] < w.lengths[:, None]
     out["mask_outside_completion"] = (m & ~positions).sum().item()
     out["ratio_sum"] = ratio.sum().item()
     out["ratio_count"] = float(ratio.numel())

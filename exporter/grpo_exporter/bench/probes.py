@@ -73,6 +73,34 @@ def operators(run: Callable[[], Any]) -> int:
     return sum(1 for event in prof.events() if event.name.startswith("aten::"))
 
 
+def passes(run: Callable[[], Any], elements: int) -> int:
+    """Passes over whole-step tensors made by ``run()``: aten operators that read or write at least half of
+    ``elements`` (N x T) values, counted at the dispatcher (views and allocations read nothing and are not
+    counted). At large sizes a step's time is about its passes times the cost of one, so the monitor's passes
+    over the floor's bound its time over the floor's for any eager implementation that keeps them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    count = 0
+
+    class Passes(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            nonlocal count
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and func.overloadpacket not in _ALLOCATIONS:
+                largest = max((t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)),
+                              default=0)
+                count += largest * 2 >= elements
+            return out
+
+    with Passes():
+        run()
+    return count
+
+
+_ALLOCATIONS = frozenset({torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided})
+
+
 def minor_faults() -> int:
     """Minor page faults of this process so far (every thread): each is a fresh page the kernel maps and zeroes,
     what glibc's malloc costs when it hands freed memory back to the system and takes it again (0 off Unix)."""
