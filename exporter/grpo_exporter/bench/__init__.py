@@ -126,9 +126,8 @@ def monitor_step(mon: GRPOMonitor, w: Workload, step: int, update_sync: str | No
                         rollout_logprobs=w.rollout, old_logprobs=w.old, loss_mask=w.mask,
                         completion_lengths=w.lengths, completion_ids=w.completion_ids,
                         completion_mask=w.completion_mask, prompt_ids=w.prompt_ids)
-    rows = w.n // MICRO_BATCHES
     for k in range(MICRO_BATCHES):
-        s = slice(k * rows, (k + 1) * rows)
+        s = w.rows(k)
         logprobs, entropy = w.micro_batch(k)
         with _sync_debug(update_sync):
             mon.observe_update(step, logprobs=logprobs, old_logprobs=w.old[s], advantages=w.advantages[s],

@@ -51,12 +51,16 @@ class Workload:
     new_parts: tuple[Tensor, ...] = ()  # framework shape: each micro-batch's own log-probs (``new`` is their cat)
     entropy_parts: tuple[Tensor, ...] = ()
 
+    def rows(self, k: int) -> slice:
+        """Micro-batch ``k``'s rows of the batch tensors."""
+        size = self.n // MICRO_BATCHES
+        return slice(k * size, (k + 1) * size)
+
     def micro_batch(self, k: int) -> tuple[Tensor, Tensor]:
         """Micro-batch ``k``'s log-probs and entropy, as the loop hands them to ``observe_update``."""
         if self.new_parts:
             return self.new_parts[k], self.entropy_parts[k]
-        rows = slice(k * (self.n // MICRO_BATCHES), (k + 1) * (self.n // MICRO_BATCHES))
-        return self.new[rows], self.entropy[rows]
+        return self.new[self.rows(k)], self.entropy[self.rows(k)]
 
     @property
     def loss_tokens(self) -> int:
