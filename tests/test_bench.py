@@ -186,6 +186,25 @@ def test_framework_shape_is_what_a_loop_hands_over() -> None:
         make(10_000, shape="trl")
 
 
+def test_multi_turn_lengths_that_count_the_tools_tokens_read_as_a_mask_bug() -> None:
+    """docs/exporter.md: in multi-turn rollouts ``completion_lengths`` counts the model's own tokens; a length
+    that counts the tool's tokens too makes every sequence with a tool span a length mismatch (which pages
+    GRPOLossMaskMismatch: any increase)."""
+    w = make(10_000, shape="framework")
+    assert w.completion_mask is not None
+    with_tools = dataclasses.replace(w, lengths=w.completion_mask.sum(1))
+    spanned = int((w.completion_mask & ~w.mask).any(1).sum())
+    assert spanned > 0
+    mon = bench.new_monitor()
+    try:
+        bench.monitor_step(mon, with_tools, 2)
+        got = mon.metrics()
+    finally:
+        mon.close()
+    assert got[catalog.metric("grpo_loss_mask_length_mismatch_sequences_total").key()] == spanned
+    assert got[catalog.metric("grpo_loss_mask_outside_completion_tokens_total").key()] == 0
+
+
 def test_passes_count_operators_that_read_whole_step_tensors() -> None:
     x = torch.ones(100, 100)
     assert passes(lambda: (x * 2).sum(), x.numel()) == 2
