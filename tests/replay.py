@@ -55,6 +55,10 @@ class Knobs:
     verifier_zero: bool = False  # the verifier scores this batch 0 (one noisy batch)
     onpolicy_noise: float = 1e-5  # sd of the on-policy recomputation |log r|
     engine_gap: float = 1e-4  # sd of rollout vs trainer log-probs
+    bf16_engine: bool = False  # a bf16 engine's noise: heavy-tailed, zero-mean to first order (mean |gap| ~0.016)
+    engine_shift: float = 0.0  # added to every engine log-prob: -log(kept mass) of top-p renormalisation
+    engine_temperature: float = 1.0  # the engine samples and reports at this temperature; the trainer at 1
+    engine_logit_sd: float = 0.0  # the engine's logits differ per position by this sd (stale or partial weights)
     log_ratio_sd: float = 0.03  # sd of off-policy log ratios (large: a few tokens carry the importance weight)
     lower_only: float = 0.0  # share of negative-advantage off-policy tokens pushed below the clip, nothing up
     nan_token: bool = False  # one loss token's log-prob is NaN
@@ -104,6 +108,23 @@ class SimulatedRun:
         completion_ids = np.where(mask, templates[np.repeat(np.arange(self.prompts), g), pick], 0)
         old = np.log(rng.uniform(0.3, 0.8, size=(n, width)))
         rollout = old + rng.normal(0.0, k.engine_gap, size=old.shape)
+        if k.engine_temperature != 1.0 or k.engine_logit_sd:
+            # a two-token world per position: the engine's distribution q differs from the trainer's p, and the
+            # engine samples the token (so mean(rollout - old) estimates KL(q || p) > 0, as in a real run)
+            p_hi = rng.uniform(0.3, 0.8, size=old.shape)
+            shift = rng.normal(0.0, k.engine_logit_sd or 1e-12, old.shape)
+            z = np.log(p_hi / (1 - p_hi)) / k.engine_temperature + shift
+            q_hi = 1 / (1 + np.exp(-z))
+            hi = rng.random(old.shape) < q_hi
+            old = np.where(hi, np.log(p_hi), np.log1p(-p_hi))
+            rollout = np.where(hi, np.log(q_hi), np.log1p(-q_hi))
+        if k.bf16_engine:
+            # TRL #6789's per-token shape: 15% of tokens carry most of it (sd 0.047, p95 ~0.1, mean |gap| ~0.016);
+            # sampling from the engine adds the second-order KL, noise^2 / 2
+            tail = rng.random(old.shape) < 0.15
+            noise = np.where(tail, rng.normal(0.0, 0.12, old.shape), rng.normal(0.0, 0.003, old.shape))
+            rollout = rollout + noise + 0.5 * noise**2
+        rollout = rollout + k.engine_shift
         entropy = k.entropy * rng.uniform(0.5, 1.5, size=old.shape)
         on_rows = n // 4
         new = old + rng.normal(0.0, k.log_ratio_sd, size=old.shape)

@@ -39,6 +39,17 @@ def clean_engine(step: int, hours: float) -> Knobs:
     return replace(near_clip(step, hours), engine_gap=1e-7)
 
 
+def bf16(step: int, hours: float) -> Knobs:
+    """Healthy, with a bf16 rollout engine: its gap is noise at the level of real bf16 stacks (mean ~0.016
+    nats, heavy-tailed, TRL #5312 / #6789), above the seed's 0.01 line."""
+    return replace(near_clip(step, hours), bf16_engine=True)
+
+
+def from_start(**fault: object) -> Scenario:
+    """A bf16 run with ``fault`` on its engine from the first step."""
+    return lambda step, hours: replace(bf16(step, hours), **fault)
+
+
 def entropy_decline(step: int, hours: float) -> Knobs:
     """From hour 3, over 8 h: entropy falls 1.0 -> 0.25 and each group's samples come to repeat one answer
     (distinct completions 8 -> 3 of 8): pass@1 holds at 0.5, pass@G falls towards it."""
@@ -62,6 +73,8 @@ def phase_hours(cadence_s: float) -> float:
 def cases(cadence_s: float) -> dict[str, Case]:
     """The scenarios at one cadence."""
     u = phase_hours(cadence_s)
+    steps = cadence_s / 3600  # hours per step
+    notice = ("GRPOEngineLogprobGapAboveSeedLine", 0.0, 25 * steps + 0.2)  # after the 20 rollouts of the clean gap
     decline_onset = 3 + 8 * (2 / 3)  # entropy crosses 0.5x its early window (1.0) at 0.5
     return {
         "healthy-end-gap-next-run": Case(
@@ -83,6 +96,17 @@ def cases(cadence_s: float) -> dict[str, Case]:
                                  (("GRPOEngineLogprobGapWarning", 5 * u),)),
         "onpolicy-ratio-drift": Case((Segment("a", after(5 * u, near_clip, onpolicy_noise=0.01), 8 * u),), 9 * u,
                                      (("GRPOOnPolicyRatioDrift", 5 * u),)),
+        # the engines people run: bf16 noise above the seed's line pages nothing (one notice); real engine faults
+        # page layer-1 critical within 10 steps, from the start or of the jump
+        "bf16-healthy-24h": Case((Segment("a", bf16, 23.5),), 24.0, (notice,)),
+        "bf16-healthy": Case((Segment("a", bf16, 9 * u),), 10 * u, (notice,)),
+        "bf16-stale-weights": Case((Segment("a", after(5 * u, bf16, engine_logit_sd=1.0), 8 * u),), 9 * u,
+                                   (notice, ("GRPOEngineLogprobGapCritical", 5 * u, 10 * steps),
+                                    ("GRPOEngineLogprobGapWarning", 5 * u, 12 * steps + 0.2))),
+        "top-p-from-start": Case((Segment("a", from_start(engine_shift=0.111), 4 * u),), 5 * u,
+                                 (notice, ("GRPOEngineLogprobGapCritical", 0.0, 10 * steps))),
+        "temperature-from-start": Case((Segment("a", from_start(engine_temperature=0.5), 4 * u),), 5 * u,
+                                       (notice, ("GRPOEngineLogprobGapCritical", 0.0, 10 * steps))),
         "process-dies": Case((Segment("a", near_clip, 5 * u, closed=False),), 7 * u,
                              (("GRPOTrainingStalled", 5 * u), ("GRPOExporterDown", 5 * u))),
     }

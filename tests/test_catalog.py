@@ -41,7 +41,8 @@ def full_step() -> dict[str, float]:
     inputs = batch.inputs(
         params_before=[torch.ones(3)], params_after=[torch.full((3,), 1.1)], completion_mask=None
     )
-    return compute_step(inputs, MetricsConfig(group_size=8, log_ratio_clamp=20.0, pass_k=(2,)))
+    cfg = MetricsConfig(group_size=8, log_ratio_clamp=20.0, pass_k=(2,), rollout_correction_cap=3.0)
+    return compute_step(inputs, cfg)
 
 
 def test_every_step_key_is_a_catalogue_sample_with_allowed_labels():

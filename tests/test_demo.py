@@ -41,7 +41,8 @@ def run_scenario(name: str, steps_before: int = 3) -> dict[str, float]:
 
 def test_every_scenario_is_documented():
     assert set(SCENARIOS) == {
-        "healthy", "healthy-reverse", "engine-desync", "engine-precision", "mask-bug", "exp-before-clamp",
+        "healthy", "healthy-reverse", "engine-top-p", "engine-temperature", "engine-stale-weights", "mask-bug",
+        "exp-before-clamp",
         "grad-accum-scaling", "advantage-bug", "reward-hack", "entropy-collapse", "stale-rollouts", "truncation",
         "verifier-broken",
     }
@@ -54,7 +55,11 @@ def test_healthy_run_has_no_layer_one_fault_and_learns():
     m = run_scenario("healthy", steps_before=10)
     assert m['grpo_nonfinite_values_total{tensor="logprobs"}'] == 0
     assert m["grpo_loss_mask_length_mismatch_sequences_total"] == 0
-    assert m["grpo_engine_logprob_gap_mean_nats"] < 1e-4
+    # the engine computes in bf16: its gap is noise at the level of real bf16 stacks (0.010-0.018, TRL #5312),
+    # zero-mean (the signed gap, k1, is second order) and the correction weights average 1
+    assert 0.005 < m["grpo_engine_logprob_gap_mean_nats"] < 0.025
+    assert abs(m['grpo_mismatch_kl_nats{estimator="k1"}']) < 0.003
+    assert m['grpo_mismatch_kl_nats{estimator="k3"}'] < 0.003
     assert m["grpo_onpolicy_outside_clip_ratio"] == 0
     assert m["grpo_advantage_over_bound_sequences_total"] == 0
 
@@ -62,7 +67,11 @@ def test_healthy_run_has_no_layer_one_fault_and_learns():
 @pytest.mark.parametrize(
     ("name", "check"),
     [
-        ("engine-desync", lambda m: m["grpo_engine_logprob_gap_mean_nats"] > 1e-4),
+        # top-p 0.8: every token's engine log-prob is higher by -log(kept mass): the signed gap is the mean gap
+        ("engine-top-p", lambda m: m['grpo_mismatch_kl_nats{estimator="k1"}'] > 0.95 * m[
+            "grpo_engine_logprob_gap_mean_nats"] > 0.05),
+        ("engine-temperature", lambda m: m['grpo_mismatch_kl_nats{estimator="k3"}'] > 0.01),
+        ("engine-stale-weights", lambda m: m["grpo_engine_logprob_gap_mean_nats"] > 5 * 0.015),
         ("mask-bug", lambda m: m["grpo_loss_mask_length_mismatch_sequences_total"] > 0),
         ("exp-before-clamp", lambda m: m['grpo_nonfinite_values_total{tensor="log_ratio"}'] > 0),
         ("advantage-bug", lambda m: m["grpo_advantage_over_bound_sequences_total"] > 0),

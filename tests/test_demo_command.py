@@ -72,8 +72,8 @@ def test_readme_demo_command_prints_a_page_within_two_minutes_and_ctrl_c_stops_e
     output = "\n".join(lines)
     assert page is not None, output[-3000:]
     assert elapsed < PAGE_WITHIN_S
-    assert "FIRING GRPOEngineLogprobGapWarning layer=1-gradient" in page, page  # the default scenario's alert
-    assert "runbook: docs/runbooks.md#grpoenginelogprobgapwarning" in page
+    assert "FIRING GRPOEngineLogprobGapCritical layer=1-gradient" in page, page  # the default scenario's alert
+    assert "runbook: docs/runbooks.md#grpoenginelogprobgapcritical" in page
     assert process.returncode == 130, output[-3000:]
     assert "stopped" in lines[-1]
     urls = re.findall(r"(?:exporter|prometheus|alertmanager): +(http://127\.0\.0\.1:\d+)", output)

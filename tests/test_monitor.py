@@ -171,7 +171,8 @@ def test_guard_warns_with_layer_and_runbook(caplog):
 def test_guard_raises_at_the_end_of_observe_after_publishing():
     with monitor(guard="raise") as mon:
         mon.observe_rollout(0, **clean_rollout())
-        with pytest.raises(TrainingSignalError, match=r"engine log-prob gap mean 0\.05") as err:
+        systematic = r"engine log-prob gap is systematic: mismatch KL k1 \(the mean signed gap\) 0\.05"
+        with pytest.raises(TrainingSignalError, match=systematic) as err:
             mon.observe_rollout(1, **clean_rollout(gap=0.05))
         assert [v.alert for v in err.value.violations] == ["GRPOEngineLogprobGapCritical"]
         assert mon.metrics()["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(0.05, rel=1e-4)

@@ -67,9 +67,9 @@ def manifests(root: Path) -> list[dict]:
 @pytest.mark.parametrize(("fault", "trigger", "settings"), [
     ("exp-before-clamp", "nonfinite", {}),
     ("mask-bug", "mask_mismatch", {}),
-    # on this task the bf16 engine's mean gap is ~0.007 nats, under the seed's 0.01 stop line: the recorder
-    # follows the guard's line as configured, here a stricter one
-    ("engine-precision", "engine_gap", {"engine_gap_stop_nats": 0.004}),
+    # top-p renormalised engine log-probs: the gap is systematic (k1 ~0.1), the guard's and the alert's judgement;
+    # the recorder follows the guard's lines as configured, here a stricter jump line
+    ("engine-top-p", "engine_gap", {"engine_gap_stop_nats": 0.004}),
     ("advantage-bug", "advantage_bound", {}),
 ])
 def test_exactly_the_three_states_around_an_injected_fault_offending_rows_first(tmp_path, fault, trigger, settings,

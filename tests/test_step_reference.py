@@ -58,7 +58,8 @@ def assert_matches(got: dict[str, float], want: dict[str, float]) -> None:
 @pytest.mark.parametrize(("seed", "dtype", "shuffled", "token_adv", "norm"), CASES)
 def test_every_metric_matches_reference(seed, dtype, shuffled, token_adv, norm):
     batch = make_batch(seed, dtype=dtype, shuffled_groups=shuffled, token_advantages=token_adv)
-    cfg = MetricsConfig(group_size=8, advantage_norm=norm, log_ratio_clamp=0.5, pass_k=(2, 4), clip_eps_high=0.28)
+    cfg = MetricsConfig(group_size=8, advantage_norm=norm, log_ratio_clamp=0.5, rollout_correction_cap=1.02,
+                        pass_k=(2, 4), clip_eps_high=0.28)
     got = compute_step(batch.inputs(), cfg)
     assert_matches(got, reference(batch, cfg))
 
@@ -74,7 +75,8 @@ def test_an_interleaved_multi_turn_loss_mask_matches_reference(dtype, large, mon
     batch = make_batch(6, dtype=dtype, interleaved=True)
     mask = batch.arrays["loss_mask"]
     assert (mask[:, 1:] & ~mask[:, :-1]).sum() > 2 * mask.shape[0]  # loss spans restart inside rows
-    cfg = MetricsConfig(group_size=8, log_ratio_clamp=0.5, pass_k=(2, 4), clip_eps_high=0.28)
+    cfg = MetricsConfig(group_size=8, log_ratio_clamp=0.5, pass_k=(2, 4), clip_eps_high=0.28,
+                        rollout_correction_cap=1.02)
     got = compute_step(batch.inputs(), cfg)
     assert_matches(got, reference(batch, cfg))
     assert got['grpo_nonfinite_values_total{tensor="logprobs"}'] == 1  # row 7's padding token, no tool token

@@ -278,6 +278,84 @@ CATALOG: tuple[Metric, ...] = (
         G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), source=Source.MONITOR,
     ),
     Metric(
+        "grpo_engine_logprob_gap_accepted_nats", GA,
+        "The engine gap level the run is judged against, nats: reference_baseline's "
+        "grpo_engine_logprob_gap_mean_nats when configured (the setup's accepted level, confirmed once by the "
+        "A/B/C preflight), else the run's own clean gap; absent before either exists. GRPOEngineLogprobGapWarning "
+        "and the jump test of GRPOEngineLogprobGapCritical compare the gap with multiples of it.",
+        G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_mismatch_kl_nats", GA,
+        "KL(engine || trainer) on the last rollout's finite loss tokens, nats, by two estimators: k1 = the mean "
+        "signed gap rollout_logprobs - old_logprobs (verl rollout_corr/kl, TRL's signed sampling_logp_difference), "
+        "k3 = mean exp(l) - 1 - l with l = old - rollout (prime-rl mismatch_kl, verl rollout_corr/k3_kl). "
+        "Numeric noise enters k1 only to second order (~sd^2/2: ~1e-3 on healthy bf16 stacks, NeMo-RL), a "
+        "systematic difference (top-p renormalised log-probs, a temperature, stale weights) to first order; "
+        "k3 < k1 when the correction weights do not average 1 (a renormalised engine distribution).",
+        G, "nats", labels=(Label("estimator", ("k1", "k3")),), inputs=("rollout_logprobs", "old_logprobs", *_TOKEN),
+        merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_mismatch_chi_square", GA,
+        "Chi-square divergence of the rollout-correction weights w = pi_old / pi_rollout on the last rollout: "
+        "token: mean w^2 - 1 over finite loss tokens; sequence: mean (prod_t w)^2 - 1 over sequences (verl "
+        "rollout_corr/chi2_token, chi2_seq; > 1 is a severe shift by verl's rule of thumb). log w clamped to +-20.",
+        G, labels=(Label("level", ESS_LEVELS),), inputs=("rollout_logprobs", "old_logprobs", *_TOKEN),
+        merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_mismatch_log_ppl_diff_nats", GA,
+        "Mean over the last rollout's sequences of mean_t(rollout_logprobs) - mean_t(old_logprobs) on loss "
+        "tokens, nats: log(training perplexity / rollout perplexity) per sequence (verl rollout_corr/log_ppl_diff).",
+        G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_mismatch_ppl_multiple", GA,
+        "Mean over the last rollout's sequences of training perplexity / rollout perplexity, exp of each "
+        "sequence's log_ppl_diff (verl rollout_corr/ppl_ratio); 1 when trainer and engine agree.",
+        G, inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_rollout_correction_weight", SU,
+        "Per-token rollout-correction weight w = exp(old_logprobs - rollout_logprobs) on finite loss tokens, before "
+        "any truncation (TRL logs its ratio only after; TRL #5231): quantiles of the last rollout; _sum/_count "
+        "cumulative (the mean is E[w] = 1 for two full distributions, the kept mass under top-p: 0.895 at top_p "
+        "0.8, TRL #6789).",
+        G, inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), quantiles=RATIO_QUANTILES,
+    ),
+    Metric(
+        "grpo_token_rollout_correction_weight", H,
+        "Per-token rollout-correction weight pi_old / pi_rollout before truncation, as a histogram, cumulative "
+        "(buckets dense around 1).",
+        G, inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), buckets=RATIO_BUCKETS,
+    ),
+    Metric(
+        "grpo_sequence_rollout_correction_weight", H,
+        "Per-sequence geometric rollout-correction weight exp(mean_t(old - rollout)) before truncation (the "
+        "weight of geometric sequence-level TIS/MIS), as a histogram, cumulative.",
+        G, inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), buckets=RATIO_BUCKETS,
+    ),
+    Metric(
+        "grpo_rollout_correction_capped_tokens_total", C,
+        "Loss tokens whose rollout-correction weight exceeds rollout_correction_cap: the tokens token-level TIS "
+        "truncates or MIS masks (TRL cap 3, verl 2, slime 2, AReaL 5); only when the cap is configured.",
+        G, "tokens", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN),
+    ),
+    Metric(
+        "grpo_rollout_correction_capped_sequences_total", C,
+        "Sequences whose geometric rollout-correction weight exceeds rollout_correction_cap (geometric sequence "
+        "TIS/MIS); only when the cap is configured.",
+        G, "sequences", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN),
+    ),
+    Metric(
+        "grpo_rollout_correction_capped_ratio", GA,
+        "Share of the last rollout's loss tokens (level=token) or sequences (level=sequence) above "
+        "rollout_correction_cap.",
+        G, "ratio", labels=(Label("level", ESS_LEVELS),), inputs=("rollout_logprobs", "old_logprobs", *_TOKEN),
+        merge=Merge.RATIO,
+    ),
+    Metric(
         "grpo_onpolicy_outside_clip_tokens_total", C,
         "Loss tokens whose importance ratio is already outside [1-eps_low, 1+eps_high] on the first update "
         "of a fresh rollout batch, before any weight changed (seed: 'clip before any update' = stop).",

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--out", default="deploy/kubernetes", help="folder of the manifests (default: deploy/kubernetes)")
     k8s.set_defaults(run=_kubernetes)
     demo = commands.add_parser("demo", help="a tiny GRPO run with an injected fault, Prometheus and Alertmanager")
-    demo.add_argument("--scenario", default="engine-desync", choices=_scenario_names(), metavar="SCENARIO",
+    demo.add_argument("--scenario", default="engine-stale-weights", choices=_scenario_names(), metavar="SCENARIO",
                       help="fault to inject, or healthy (docs/demo.md); one of: " + ", ".join(_scenario_names()))
     demo.add_argument("--inject-at", type=int, default=None,
                       help="step at which the fault starts (default: the scenario's)")

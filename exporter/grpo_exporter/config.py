@@ -41,6 +41,11 @@ class MetricsConfig(BaseModel):
     ratio_quantiles: tuple[float, ...] = RATIO_QUANTILES
     length_quantiles: tuple[float, ...] = LENGTH_QUANTILES
     solve_rate_buckets: tuple[float, ...] = SOLVE_RATE_BUCKETS
+    rollout_correction_cap: float | None = Field(
+        None, gt=1.0, description="the rollout-correction cap of your trainer (TIS truncation or MIS masking of "
+        "pi_old / pi_rollout: TRL 3, verl 2, slime 2, AReaL 5): the tokens and sequences above it are counted; "
+        "None = not counted",
+    )
     max_reward_components: int = Field(8, ge=0, description="cap on distinct reward component labels")
 
     @field_validator("gap_quantiles", "ratio_quantiles", "length_quantiles")
@@ -74,6 +79,7 @@ class MetricsConfig(BaseModel):
         return {
             "grpo_engine_logprob_gap_nats": self.gap_quantiles,
             "grpo_importance_weight": self.ratio_quantiles,
+            "grpo_rollout_correction_weight": self.ratio_quantiles,
             "grpo_completion_length_tokens": self.length_quantiles,
         }[summary]
 

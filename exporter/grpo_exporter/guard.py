@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from grpo_exporter.catalog import parse_key
+from grpo_exporter.catalog import metric, parse_key
 from grpo_exporter.thresholds import StopLines
 
 
@@ -38,7 +38,7 @@ class TrainingSignalError(RuntimeError):
 
 def check(metrics: Mapping[str, float], lines: StopLines) -> list[Violation]:
     """The layer-1 criteria this step's metrics fail, at the lines the alerts use too."""
-    engine_gap_stop_nats, onpolicy_clip_stop_ratio = lines.engine_gap_stop_nats, lines.onpolicy_clip_stop_ratio
+    onpolicy_clip_stop_ratio = lines.onpolicy_clip_stop_ratio
     found: list[Violation] = []
     bad = {k: v for k, v in metrics.items() if parse_key(k)[0] == "grpo_nonfinite_values_total" and v > 0}
     if bad:
@@ -63,13 +63,43 @@ def check(metrics: Mapping[str, float], lines: StopLines) -> list[Violation]:
                 "log-probs do not come from the same probability path; stop and fix it",
             )
         )
-    gap = metrics.get("grpo_engine_logprob_gap_mean_nats")
-    if gap is not None and gap >= engine_gap_stop_nats:
-        found.append(
-            Violation(
-                "GRPOEngineLogprobGapCritical",
-                f"engine log-prob gap mean {gap:.4g} nats >= {engine_gap_stop_nats:g}: trainer and rollout "
-                "engine disagree; stop training",
-            )
-        )
+    engine = engine_verdict(metrics, lines)
+    if engine is not None:
+        found.append(Violation("GRPOEngineLogprobGapCritical", engine))
     return found
+
+
+_K1 = metric("grpo_mismatch_kl_nats").key(estimator="k1")
+_K3 = metric("grpo_mismatch_kl_nats").key(estimator="k3")
+
+
+def engine_verdict(metrics: Mapping[str, float], lines: StopLines) -> str | None:
+    """Why this rollout's engine gap stops training, or None: the judgement GRPOEngineLogprobGapCritical makes
+    over a window, on one step.
+
+    Noise or fault (seed 第 3 篇: the 0.01 line is where you stop and check, after measuring your own clean
+    baseline). A bf16 engine's gap is zero-mean noise and never stops a run at any level; what stops it:
+
+    * systematic: the mismatch KL (|k1|, the mean *signed* gap, or k3, its lower-variance non-negative estimator)
+      >= ``mismatch_kl_stop_nats``, from the first step, with no baseline (top-p renormalised log-probs, a
+      temperature the trainer does not apply, wrong weights);
+    * a jump: the mean gap at or above the stop line and ``engine_gap_jump_factor`` x the accepted level
+      (``grpo_engine_logprob_gap_accepted_nats``: the reference run's, else the run's clean gap), as stale
+      weights after a sync leave it.
+    """
+    k1, k3 = metrics.get(_K1), metrics.get(_K3)
+    kl = max((abs(v) for v in (k1, k3) if v is not None), default=None)
+    if kl is not None and kl >= lines.mismatch_kl_stop_nats:
+        return (f"engine log-prob gap is systematic: mismatch KL k1 (the mean signed gap) {k1:.4g} nats, k3 "
+                f"{k3:.4g} nats, at or above {lines.mismatch_kl_stop_nats:g} (noise averages out; top-p/top-k "
+                "renormalised log-probs, a temperature the trainer does not apply or other weights do not); stop "
+                "training")
+    gap = metrics.get("grpo_engine_logprob_gap_mean_nats")
+    accepted = metrics.get("grpo_engine_logprob_gap_accepted_nats")
+    if gap is not None and accepted is not None and gap >= lines.engine_gap_stop_nats and (
+        gap >= lines.engine_gap_jump_factor * accepted
+    ):
+        return (f"engine log-prob gap mean {gap:.4g} nats jumped to >= {lines.engine_gap_jump_factor:g}x the "
+                f"accepted level {accepted:.3g} (and >= the stop line {lines.engine_gap_stop_nats:g}): stale or "
+                "partially synced engine weights; stop training")
+    return None

@@ -22,7 +22,7 @@ from torch import Tensor
 from grpo_exporter import catalog
 from grpo_exporter.catalog import SampleKey, format_quantile
 from grpo_exporter.config import MetricsConfig
-from grpo_exporter.functional import diversity, gradient, reward, samples
+from grpo_exporter.functional import diversity, gradient, mismatch, reward, samples
 from grpo_exporter.functional.groups import Groups, advantage_bounds
 from grpo_exporter.functional.histogram import BUCKETS, Buckets, Histogram, HostHistograms, HostReading, Quantiles
 from grpo_exporter.functional.reading import (
@@ -628,6 +628,37 @@ def _engine_gap(g: _Gather, c: _Context) -> None:
 
 
 @produces(
+    "grpo_mismatch_kl_nats", "grpo_mismatch_chi_square", "grpo_mismatch_log_ppl_diff_nats",
+    "grpo_mismatch_ppl_multiple", "grpo_rollout_correction_weight", "grpo_token_rollout_correction_weight",
+    "grpo_sequence_rollout_correction_weight", "grpo_rollout_correction_capped_tokens_total",
+    "grpo_rollout_correction_capped_sequences_total", "grpo_rollout_correction_capped_ratio",
+)
+def _engine_mismatch(g: _Gather, c: _Context) -> None:
+    """What tells engine noise from a systematic engine fault (:mod:`grpo_exporter.functional.mismatch`)."""
+    x, cfg = c.x, c.cfg
+    difference = c.gap_difference
+    if difference is None:
+        return
+    qs = cfg.quantiles_of("grpo_rollout_correction_weight")
+    tokens = c.tokens - c.nonfinite(difference)
+    m = mismatch.mismatch_of(difference, x.loss_mask, tokens, cfg.rollout_correction_cap, qs)
+    g.add("grpo_mismatch_kl_nats", m.k1, estimator="k1")
+    g.add("grpo_mismatch_kl_nats", m.k3, estimator="k3")
+    g.add("grpo_mismatch_chi_square", m.chi2_token, level="token")
+    g.add("grpo_mismatch_chi_square", m.chi2_sequence, level="sequence")
+    g.add("grpo_mismatch_log_ppl_diff_nats", m.log_ppl_diff)
+    g.add("grpo_mismatch_ppl_multiple", m.ppl_multiple)
+    g.summary("grpo_rollout_correction_weight", m.token_weight_sum, tokens, m.token_weights, qs)
+    g.histogram("grpo_token_rollout_correction_weight", m.token_weights, m.token_weight_sum)
+    g.histogram("grpo_sequence_rollout_correction_weight", m.sequence_weights, m.sequence_weight_sum)
+    if m.capped_tokens is not None and m.capped_sequences is not None:
+        g.add("grpo_rollout_correction_capped_tokens_total", m.capped_tokens)
+        g.add("grpo_rollout_correction_capped_sequences_total", m.capped_sequences)
+        g.add("grpo_rollout_correction_capped_ratio", m.capped_token_share, level="token")
+        g.add("grpo_rollout_correction_capped_ratio", m.capped_sequence_share, level="sequence")
+
+
+@produces(
     "grpo_onpolicy_outside_clip_tokens_total",
     "grpo_onpolicy_checked_tokens_total",
     "grpo_onpolicy_outside_clip_ratio",
@@ -898,6 +929,7 @@ Block = Callable[[_Gather, _Context], None]
 ROLLOUT_BLOCKS: tuple[Block, ...] = (
     _nonfinite_inputs,
     _engine_gap,
+    _engine_mismatch,
     _mask_audit,
     _completions,
     _rewards,

@@ -17,12 +17,24 @@ class StopLines(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     engine_gap_stop_nats: float = Field(
-        0.01, gt=0, description="mean engine log-prob gap at or above which training stops: the guard's stop and "
-        "GRPOEngineLogprobGapCritical (seed: mean >= 0.01 stop; the line applies to the mean, never the max)",
+        0.01, gt=0, description="the seed's stop line for the mean engine gap (seed: mean >= 0.01 stop and check, "
+        "after measuring your own clean baseline; the line applies to the mean, never the max). A clean gap above it "
+        "is a notice to confirm once (GRPOEngineLogprobGapAboveSeedLine); a gap above it and engine_gap_jump_factor "
+        "x the accepted level stops (the guard, GRPOEngineLogprobGapCritical)",
     )
     engine_gap_healthy_nats: float = Field(
-        0.001, gt=0, description="mean engine gap below which a run is usually healthy: above it "
-        "GRPOEngineLogprobGapWarning (seed: mean < 0.001)",
+        0.001, gt=0, description="mean engine gap below which a run is usually healthy (seed: mean < 0.001): a "
+        "reference line of the dashboards; the alerts judge the gap against the run's accepted level instead",
+    )
+    engine_gap_jump_factor: float = Field(
+        5.0, gt=1, description="a mean engine gap at or above the stop line and this multiple of the accepted level "
+        "(grpo_engine_logprob_gap_accepted_nats: the reference run's, else the run's clean gap) stops: stale "
+        "weights after a sync (TRL #5312: 0.015 -> 0.201), a partial sync, a LoRA merge that did not happen",
+    )
+    mismatch_kl_stop_nats: float = Field(
+        0.01, gt=0, description="mismatch KL (|k1|, the mean signed gap rollout - old, or k3) at or above which "
+        "training stops, from the first step, with no baseline: the part of the gap that does not average out (noise "
+        "adds ~sd^2/2: ~1e-3 on healthy bf16 stacks, NeMo-RL; top-p 0.8 renormalisation adds 0.11 to k1)",
     )
     onpolicy_clip_stop_ratio: float = Field(
         0.01, ge=0, lt=1, description="share of loss tokens outside the clip range on an on-policy update above "
@@ -61,11 +73,13 @@ class EventLines(BaseModel):
     )
     gap_baseline_steps: int = Field(
         20, ge=1, description="rollouts whose mean engine gap make the run's own clean gap "
-        "(grpo_engine_logprob_gap_clean_baseline_nats, frozen after them; seed: measure your own clean baseline)",
+        "(grpo_engine_logprob_gap_clean_baseline_nats, frozen after them; seed: measure your own clean baseline), "
+        "the accepted level when no reference_baseline gives one",
     )
     gap_clean_factor: float = Field(
-        10.0, gt=1, description="GRPOEngineLogprobGapWarning also fires when the gap exceeds this multiple of the "
-        "run's clean gap (and the floor): a different probability path can stay far below the fixed 0.001 line",
+        3.0, gt=1, description="GRPOEngineLogprobGapWarning fires when the gap exceeds this multiple of the accepted "
+        "level (grpo_engine_logprob_gap_accepted_nats) and the floor: a drift from the setup's own noise, at any "
+        "level (an fp32 engine's 1e-7 or a bf16 engine's 0.015; a healthy run's gap moves within ~2x, TRL #5312)",
     )
     gap_floor_nats: float = Field(
         1e-5, gt=0, description="the clean-baseline comparison applies only above this mean gap: an exactly "

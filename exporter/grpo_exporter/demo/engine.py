@@ -1,6 +1,13 @@
 """The rollout engine: its own copy of the weights and its own sampling code path, synchronised after each
 update, as vLLM/SGLang beside FSDP/Megatron. Its log-probs come from a different implementation than the
-trainer's, which is exactly what the engine log-prob gap measures."""
+trainer's, which is exactly what the engine log-prob gap measures.
+
+By default it computes in bf16, as real engines do: its healthy gap to the fp32 trainer is numeric noise of
+~0.015 nats mean (the range real bf16 stacks show, 0.010-0.018, TRL #5312), zero-mean per token. The engine
+faults users hit are systematic instead, and the demo injects them here: log-probs renormalised over the top-p
+nucleus (TRL #6789), a sampling temperature the trainer does not apply (TRL #4159), weights that stop syncing
+(TRL #5312: 0.015 -> 0.201), a weight the sync skips.
+"""
 
 from __future__ import annotations
 
@@ -28,23 +35,39 @@ class Rollout:
 class RolloutEngine:
     def __init__(self, policy: TinyLM) -> None:
         self.model = copy.deepcopy(policy).eval()
-        self.precision = torch.float32
+        self.precision = torch.bfloat16
         self.skip: tuple[str, ...] = ()
+        self.frozen = False  # the sync stops copying weights (stale weights after sleep/wake, a lost sync)
+        self.top_p = 1.0  # < 1: sample from the nucleus and report log-probs renormalised over it
+        self.temperature = 1.0  # != 1: sample and report log-probs at this temperature (the trainer uses 1)
         self.version = 0
 
     def sync(self, policy: TinyLM, version: int) -> None:
-        """Copy the trainer's weights. A name in ``skip`` is silently left behind (the desync fault)."""
-        target = self.model.state_dict()
-        for name, value in policy.state_dict().items():
-            if name not in self.skip:
-                target[name].copy_(value)
+        """Copy the trainer's weights. A name in ``skip`` is silently left behind (the desync fault); a frozen
+        engine copies nothing but still reports the new version, as a sync that "succeeded"."""
+        if not self.frozen:
+            target = self.model.state_dict()
+            for name, value in policy.state_dict().items():
+                if name not in self.skip:
+                    target[name].copy_(value)
         self.version = version
+
+    def _logp(self, logits: Tensor) -> Tensor:
+        """The engine's per-token log-probs (fp32) from its logits, after its temperature and nucleus."""
+        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            order = logp.argsort(dim=-1, descending=True)
+            sorted_p = logp.gather(-1, order).exp()
+            keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < self.top_p  # the nucleus: the first tokens reaching p
+            keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+            logp = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
+        return logp
 
     @torch.no_grad()
     def generate(
         self, prompts: Tensor, prompt_ids: Tensor, group_size: int, max_new: int, generator: torch.Generator
     ) -> Rollout:
-        """Sample ``group_size`` completions per prompt at temperature 1, recording each token's log-prob."""
+        """Sample ``group_size`` completions per prompt, recording each token's log-prob."""
         model = self.model if self.precision == torch.float32 else copy.deepcopy(self.model).to(self.precision)
         tokens = prompts.repeat_interleave(group_size, dim=0)
         n = tokens.shape[0]
@@ -53,8 +76,7 @@ class RolloutEngine:
         done = torch.zeros(n, dtype=torch.bool)
         lengths = torch.full((n,), max_new, dtype=torch.long)
         for t in range(max_new):
-            logits = model(tokens)[:, -1]
-            logp = torch.log_softmax(logits, dim=-1).float()  # in the engine's precision, then widened
+            logp = self._logp(model(tokens)[:, -1])  # in the engine's precision, then widened
             choice = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
             token = torch.where(done, PAD, choice)
             out[:, t] = token

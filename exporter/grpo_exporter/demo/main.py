@@ -19,7 +19,7 @@ from grpo_exporter.recorder.store import incidents
 
 
 def run_demo(
-    scenario: str = "engine-desync",
+    scenario: str = "engine-stale-weights",
     inject_at: int | None = None,
     steps: int = 400,
     stack: bool = True,

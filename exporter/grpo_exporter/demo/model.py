@@ -1,5 +1,5 @@
 """A tiny causal transformer with tied input/output embeddings (the tie is what a careless weight sync
-misses in the engine-desync fault)."""
+misses: RolloutEngine.skip)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The fault scenarios: what each injects, when, and which alert (and layer) it should page with.
 
+The rollout engine computes in bf16, as real engines do: its healthy gap (~0.015 nats on the permutation task)
+is noise above the seed's 0.01 line, which the run's notice GRPOEngineLogprobGapAboveSeedLine (info, once) says.
 The demo trains at :data:`STEPS_PER_SECOND` against rules with time shrunk 50x (``demo_mixin``). A fault whose
 alert compares against the run's own history (a rolling baseline: 20 samples in a window that ends 12 s back)
 is injected only after :data:`HISTORY_STEPS` healthy steps; the others after :data:`EARLY_STEPS`.
@@ -10,8 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from grpo_exporter.demo.task import Task
 from grpo_exporter.demo.trainer import DemoConfig, Trainer
@@ -30,6 +30,7 @@ class Scenario:
     layer: str
     inject: Callable[[Trainer], None]
     needs_history: bool = False
+    inject_step: int | None = None  # overrides the default step (0: a fault present from the first step)
     seed: int = 3
     task: str = "permute"  # grpo_exporter.demo.task.TASKS: "reverse" has one right answer, which the policy learns
 
@@ -48,6 +49,8 @@ class Scenario:
     @property
     def inject_at(self) -> int:
         """The default step of injection."""
+        if self.inject_step is not None:
+            return self.inject_step
         return HISTORY_STEPS if self.needs_history else EARLY_STEPS
 
 
@@ -66,10 +69,15 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("healthy-reverse", "no fault, on a task with one right answer (reverse the symbols) that the "
                  "policy learns: groups converge to identical correct completions, mostly all-correct", (), "",
                  _set(), seed=0, task="reverse"),
-        Scenario("engine-desync", "the weight sync silently skips the tied embedding",
-                 ("GRPOEngineLogprobGapWarning",), "1-gradient", _set(engine_skip=("embed.weight",))),
-        Scenario("engine-precision", "the rollout engine computes in bf16",
-                 ("GRPOEngineLogprobGapCritical",), "1-gradient", _set(engine_precision=torch.bfloat16)),
+        Scenario("engine-top-p", "from the first step the engine samples from the top-p 0.8 nucleus and reports "
+                 "log-probs renormalised over it (higher on every token: the signed gap equals the mean gap)",
+                 ("GRPOEngineLogprobGapCritical",), "1-gradient", _set(engine_top_p=0.8), inject_step=0),
+        Scenario("engine-temperature", "from the first step the engine samples and reports log-probs at "
+                 "temperature 0.7, which the trainer does not apply", ("GRPOEngineLogprobGapCritical",),
+                 "1-gradient", _set(engine_temperature=0.7), inject_step=0),
+        Scenario("engine-stale-weights", "part-way through a healthy bf16 run the weight sync stops copying (the "
+                 "engine keeps stale weights, as after a failed wake from sleep mode) while reporting success",
+                 ("GRPOEngineLogprobGapCritical",), "1-gradient", _set(engine_frozen=True), needs_history=True),
         Scenario("mask-bug", "the loss mask covers the padding after EOS",
                  ("GRPOLossMaskMismatch",), "1-gradient", _set(mask_covers_padding=True)),
         Scenario("exp-before-clamp", "a -inf sentinel reaches a loss token and the ratio is exp'd before clamp",

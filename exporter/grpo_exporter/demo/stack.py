@@ -68,7 +68,8 @@ class Page:
     received_at: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
-        return (f"PAGE [{self.receiver}] {self.status.upper()} {self.alert} layer={self.layer} "
+        kind = "NOTICE" if self.severity == "info" else "PAGE"  # a notice (info) states the run's setup, once
+        return (f"{kind} [{self.receiver}] {self.status.upper()} {self.alert} layer={self.layer} "
                 f"severity={self.severity} run={self.run}: {self.summary} (runbook: {self.runbook})")
 
 

@@ -27,7 +27,9 @@ class Faults:
     """Switches for the injected bugs; all off is a healthy run."""
 
     engine_skip: tuple[str, ...] = ()
-    engine_precision: torch.dtype = torch.float32
+    engine_frozen: bool = False
+    engine_top_p: float = 1.0
+    engine_temperature: float = 1.0
     mask_covers_padding: bool = False
     exp_before_clamp: bool = False
     loss_not_divided_by_accumulation: bool = False
@@ -54,6 +56,7 @@ class DemoConfig:
     clip_eps: tuple[float, float] = (0.2, 0.28)
     log_ratio_clamp: float = 20.0
     format_weight: float = 0.1
+    engine_precision: torch.dtype = torch.bfloat16  # as real engines run; float32 matches the trainer to ~1e-7
     task: Task = field(default_factory=lambda: Task(symbols=8, length=5))
 
 
@@ -76,6 +79,7 @@ class Trainer:
         self.policy = TinyLM(self.task.vocab)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=0.0)
         self.engine = RolloutEngine(self.policy)
+        self.engine.precision = config.engine_precision
         self.version = 0
         self.faults = Faults()
         self._reused: Rollout | None = None
@@ -206,7 +210,8 @@ class Trainer:
         c, f = self.config, self.faults
         if f.reuse_rollouts and self._reused is not None:
             return self._reused
-        self.engine.skip, self.engine.precision = f.engine_skip, f.engine_precision
+        e = self.engine
+        e.skip, e.frozen, e.top_p, e.temperature = f.engine_skip, f.engine_frozen, f.engine_top_p, f.engine_temperature
         prompts, ids = self.task.prompts(c.prompts_per_step, self.generator)
         rollout = self.engine.generate(prompts, ids, c.group_size, f.max_new or c.max_new, self.generator)
         self._reused = rollout if f.reuse_rollouts else None

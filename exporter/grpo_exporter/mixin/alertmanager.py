@@ -1,6 +1,7 @@
 """Alertmanager routing and inhibition, from the same config as the rules.
 
-Routes: critical to the pager receiver, everything else to the default one, grouped by alert and run.
+Routes: critical to the pager receiver, everything else to the default one, grouped by alert and run; info
+notices (a state of the run, such as its clean engine gap above the seed's line) are sent once per run.
 Inhibitions encode the signal chain: while a layer-1 *critical* fires for a run (the 0/1 gates: non-finite
 values, a wrong loss mask, a ratio clipped before any update, the engine gap at its stop line: "the gradient
 is not what you think"), the pages of layers 2-4 and of the optimizer family for that run are muted (their
@@ -30,7 +31,12 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
             "group_wait": c.duration(c.group_wait_s) if c.group_wait_s else "0s",
             "group_interval": c.duration(c.group_interval_s),
             "repeat_interval": c.duration(c.repeat_interval_s),
-            "routes": [{"receiver": "pager", "matchers": ['severity="critical"']}],
+            "routes": [
+                {"receiver": "pager", "matchers": ['severity="critical"']},
+                # a notice holds for a run (the clean gap above the seed's line): said once, never re-sent
+                {"receiver": "default", "matchers": ['severity="info"'],
+                 "repeat_interval": c.duration(c.notice_repeat_interval_s)},
+            ],
         },
         "receivers": [
             {"name": "pager", "webhook_configs": [{"url": c.pager_webhook_url, "send_resolved": True}]},

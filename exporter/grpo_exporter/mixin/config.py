@@ -103,10 +103,7 @@ class MixinConfig(StopLines, EventLines):
 
     # ---- layer 1 thresholds ----
     # engine_gap_stop_nats, engine_gap_healthy_nats and onpolicy_clip_stop_ratio: StopLines (shared with the guard)
-    engine_gap_baseline_factor: float = Field(
-        3.0, gt=1, description="GRPOEngineLogprobGapWarning also fires above this multiple of the reference run's "
-        "clean gap (grpo_reference_baseline); the seed: measure your own clean baseline first."
-    )
+    # engine_gap_jump_factor, mismatch_kl_stop_nats: StopLines too; the accepted level is published per run
     fuse_hit_ratio: float = Field(
         0.001, gt=0, lt=1, description="GRPOLogRatioFuseBlowing: share of tokens hitting the numerical log-ratio "
         "clamp. Should be ~0 (our choice of line)."
@@ -229,6 +226,10 @@ class MixinConfig(StopLines, EventLines):
     group_wait_s: int = Field(30, ge=0, description="Alertmanager group_wait (scaled by time_scale)")
     group_interval_s: int = Field(300, ge=1, description="Alertmanager group_interval (scaled)")
     repeat_interval_s: int = Field(4 * 3600, ge=1, description="Alertmanager repeat_interval (scaled)")
+    notice_repeat_interval_s: int = Field(
+        30 * 24 * 3600, ge=1, description="Alertmanager repeat_interval of info notices (scaled): a notice such as "
+        "GRPOEngineLogprobGapAboveSeedLine holds for the whole run and is said once, not every repeat_interval",
+    )
 
     def steps_s(self, steps: float, floor_s: float = 0.0) -> float:
         """Seconds of ``steps`` typical steps, at least ``floor_s`` (production time, before time_scale)."""

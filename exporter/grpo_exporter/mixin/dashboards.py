@@ -111,11 +111,34 @@ def training_health(c: MixinConfig) -> DashboardSpec:
     ))
     layer1 = RowSpec("1 · Does the gradient match what I think?", (
         PanelSpec("Do trainer and rollout engine agree on log-probs? (mean gap)",
-                  f"Mean |rollout - trainer| log-prob gap on loss tokens. Seed: < {c.engine_gap_healthy_nats:g} healthy, "
-                  f">= {c.engine_gap_stop_nats:g} stop. Judge the mean, never the max. The clean-gap line is {c.gap_clean_factor:g}x the run's own first {c.gap_baseline_steps} rollouts.",
-                  (q(gap), q(f'max by (run) (grpo_reference_baseline{{metric="grpo_engine_logprob_gap_mean_nats",{SEL}}})', "reference {{run}}"),
-                   q(f"{c.gap_clean_factor:g} * max by (run) (grpo_engine_logprob_gap_clean_baseline_nats{{{SEL}}})", "clean-gap line {{run}}")),
+                  f"Mean |rollout - trainer| log-prob gap on loss tokens against the run's accepted level (the reference "
+                  f"run's, else its own first {c.gap_baseline_steps} rollouts). Seed: < {c.engine_gap_healthy_nats:g} "
+                  f"usually healthy, {c.engine_gap_stop_nats:g} stop and check after measuring your own clean baseline "
+                  f"(a bf16 engine's noise sits at 0.010-0.018). Warning at {c.gap_clean_factor:g}x the accepted level, "
+                  f"critical at {c.engine_gap_jump_factor:g}x it above {c.engine_gap_stop_nats:g}. Judge the mean, never the max.",
+                  (q(gap), q(f"max by (run) (grpo_engine_logprob_gap_accepted_nats{{{SEL}}})", "accepted {{run}}"),
+                   q(f"{c.gap_clean_factor:g} * max by (run) (grpo_engine_logprob_gap_accepted_nats{{{SEL}}})", "warning line {{run}}"),
+                   q(f"{c.engine_gap_jump_factor:g} * max by (run) (grpo_engine_logprob_gap_accepted_nats{{{SEL}}})", "jump line {{run}}")),
                   "none", thresholds=((c.engine_gap_healthy_nats, "yellow"), (c.engine_gap_stop_nats, "red")), min=0),
+        PanelSpec("Is the gap noise or a fault? (signed gap, mismatch KL)",
+                  f"k1 = mean signed gap rollout - trainer (KL(engine || trainer)): noise averages out (~1e-3 on a healthy "
+                  f"bf16 stack), top-p renormalisation, a temperature or other weights do not; critical at |k1| >= "
+                  f"{c.mismatch_kl_stop_nats:g}. k3 below k1 and a correction weight mean below 1: a renormalised engine "
+                  "distribution (mean weight = kept mass). Chi-square > 1: severe shift (verl).",
+                  (q('max by (run, estimator) (run:grpo_mismatch_kl_nats:window_mean)', "{{run}} {{estimator}}"),
+                   q(f"max by (run, level) (grpo_mismatch_chi_square{{{SEL}}})", "{{run}} chi2 {{level}}"),
+                   q(f"max by (run) (grpo_mismatch_log_ppl_diff_nats{{{SEL}}})", "{{run}} log-ppl diff"),
+                   q(f"sum by (run) (rate(grpo_rollout_correction_weight_sum{{{SEL}}}[{W}])) / "
+                     f"sum by (run) (rate(grpo_rollout_correction_weight_count{{{SEL}}}[{W}])) - 1", "{{run}} mean weight - 1")),
+                  "none", thresholds=((c.mismatch_kl_stop_nats, "red"),)),
+        PanelSpec("How are the rollout-correction weights spread, before truncation?",
+                  "Quantiles of pi_old / pi_rollout per token (before any TIS/MIS cap; TRL logs its ratio only after), the "
+                  "sequence-geometric weight's p01/p99 over the window, and the share above rollout_correction_cap.",
+                  (q(f'max by (run, quantile) (grpo_rollout_correction_weight{{quantile=~"0|0.5|0.99|1",{SEL}}})', "{{run}} q{{quantile}}"),
+                   q(f"histogram_quantile(0.99, sum by (run, le) (rate(grpo_sequence_rollout_correction_weight_bucket{{{SEL}}}[{W}])))", "{{run}} sequence p99"),
+                   q(f"histogram_quantile(0.99, sum by (run, le) (rate(grpo_token_rollout_correction_weight_bucket{{{SEL}}}[{W}])))", "{{run}} token p99 over the window"),
+                   q(f"max by (run, level) (grpo_rollout_correction_capped_ratio{{{SEL}}})", "{{run}} capped {{level}}")),
+                  "none"),
         PanelSpec("Which tokens disagree most? (gap quantiles)",
                   "p99, p99.9 and max of the engine gap in the last step: a few bad tokens can hit the clip while the mean looks fine.",
                   (q(f'max by (run, quantile) (grpo_engine_logprob_gap_nats{{quantile=~"0.99|0.999|1",{SEL}}})', "{{run}} q{{quantile}}"),
@@ -333,6 +356,11 @@ NOT_SHOWN: dict[str, str] = {
     "grpo_log_ratio_clamp_hit_ratio": "the panels show the windowed share recorded from the counters",
     "grpo_clipped_tokens_ratio": "the panels show the windowed shares recorded from the counters",
     "grpo_zero_variance_groups_ratio": "the panels show the windowed share recorded from the counters",
+    "grpo_engine_logprob_gap_clean_baseline_nats": "the gap panel shows the accepted level, which is it unless a "
+    "reference run gives one",
+    "grpo_mismatch_ppl_multiple": "exp of each sequence's log-perplexity difference, which the mismatch panel shows",
+    "grpo_rollout_correction_capped_tokens_total": "the capped share per step is shown; the counters are for windows",
+    "grpo_rollout_correction_capped_sequences_total": "the capped share per step is shown; the counters are for windows",
 }
 
 

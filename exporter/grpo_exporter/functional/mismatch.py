@@ -1,0 +1,100 @@
+"""Layer 1, trainer against rollout engine: the mismatch metrics that tell numeric noise from a systematic fault.
+
+Seed (第 3 篇, 两侧引擎 logprob 差): the mean |Δlogp| is what decides a stop, after "first run your own baseline
+with a configuration known to be good". A bf16/fp16 engine's healthy gap is noise of 0.010-0.018 nats (TRL
+#5312): zero-mean per token. The faults users hit are systematic, and these readings show it:
+
+* the **signed** mean gap, mean(rollout - old) over tokens sampled from the engine q, is the k1 estimate of
+  KL(q || p_trainer) >= 0: noise enters it only to second order (~ sd^2 / 2), a different distribution to first
+  order (top-p renormalised log-probs: -log(kept mass) on every token, 0.11 nats at top_p 0.8; a temperature the
+  trainer does not apply; stale or partial weights);
+* k3 = exp(l) - 1 - l with l = old - rollout, the same KL by a non-negative per-token estimator (prime-rl's
+  ``mismatch_kl``, verl ``rollout_corr/k3_kl``); k3 < k1 when the rollout-correction weights do not average 1,
+  the signature of a truncated (renormalised) engine distribution;
+* chi-square of the rollout-correction weights w = pi_old / pi_rollout = exp(l): E[w^2] - 1 per token and
+  E[(prod w)^2] - 1 per sequence (verl ``chi2_token`` / ``chi2_seq``); the per-sequence log-perplexity
+  difference mean_t(rollout) - mean_t(old) and its exp (verl ``log_ppl_diff`` / ``ppl_ratio``);
+* the weights' distribution *before* any truncation (token, and per sequence the geometric mean
+  exp(mean_t l)), and the share a configured cap truncates (TIS) or masks (MIS).
+
+Every reading comes from ``difference`` = rollout - old already taken on the loss mask for the engine gap (one
+pass each, no host sync); log weights are clamped to +-20 before exp (verl's safety bound), so no reading
+overflows; a non-finite difference reads 0 and leaves the counts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.functional.histogram import Quantiles, histogram
+from grpo_exporter.functional.reading import Ratio, count, finite, fraction, sum64
+
+LOG_WEIGHT_BOUND = 20.0  # |log w| clamp before exp (verl SAFETY_BOUND): finite readings for any gap
+
+
+class Mismatch(NamedTuple):
+    k1: Ratio  # mean signed gap rollout - old, nats
+    k3: Ratio  # mean exp(l) - 1 - l, nats
+    chi2_token: Ratio
+    chi2_sequence: Ratio
+    log_ppl_diff: Ratio  # mean over sequences of mean_t(rollout - old), nats
+    ppl_multiple: Ratio  # mean over sequences of exp(log_ppl_diff_i): training ppl / rollout ppl
+    token_weights: Quantiles  # w per finite loss token
+    token_weight_sum: Tensor
+    sequence_weights: Quantiles  # exp(mean_t l) per sequence with a finite loss token
+    sequence_weight_sum: Tensor
+    sequences: Tensor  # sequences with a finite loss token
+    capped_tokens: Tensor | None  # w above the cap
+    capped_sequences: Tensor | None  # geometric w above the cap
+    capped_token_share: Ratio | None
+    capped_sequence_share: Ratio | None
+
+
+def mismatch_of(
+    difference: Tensor, loss_mask: Tensor, tokens: Tensor, cap: float | None, quantiles: tuple[float, ...],
+) -> Mismatch:
+    """The mismatch readings of ``difference`` = rollout_logprobs - old_logprobs on the loss mask (fp32, 0
+    elsewhere, (N, T)); ``tokens``: its finite loss tokens (the engine gap's count); ``cap``: the
+    rollout-correction cap whose truncated / masked share is counted (None: not counted)."""
+    delta = torch.nan_to_num(difference, nan=0.0, posinf=0.0, neginf=0.0)
+    log_w = delta.neg().clamp_(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)  # 0 off the mask and where non-finite
+    w = torch.exp(log_w)
+    k3 = torch.expm1(log_w).sub_(log_w)  # exp(l) - 1 - l, rounding relative to l (as the ref KL's k3)
+    chi = torch.expm1(log_w * 2.0)  # w^2 - 1: 0 off the mask
+    valid = loss_mask & finite(difference)
+    row_tokens = count(valid, dim=1)
+    present = row_tokens > 0
+    sequences = count(present)
+    row_mean = torch.where(present, delta.sum(dim=1) / row_tokens.clamp(min=1), 0.0)  # mean_t(rollout - old)
+    log_sum = log_w.sum(dim=1).clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+    geometric = torch.exp(row_mean.neg())  # exp(mean_t l): 1 where absent
+    token_h = histogram(w, valid, 0.0 in quantiles, valid_count=tokens)
+    sequence_h = histogram(geometric, present, True, valid_count=sequences)
+    capped_tokens = capped_sequences = None
+    token_share = sequence_share = None
+    if cap is not None:
+        limit = math.log(cap)
+        capped_tokens = count(log_w > limit)  # 0 (w = 1 <= cap) off the mask and where non-finite
+        capped_sequences = count(present & (row_mean.neg() > limit))
+        token_share, sequence_share = fraction(capped_tokens, tokens), fraction(capped_sequences, sequences)
+    return Mismatch(
+        fraction(sum64(delta), tokens),
+        fraction(sum64(k3), tokens),
+        fraction(sum64(chi), tokens),
+        fraction(torch.where(present, torch.expm1(log_sum * 2.0), 0.0).double().sum(), sequences),
+        fraction(row_mean.double().sum(), sequences),
+        fraction(torch.where(present, torch.exp(row_mean), 0.0).double().sum(), sequences),
+        Quantiles(token_h, quantiles),
+        sum64(torch.where(valid, w, 0.0)),
+        Quantiles(sequence_h, quantiles),
+        torch.where(present, geometric, 0.0).double().sum(),
+        sequences,
+        capped_tokens,
+        capped_sequences,
+        token_share,
+        sequence_share,
+    )
