@@ -81,6 +81,13 @@ TRL_METRICS: Mapping[str, tuple[str, str]] = {
     "grad_norm": ("grpo_grad_norm_pre_clip", "same (the norm before clipping)"),
     "sampling/sampling_logp_difference/mean": ("grpo_engine_logprob_gap_mean_nats", "same"),
     "sampling/sampling_logp_difference/max": ('grpo_engine_logprob_gap_nats{quantile="1"}', "same"),
+    "sampling/importance_sampling_ratio/mean": (
+        "rate(grpo_rollout_correction_weight_sum[w]) / rate(grpo_rollout_correction_weight_count[w])",
+        "here before truncation; TRL's after vllm_importance_sampling_cap (TRL #5231)"),
+    "sampling/importance_sampling_ratio/min": (
+        'grpo_rollout_correction_weight{quantile="0"}', "here before truncation; TRL's after its cap"),
+    "sampling/importance_sampling_ratio/max": (
+        'grpo_rollout_correction_weight{quantile="1"}', "here before truncation; TRL's after its cap"),
 }
 
 
