@@ -100,11 +100,11 @@ def test_exactly_the_three_states_around_an_injected_fault_offending_rows_first(
         assert all("old_logprobs" in r["nonfinite"] and r["log_ratio_max"] == "inf" for r in drivers)
     elif trigger == "mask_mismatch":  # the mask covers the padding after EOS: more loss tokens than the completion
         assert all(r["loss_tokens"] > r["completion_lengths"] for r in drivers)
-    elif trigger == "engine_gap":  # bf16 engine: the rows with the largest mean gap, far above a healthy row's
+    elif trigger == "engine_gap":  # top-p: the rows with the largest mean gap, far above a healthy bf16 row's
         assert min(r["engine_gap_mean"] for r in drivers) >= max(r["engine_gap_mean"] for r in plain)
-        assert min(r["engine_gap_mean"] for r in drivers) > 0.004
+        assert min(r["engine_gap_mean"] for r in drivers) > 0.05
         last = m["states"]["last_normal"]["rows"]["rollout"]
-        assert max(r["engine_gap_mean"] for r in last) < 1e-4
+        assert max(r["engine_gap_mean"] for r in last) < 0.05  # the bf16 engine's noise, ~0.015 mean
     else:  # |A| above (G-1)/sqrt(G) = 7/sqrt(8) = 2.47 (seed: the normalisation's bound)
         bound = (8 - 1) / math.sqrt(8)
         assert all(abs(r["advantage"]) > bound for r in drivers)
