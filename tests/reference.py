@@ -40,6 +40,46 @@ def _histogram(out: dict[str, float], name: str, values: list[float], bounds: li
     out[f"{name}_count{{{labels}}}" if labels else f"{name}_count"] = float(len(values))
 
 
+def mismatch_reference(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray, cfg: Any) -> dict[str, float]:
+    """Trainer against engine, after verl's compute_offpolicy_metrics (log w clamped at 20): float64 loops over the
+    loss tokens where rollout - old is finite; ``cfg``: ratio_quantiles, rollout_correction_cap."""
+    out: dict[str, float] = {}
+    n, width = mask.shape
+    diffs = {(i, t): rollout[i, t] - old[i, t] for i in range(n) for t in range(width) if mask[i, t]}
+    diffs = {c: v for c, v in diffs.items() if math.isfinite(v)}
+    if not diffs:
+        return out
+    logw = {c: min(max(-v, -20.0), 20.0) for c, v in diffs.items()}
+    out['grpo_mismatch_kl_nats{estimator="k1"}'] = float(np.mean(list(diffs.values())))
+    out['grpo_mismatch_kl_nats{estimator="k3"}'] = float(np.mean([math.exp(v) - 1 - v for v in logw.values()]))
+    out['grpo_mismatch_chi_square{level="token"}'] = float(np.mean([math.exp(2 * v) for v in logw.values()])) - 1
+    rows: dict[int, list[tuple[float, float]]] = {}
+    for (i, t), v in diffs.items():
+        rows.setdefault(i, []).append((v, logw[(i, t)]))
+    row_mean = [float(np.mean([d for d, _ in r])) for r in rows.values()]
+    row_logw = [min(max(sum(w for _, w in r), -20.0), 20.0) for r in rows.values()]
+    out['grpo_mismatch_chi_square{level="sequence"}'] = float(np.mean([math.exp(2 * v) for v in row_logw])) - 1
+    out["grpo_mismatch_log_ppl_diff_nats"] = float(np.mean(row_mean))
+    out["grpo_mismatch_ppl_multiple"] = float(np.mean([math.exp(v) for v in row_mean]))
+    weights = [math.exp(v) for v in logw.values()]
+    out["grpo_rollout_correction_weight_sum"] = float(sum(weights))
+    out["grpo_rollout_correction_weight_count"] = float(len(weights))
+    for q, v in zip(cfg.ratio_quantiles, _quantiles(weights, cfg.ratio_quantiles), strict=True):
+        out[f'grpo_rollout_correction_weight{{quantile="{_q(q)}"}}'] = v
+    _histogram(out, "grpo_token_rollout_correction_weight", weights, RATIO_BOUNDS, float(sum(weights)))
+    geometric = [math.exp(-v) for v in row_mean]
+    _histogram(out, "grpo_sequence_rollout_correction_weight", geometric, RATIO_BOUNDS, float(sum(geometric)))
+    if cfg.rollout_correction_cap is not None:
+        cap = cfg.rollout_correction_cap
+        tokens_over = sum(1 for w in weights if w > cap)
+        rows_over = sum(1 for w in geometric if w > cap)
+        out["grpo_rollout_correction_capped_tokens_total"] = float(tokens_over)
+        out["grpo_rollout_correction_capped_sequences_total"] = float(rows_over)
+        out['grpo_rollout_correction_capped_ratio{level="token"}'] = tokens_over / len(weights)
+        out['grpo_rollout_correction_capped_ratio{level="sequence"}'] = rows_over / len(geometric)
+    return out
+
+
 def reference(batch: Batch, cfg: Any) -> dict[str, float]:
     with np.errstate(invalid="ignore", over="ignore"):  # -inf - -inf at a wrongly masked padding position
         return _reference(batch, cfg)
@@ -84,38 +124,7 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
         for q, v in zip(cfg.gap_quantiles, _quantiles(gap, cfg.gap_quantiles), strict=True):
             out[f'grpo_engine_logprob_gap_nats{{quantile="{_q(q)}"}}'] = v
 
-    # trainer against engine: the mismatch readings (verl rollout_corr_helper's definitions, log w clamped at 20)
-    diffs = {c: a["rollout_logprobs"][c] - a["old_logprobs"][c] for c in cells}
-    diffs = {c: v for c, v in diffs.items() if math.isfinite(v)}
-    if diffs:
-        logw = {c: min(max(-v, -20.0), 20.0) for c, v in diffs.items()}
-        out['grpo_mismatch_kl_nats{estimator="k1"}'] = float(np.mean(list(diffs.values())))
-        out['grpo_mismatch_kl_nats{estimator="k3"}'] = float(np.mean([math.exp(v) - 1 - v for v in logw.values()]))
-        out['grpo_mismatch_chi_square{level="token"}'] = float(np.mean([math.exp(2 * v) for v in logw.values()])) - 1
-        rows: dict[int, list[tuple[float, float]]] = {}
-        for (i, t), v in diffs.items():
-            rows.setdefault(i, []).append((v, logw[(i, t)]))
-        row_mean = [float(np.mean([d for d, _ in r])) for r in rows.values()]
-        row_logw = [min(max(sum(w for _, w in r), -20.0), 20.0) for r in rows.values()]
-        out['grpo_mismatch_chi_square{level="sequence"}'] = float(np.mean([math.exp(2 * v) for v in row_logw])) - 1
-        out["grpo_mismatch_log_ppl_diff_nats"] = float(np.mean(row_mean))
-        out["grpo_mismatch_ppl_multiple"] = float(np.mean([math.exp(v) for v in row_mean]))
-        weights = [math.exp(v) for v in logw.values()]
-        out["grpo_rollout_correction_weight_sum"] = float(sum(weights))
-        out["grpo_rollout_correction_weight_count"] = float(len(weights))
-        for q, v in zip(cfg.ratio_quantiles, _quantiles(weights, cfg.ratio_quantiles), strict=True):
-            out[f'grpo_rollout_correction_weight{{quantile="{_q(q)}"}}'] = v
-        _histogram(out, "grpo_token_rollout_correction_weight", weights, RATIO_BOUNDS, float(sum(weights)))
-        geometric = [math.exp(-v) for v in row_mean]
-        _histogram(out, "grpo_sequence_rollout_correction_weight", geometric, RATIO_BOUNDS, float(sum(geometric)))
-        if cfg.rollout_correction_cap is not None:
-            cap = cfg.rollout_correction_cap
-            tokens_over = sum(1 for w in weights if w > cap)
-            rows_over = sum(1 for w in geometric if w > cap)
-            out["grpo_rollout_correction_capped_tokens_total"] = float(tokens_over)
-            out["grpo_rollout_correction_capped_sequences_total"] = float(rows_over)
-            out['grpo_rollout_correction_capped_ratio{level="token"}'] = tokens_over / len(weights)
-            out['grpo_rollout_correction_capped_ratio{level="sequence"}'] = rows_over / len(geometric)
+    out.update(mismatch_reference(a["old_logprobs"], a["rollout_logprobs"], mask, cfg))
 
     log_ratio = {c: a["logprobs"][c] - a["old_logprobs"][c] for c in cells}
     finite_lr = {c: v for c, v in log_ratio.items() if math.isfinite(v)}

@@ -112,8 +112,7 @@ class SimulatedRun:
             # a two-token world per position: the engine's distribution q differs from the trainer's p, and the
             # engine samples the token (so mean(rollout - old) estimates KL(q || p) > 0, as in a real run)
             p_hi = rng.uniform(0.3, 0.8, size=old.shape)
-            shift = rng.normal(0.0, k.engine_logit_sd or 1e-12, old.shape)
-            z = np.log(p_hi / (1 - p_hi)) / k.engine_temperature + shift
+            z = np.log(p_hi / (1 - p_hi)) / k.engine_temperature + k.engine_logit_sd * rng.standard_normal(old.shape)
             q_hi = 1 / (1 + np.exp(-z))
             hi = rng.random(old.shape) < q_hi
             old = np.where(hi, np.log(p_hi), np.log1p(-p_hi))

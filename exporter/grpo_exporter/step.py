@@ -566,6 +566,12 @@ class _Context:
         return self._difference("rollout_logprobs", "old_logprobs")
 
     @functools.cached_property
+    def gap_tokens(self) -> Tensor:
+        """The loss tokens where the engine gap's difference is finite (0-d): the gap's and the mismatch's count."""
+        assert self.gap_difference is not None
+        return self.tokens - self.nonfinite(self.gap_difference)
+
+    @functools.cached_property
     def kl_difference(self) -> Tensor | None:
         """ref_logprobs - logprobs on the loss mask (the KL's)."""
         return self._difference("ref_logprobs", "logprobs")
@@ -620,8 +626,7 @@ def _engine_gap(g: _Gather, c: _Context) -> None:
     x, cfg = c.x, c.cfg
     difference = c.gap_difference
     if difference is not None:
-        tokens = c.tokens - c.nonfinite(difference)
-        gap = gradient.engine_gap_of(difference, x.loss_mask, tokens, cfg.gap_quantiles)
+        gap = gradient.engine_gap_of(difference, x.loss_mask, c.gap_tokens, cfg.gap_quantiles)
         g.summary("grpo_engine_logprob_gap_nats", gap.total, gap.count, gap.quantiles, cfg.gap_quantiles)
         g.histogram("grpo_token_engine_logprob_gap_nats", gap.quantiles, gap.total)
         g.add("grpo_engine_logprob_gap_mean_nats", gap.mean)
@@ -640,7 +645,7 @@ def _engine_mismatch(g: _Gather, c: _Context) -> None:
     if difference is None:
         return
     qs = cfg.quantiles_of("grpo_rollout_correction_weight")
-    tokens = c.tokens - c.nonfinite(difference)
+    tokens = c.gap_tokens
     m = mismatch.mismatch_of(difference, x.loss_mask, tokens, cfg.rollout_correction_cap, qs)
     g.add("grpo_mismatch_kl_nats", m.k1, estimator="k1")
     g.add("grpo_mismatch_kl_nats", m.k3, estimator="k3")

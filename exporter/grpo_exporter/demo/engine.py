@@ -6,7 +6,7 @@ By default it computes in bf16, as real engines do: its healthy gap to the fp32 
 ~0.015 nats mean (the range real bf16 stacks show, 0.010-0.018, TRL #5312), zero-mean per token. The engine
 faults users hit are systematic instead, and the demo injects them here: log-probs renormalised over the top-p
 nucleus (TRL #6789), a sampling temperature the trainer does not apply (TRL #4159), weights that stop syncing
-(TRL #5312: 0.015 -> 0.201), a weight the sync skips.
+(TRL #5312: 0.015 -> 0.201).
 """
 
 from __future__ import annotations
@@ -36,20 +36,16 @@ class RolloutEngine:
     def __init__(self, policy: TinyLM) -> None:
         self.model = copy.deepcopy(policy).eval()
         self.precision = torch.bfloat16
-        self.skip: tuple[str, ...] = ()
         self.frozen = False  # the sync stops copying weights (stale weights after sleep/wake, a lost sync)
         self.top_p = 1.0  # < 1: sample from the nucleus and report log-probs renormalised over it
         self.temperature = 1.0  # != 1: sample and report log-probs at this temperature (the trainer uses 1)
         self.version = 0
 
     def sync(self, policy: TinyLM, version: int) -> None:
-        """Copy the trainer's weights. A name in ``skip`` is silently left behind (the desync fault); a frozen
-        engine copies nothing but still reports the new version, as a sync that "succeeded"."""
+        """Copy the trainer's weights; a frozen engine copies nothing but still reports the new version, as a
+        sync that "succeeded"."""
         if not self.frozen:
-            target = self.model.state_dict()
-            for name, value in policy.state_dict().items():
-                if name not in self.skip:
-                    target[name].copy_(value)
+            self.model.load_state_dict(policy.state_dict())
         self.version = version
 
     def _logp(self, logits: Tensor) -> Tensor:

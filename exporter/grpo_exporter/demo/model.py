@@ -1,5 +1,4 @@
-"""A tiny causal transformer with tied input/output embeddings (the tie is what a careless weight sync
-misses: RolloutEngine.skip)."""
+"""A tiny causal transformer with tied input/output embeddings."""
 
 from __future__ import annotations
 

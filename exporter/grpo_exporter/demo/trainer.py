@@ -26,7 +26,6 @@ HACK_WEIGHT = 2.0  # reward-hack: the quirk pays twice a correct answer
 class Faults:
     """Switches for the injected bugs; all off is a healthy run."""
 
-    engine_skip: tuple[str, ...] = ()
     engine_frozen: bool = False
     engine_top_p: float = 1.0
     engine_temperature: float = 1.0
@@ -211,7 +210,7 @@ class Trainer:
         if f.reuse_rollouts and self._reused is not None:
             return self._reused
         e = self.engine
-        e.skip, e.frozen, e.top_p, e.temperature = f.engine_skip, f.engine_frozen, f.engine_top_p, f.engine_temperature
+        e.frozen, e.top_p, e.temperature = f.engine_frozen, f.engine_top_p, f.engine_temperature
         prompts, ids = self.task.prompts(c.prompts_per_step, self.generator)
         rollout = self.engine.generate(prompts, ids, c.group_size, f.max_new or c.max_new, self.generator)
         self._reused = rollout if f.reuse_rollouts else None

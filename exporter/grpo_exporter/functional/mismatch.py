@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.histogram import Quantiles, histogram
-from grpo_exporter.functional.reading import Ratio, count, finite, fraction, sum64
+from grpo_exporter.functional.reading import Ratio, count, finite, fraction, keep_bits, sum64, zeroed
 
 LOG_WEIGHT_BOUND = 20.0  # |log w| clamp before exp (verl SAFETY_BOUND): finite readings for any gap
 
@@ -66,14 +66,18 @@ def mismatch_of(
     k3 = torch.expm1(log_w).sub_(log_w)  # exp(l) - 1 - l, rounding relative to l (as the ref KL's k3)
     chi = torch.expm1(log_w * 2.0)  # w^2 - 1: 0 off the mask
     valid = loss_mask & finite(difference)
+    bits = keep_bits(valid)
+    kept = zeroed(w, bits)  # the weights on finite loss tokens, 0 elsewhere: the histogram's and the sum's
     row_tokens = count(valid, dim=1)
     present = row_tokens > 0
     sequences = count(present)
-    row_mean = torch.where(present, delta.sum(dim=1) / row_tokens.clamp(min=1), 0.0)  # mean_t(rollout - old)
+    # per sequence: a row without a finite loss token sums to 0 everywhere below, so only exp(0) = 1 needs a mask
+    row_mean = delta.sum(dim=1) / row_tokens.clamp(min=1)  # mean_t(rollout - old)
     log_sum = log_w.sum(dim=1).clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
-    geometric = torch.exp(row_mean.neg())  # exp(mean_t l): 1 where absent
-    token_h = histogram(w, valid, 0.0 in quantiles, valid_count=tokens)
-    sequence_h = histogram(geometric, present, True, valid_count=sequences)
+    geometric = torch.exp(row_mean.neg())  # exp(mean_t l)
+    geometric_kept = torch.where(present, geometric, 0.0)
+    token_h = histogram(w, valid, 0.0 in quantiles, bits, kept, tokens)
+    sequence_h = histogram(geometric, present, True, kept=geometric_kept, valid_count=sequences)
     capped_tokens = capped_sequences = None
     token_share = sequence_share = None
     if cap is not None:
@@ -85,13 +89,13 @@ def mismatch_of(
         fraction(sum64(delta), tokens),
         fraction(sum64(k3), tokens),
         fraction(sum64(chi), tokens),
-        fraction(torch.where(present, torch.expm1(log_sum * 2.0), 0.0).double().sum(), sequences),
+        fraction(torch.expm1(log_sum * 2.0).double().sum(), sequences),
         fraction(row_mean.double().sum(), sequences),
-        fraction(torch.where(present, torch.exp(row_mean), 0.0).double().sum(), sequences),
+        fraction(torch.expm1(row_mean).double().sum() + sequences, sequences),  # sum of exp over present rows
         Quantiles(token_h, quantiles),
-        sum64(torch.where(valid, w, 0.0)),
+        sum64(kept),
         Quantiles(sequence_h, quantiles),
-        torch.where(present, geometric, 0.0).double().sum(),
+        geometric_kept.double().sum(),
         sequences,
         capped_tokens,
         capped_sequences,

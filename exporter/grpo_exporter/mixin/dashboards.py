@@ -122,7 +122,7 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   "none", thresholds=((c.engine_gap_healthy_nats, "yellow"), (c.engine_gap_stop_nats, "red")), min=0),
         PanelSpec("Is the gap noise or a fault? (signed gap, mismatch KL)",
                   f"k1 = mean signed gap rollout - trainer (KL(engine || trainer)): noise averages out (~1e-3 on a healthy "
-                  f"bf16 stack), top-p renormalisation, a temperature or other weights do not; critical at |k1| >= "
+                  f"bf16 stack), top-p renormalisation, a temperature or other weights do not; critical when |k1| or k3 >= "
                   f"{c.mismatch_kl_stop_nats:g}. k3 below k1 and a correction weight mean below 1: a renormalised engine "
                   "distribution (mean weight = kept mass). Chi-square > 1: severe shift (verl).",
                   (q('max by (run, estimator) (run:grpo_mismatch_kl_nats:window_mean)', "{{run}} {{estimator}}"),
