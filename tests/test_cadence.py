@@ -75,8 +75,9 @@ def cases(cadence_s: float) -> dict[str, Case]:
     u = phase_hours(cadence_s)
     steps = cadence_s / 3600  # hours per step
     notice = ("GRPOEngineLogprobGapAboveSeedLine", 0.0, 25 * steps + 0.2)  # after the 20 rollouts of the clean gap
+    short = max(1.0, 32 * steps)
     decline_onset = 3 + 8 * (2 / 3)  # entropy crosses 0.5x its early window (1.0) at 0.5
-    return {
+    found = {
         "healthy-end-gap-next-run": Case(
             (Segment("a", near_clip, 5 * u), Segment("b", healthy, 4 * u, start_s=7 * u * 3600, seed=1)), 12 * u),
         "noisy-batch": Case((Segment("a", one_step(5 * u, cadence_s, verifier_zero=True), 9 * u),), 10 * u),
@@ -98,18 +99,22 @@ def cases(cadence_s: float) -> dict[str, Case]:
                                      (("GRPOOnPolicyRatioDrift", 5 * u),)),
         # the engines people run: bf16 noise above the seed's line pages nothing (one notice); real engine faults
         # page layer-1 critical within 10 steps, from the start or of the jump
+        # (a day at 20 s steps is 4320 steps: there the healthy bf16 run is the phases' length, see _params)
         "bf16-healthy-24h": Case((Segment("a", bf16, 23.5),), 24.0, (notice,)),
-        "bf16-healthy": Case((Segment("a", bf16, 9 * u),), 10 * u, (notice,)),
         "bf16-stale-weights": Case((Segment("a", after(5 * u, bf16, engine_logit_sd=1.0), 8 * u),), 9 * u,
                                    (notice, ("GRPOEngineLogprobGapCritical", 5 * u, 10 * steps),
                                     ("GRPOEngineLogprobGapWarning", 5 * u, 12 * steps + 0.2))),
-        "top-p-from-start": Case((Segment("a", from_start(engine_shift=0.111), 4 * u),), 5 * u,
+        # a fault from the first step needs only the notice's 20 rollouts and the critical's 10 steps
+        "top-p-from-start": Case((Segment("a", from_start(engine_shift=0.111), short),), short + 0.2,
                                  (notice, ("GRPOEngineLogprobGapCritical", 0.0, 10 * steps))),
-        "temperature-from-start": Case((Segment("a", from_start(engine_temperature=0.5), 4 * u),), 5 * u,
+        "temperature-from-start": Case((Segment("a", from_start(engine_temperature=0.5), short),), short + 0.2,
                                        (notice, ("GRPOEngineLogprobGapCritical", 0.0, 10 * steps))),
         "process-dies": Case((Segment("a", near_clip, 5 * u, closed=False),), 7 * u,
                              (("GRPOTrainingStalled", 5 * u), ("GRPOExporterDown", 5 * u))),
     }
+    if cadence_s < 60:
+        found["bf16-healthy"] = Case((Segment("a", bf16, 9 * u),), 10 * u, (notice,))
+    return found
 
 
 def a_day_at_ten_minutes(step: int, hours: float) -> Knobs:

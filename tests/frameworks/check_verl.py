@@ -77,8 +77,9 @@ def test_observe_dataproto_reads_verls_batch(tmp_path) -> None:
     assert m["grpo_entropy_mean_nats"] == 1.5
     assert m["grpo_steps_total"] == 1
     assert "grpo_importance_weight_count" not in m  # current log-probs stay in the workers: absent, not 1
-    # the flight recorder: the engine 0.02 nats off is above the stop line set here (0.015): the run's only
-    # step is its first anomalous one, written at close with verl's prompt tokens in the rows
+    # the flight recorder: the engine 0.02 nats off on every token is a systematic gap (|k1| = 0.02 >= 0.01), and
+    # above the stop line set here (0.015): the run's only step is its first anomalous one, written at close with
+    # verl's prompt tokens in the rows
     from grpo_exporter.recorder.inspect import load
 
     incident = load(tmp_path / "incidents")
@@ -87,6 +88,34 @@ def test_observe_dataproto_reads_verls_batch(tmp_path) -> None:
     rows = incident["states"]["first_anomalous"]["rows"]["rollout"]
     assert all(len(r["prompt"]) == 5 for r in rows)
     assert rows[0]["engine_gap_mean"] == pytest.approx(DRIFT, abs=1e-5)
+
+
+def test_mismatch_metrics_equal_verls_own_rollout_corr_diagnostics() -> None:
+    """verl's own ``compute_offpolicy_metrics`` (rollout_corr/kl, k3_kl, chi2_token, chi2_seq, log_ppl_diff,
+    ppl_ratio) on the batch the adapter reads, with a heavy-tailed engine noise: the same numbers."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
+
+    data, _ = make_batch(2)
+    gen = torch.Generator().manual_seed(2)
+    old = data.batch["old_log_probs"]
+    torch.manual_seed(2)  # StudentT samples from the global generator
+    noise = 0.05 * torch.distributions.StudentT(2.0).sample(old.shape)
+    data.batch["rollout_log_probs"] = old + noise.clamp(-3, 3) + 0.01 * torch.rand(old.shape, generator=gen)
+    theirs = compute_offpolicy_metrics(old, data.batch["rollout_log_probs"], data.batch["response_mask"])
+    monitor = GRPOMonitor(run="verl-corr", group_size=G, port=None, strict=True, close_linger_s=0, guard="off")
+    observe_dataproto(monitor, data, step=1)
+    m = monitor.metrics()
+    monitor.close()
+    ours = {
+        "kl": m['grpo_mismatch_kl_nats{estimator="k1"}'],
+        "k3_kl": m['grpo_mismatch_kl_nats{estimator="k3"}'],
+        "chi2_token": m['grpo_mismatch_chi_square{level="token"}'],
+        "chi2_seq": m['grpo_mismatch_chi_square{level="sequence"}'],
+        "log_ppl_diff": m["grpo_mismatch_log_ppl_diff_nats"],
+        "ppl_ratio": m["grpo_mismatch_ppl_multiple"],
+    }
+    for name, value in ours.items():
+        assert value == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), name
 
 
 def test_v0_trainer_hook_reports_each_step() -> None:

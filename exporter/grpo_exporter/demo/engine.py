@@ -33,17 +33,16 @@ class Rollout:
 
 
 class RolloutEngine:
-    def __init__(self, policy: TinyLM) -> None:
-        self.model = copy.deepcopy(policy).eval()
-        self.precision = torch.bfloat16
+    def __init__(self, policy: TinyLM, precision: torch.dtype = torch.bfloat16) -> None:
+        self.model = copy.deepcopy(policy).to(precision).eval()  # its own copy, in its own precision
         self.frozen = False  # the sync stops copying weights (stale weights after sleep/wake, a lost sync)
         self.top_p = 1.0  # < 1: sample from the nucleus and report log-probs renormalised over it
         self.temperature = 1.0  # != 1: sample and report log-probs at this temperature (the trainer uses 1)
         self.version = 0
 
     def sync(self, policy: TinyLM, version: int) -> None:
-        """Copy the trainer's weights; a frozen engine copies nothing but still reports the new version, as a
-        sync that "succeeded"."""
+        """Copy the trainer's weights (cast to the engine's precision); a frozen engine copies nothing but still
+        reports the new version, as a sync that "succeeded"."""
         if not self.frozen:
             self.model.load_state_dict(policy.state_dict())
         self.version = version
@@ -64,7 +63,7 @@ class RolloutEngine:
         self, prompts: Tensor, prompt_ids: Tensor, group_size: int, max_new: int, generator: torch.Generator
     ) -> Rollout:
         """Sample ``group_size`` completions per prompt, recording each token's log-prob."""
-        model = self.model if self.precision == torch.float32 else copy.deepcopy(self.model).to(self.precision)
+        model = self.model
         tokens = prompts.repeat_interleave(group_size, dim=0)
         n = tokens.shape[0]
         out = torch.full((n, max_new), PAD, dtype=torch.long)

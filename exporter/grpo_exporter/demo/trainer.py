@@ -77,8 +77,7 @@ class Trainer:
         self.task = config.task
         self.policy = TinyLM(self.task.vocab)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=0.0)
-        self.engine = RolloutEngine(self.policy)
-        self.engine.precision = config.engine_precision
+        self.engine = RolloutEngine(self.policy, config.engine_precision)
         self.version = 0
         self.faults = Faults()
         self._reused: Rollout | None = None
