@@ -87,13 +87,13 @@ def engine_verdict(metrics: Mapping[str, float], lines: StopLines) -> str | None
       (``grpo_engine_logprob_gap_accepted_nats``: the reference run's, else the run's clean gap), as stale
       weights after a sync leave it.
     """
-    k1, k3 = metrics.get(_K1), metrics.get(_K3)
-    kl = max((abs(v) for v in (k1, k3) if v is not None), default=None)
-    if kl is not None and kl >= lines.mismatch_kl_stop_nats:
-        return (f"engine log-prob gap is systematic: mismatch KL k1 (the mean signed gap) {k1:.4g} nats, k3 "
-                f"{k3:.4g} nats, at or above {lines.mismatch_kl_stop_nats:g} (noise averages out; top-p/top-k "
-                "renormalised log-probs, a temperature the trainer does not apply or other weights do not); stop "
-                "training")
+    kl = {name: v for name, v in (("k1 (the mean signed gap)", metrics.get(_K1)), ("k3", metrics.get(_K3)))
+          if v is not None}
+    if kl and max(abs(v) for v in kl.values()) >= lines.mismatch_kl_stop_nats:
+        read = ", ".join(f"{name} {v:.4g} nats" for name, v in kl.items())
+        return (f"engine log-prob gap is systematic: mismatch KL {read}, at or above {lines.mismatch_kl_stop_nats:g} "
+                "(noise averages out; top-p/top-k renormalised log-probs, a temperature the trainer does not apply or "
+                "other weights do not); stop training")
     gap = metrics.get("grpo_engine_logprob_gap_mean_nats")
     accepted = metrics.get("grpo_engine_logprob_gap_accepted_nats")
     if gap is not None and accepted is not None and gap >= lines.engine_gap_stop_nats and (
