@@ -163,9 +163,9 @@ def test_real_trl_run_hands_the_step_tensors_to_the_monitor(model_dir, tmp_path)
 
 
 def test_engine_logprobs_that_drift_show_as_engine_gap_and_the_guard_says_so(model_dir, tmp_path, caplog) -> None:
-    """A rollout_func whose log-probs are 0.05 nats off the trainer's: the engine gap mean reads 0.05 and the
-    built-in guard names the layer-1 fault (the seed's stop line is 0.01). The trainer made and closed its own
-    monitor."""
+    """A rollout_func whose log-probs are 0.05 nats off the trainer's on every token: the engine gap mean reads
+    0.05 and the built-in guard names the layer-1 fault, systematic from the first step (the signed gap, k1, is
+    the whole gap; the stop line is 0.01). The trainer made and closed its own monitor."""
     caplog.set_level(logging.WARNING, logger="grpo_exporter")
     trainer = train(
         model_dir, tmp_path, rollout_func=drifting_engine(0.05, model_dir[1]),
@@ -177,7 +177,9 @@ def test_engine_logprobs_that_drift_show_as_engine_gap_and_the_guard_says_so(mod
     assert published["grpo_run_finished"] == 1.0  # closed at the end of train()
     assert trainer.monitor.config.run == "trl-test"
     assert trainer.monitor.config.group_size == G
-    assert any("engine log-prob gap mean 0.05" in r.getMessage() for r in caplog.records)
+    assert published['grpo_mismatch_kl_nats{estimator="k1"}'] == pytest.approx(0.05, abs=1e-4)
+    assert any("engine log-prob gap is systematic: mismatch KL k1 (the mean signed gap) 0.05" in r.getMessage()
+               for r in caplog.records)
     # the flight recorder: one episode (the drift is there from the first step), rows with TRL's prompts decoded
     [incident] = incidents(tmp_path / "incidents")
     manifest = json.loads((incident / "incident.json").read_text())
