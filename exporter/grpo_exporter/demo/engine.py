@@ -1,6 +1,6 @@
 """The rollout engine: its own copy of the weights and its own sampling code path (a KV-cached decode,
-:meth:`TinyLM.decode_step`), synchronised after each update, as vLLM/SGLang beside FSDP/Megatron. Its log-probs
-come from a different implementation than the trainer's, which is exactly what the engine log-prob gap measures.
+:meth:`TinyLM.decode_step`), synchronised after each update, as vLLM/SGLang beside FSDP/Megatron. Its log-probs come from a different implementation than the
+trainer's, which is exactly what the engine log-prob gap measures.
 
 By default it computes in bf16, as real engines do: its healthy gap to the fp32 trainer is numeric noise of
 ~0.015 nats mean (the range real bf16 stacks show, 0.010-0.018, TRL #5312), zero-mean per token. The engine
