@@ -4,6 +4,7 @@ exporter's own metrics within a few steps of injection."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -62,6 +63,20 @@ def test_healthy_run_has_no_layer_one_fault_and_learns():
     assert m['grpo_mismatch_kl_nats{estimator="k3"}'] < 0.003
     assert m["grpo_onpolicy_outside_clip_ratio"] == 0
     assert m["grpo_advantage_over_bound_sequences_total"] == 0
+
+
+def test_the_engines_own_kv_cached_path_matches_the_trainer_in_fp32():
+    """The engine samples through its own KV-cached decode (RolloutEngine.generate -> TinyLM.decode_step), not
+    the trainer's forward: in fp32 the two implementations agree to rounding, so the bf16 gap is the precision's."""
+    cfg = replace(DemoConfig(seed=3), engine_precision=torch.float32)
+    trainer = Trainer(cfg, monitor=None)  # type: ignore[arg-type]
+    trainer.restore(warm(cfg.seed))
+    prompts, ids = trainer.task.prompts(8, trainer.generator)
+    rollout = trainer.engine.generate(prompts, ids, cfg.group_size, cfg.max_new, trainer.generator)
+    with torch.no_grad():
+        old, _ = trainer._logprobs(rollout)
+    mask = torch.arange(old.shape[1]) < rollout.lengths.unsqueeze(1)
+    assert (rollout.rollout_logprobs - old)[mask].abs().max() < 1e-4
 
 
 @pytest.mark.parametrize(

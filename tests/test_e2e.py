@@ -11,8 +11,8 @@ receiver; each run has its own ``run`` label and exporter port.
   answer that the policy learns: convergence, mostly all-correct groups), three seeds each for HEALTHY_STEPS
   steps, deliver no page at all (nothing even fires in Prometheus), and no exporter is ever seen down.
 
-Runs go through a pool of CONCURRENT trainers (one process: the tiny steps are bound by the GIL, ~7 steps/s in
-all with the bf16 engine), longest first; the whole suite takes ~7 min on 2 cores.
+Runs go through a pool of CONCURRENT trainers (one process: the tiny steps are bound by the GIL, ~10 steps/s
+in all), longest first; the whole suite takes ~4-6 min on 2 cores.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ HEALTHY_SEEDS = (0, 1, 2)
 HEALTHY_STEPS = {"healthy": 150, "healthy-reverse": 300}
 PAGE_WITHIN_S = 60.0  # after injection, for every fault (50 min at production time scale)
 QUIET_AFTER_S = 8.0  # training goes on after the page: an inhibited page would have arrived by then
-# the bf16 engine computes on the CPU in bf16 (~145 ms a step, against ~100 in fp32): five at once keep each
-# run's pace within GRPOStepCadenceSlowerThanConfigured's tolerance (2x the demo's 0.5 s step)
-CONCURRENT = 5
+# ~10 steps/s in all (the GIL): six at once keep each run near its 2 steps/s, well inside
+# GRPOStepCadenceSlowerThanConfigured's tolerance (half the pace), also on a loaded machine
+CONCURRENT = 6
 DOWNSTREAM = ("2-reward", "3-samples", "4-diversity", "1-optimizer")
 # a layer-1 fault injected together with a downstream one, in one run: (gate, downstream scenario) -> the gate's
 # alert, the downstream alert that fires in Prometheus and must reach nobody, its layer, seconds to train on

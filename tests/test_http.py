@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import math
-import os
 import shutil
 import socket
 import ssl
@@ -269,45 +268,51 @@ def test_auth_unknown_user_costs_a_hash_and_verified_credentials_are_cached():
     assert timed(_auth("prom", "s3cret")) < 0.1 * known_wrong  # cached after one verification
 
 
-def test_a_flood_of_wrong_passwords_costs_training_little():
-    """50 client threads (another process) send wrong passwords as fast as they can while a training loop
-    runs; its time against a control run without clients must stay within 10%. Without the throttle each
-    wrong password costs a 200,000-iteration PBKDF2 (~50 ms) and the loop slows many times over."""
+def test_a_flood_of_wrong_passwords_costs_a_few_slow_hashes_a_second(monkeypatch):
+    """50 client threads (another process) send wrong passwords as fast as they can for 3 s. What that costs
+    the training process is counted, not timed (a timing ratio is a benchmark's job, and flaky on 2 cores):
+    the slow PBKDF2 hashes (~50 ms each at 200,000 iterations) stay within the failed-attempt bucket's burst
+    plus its refill over the flood, and the accept loop's work within its shedding bounds, while the flood
+    sent many times more requests than were hashed. Once it stops, the verified scraper is answered at once."""
+    from grpo_exporter import server
+
+    hashes, accepts = [0], [0]
+    verify, process = server.verify_password, server._Server.process_request
+
+    def counted_verify(password: str, password_hash: str) -> bool:
+        hashes[0] += 1
+        return verify(password, password_hash)
+
+    def counted_process(self: server._Server, request: object, address: object) -> None:
+        accepts[0] += 1
+        process(self, request, address)
+
+    monkeypatch.setattr(server, "verify_password", counted_verify)
+    monkeypatch.setattr(server._Server, "process_request", counted_process)
     with GRPOMonitor(run="flood", port=0, basic_auth_user="prom", basic_auth_password_hash=hash_password("s3cret"),
                      **BASE) as mon:
-        torch.set_num_threads(1)
-        a = torch.randn(384, 384)
-
-        def training() -> float:
-            start = time.perf_counter()
-            for _ in range(150):
-                a.matmul(a).tanh_()
-            return time.perf_counter() - start
-
         legit = {"Authorization": _auth("prom", "s3cret")}
-        assert "grpo_build_info" in scrape(mon.url, headers=legit)  # Prometheus, verified once
-        # the attacker's own CPU is not the exporter's cost: its process runs on another core than training;
-        # the control runs pinned like the flooded runs, so the two differ by the flood only
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, cores[:1])
-        flood: subprocess.Popen[bytes] | None = None
+        assert "grpo_build_info" in scrape(mon.url, headers=legit)  # Prometheus, verified once: one hash
+        assert hashes[0] == 1
+        start = time.monotonic()
+        flood = subprocess.Popen([sys.executable, "-c", _FLOOD, mon.url], stdout=subprocess.PIPE, text=True)
         try:
-            training()
-            control = min(training() for _ in range(3))
-            flood = subprocess.Popen([sys.executable, "-c", _FLOOD, mon.url],
-                                     preexec_fn=lambda: os.sched_setaffinity(0, cores[-1:]))
-            time.sleep(1.0)
-            flooded = min(training() for _ in range(3))
+            out, _ = flood.communicate(timeout=30)
         finally:
-            if flood is not None:
-                flood.kill()
-                flood.wait()
-            os.sched_setaffinity(0, cores)
+            flood.kill()
+        elapsed = time.monotonic() - start
+        during, accepted = hashes[0] - 1, accepts[0] - 1
+        answered = int(out.split()[-1])  # 401 and 429 answers the flood received
         # under the flood scrapes may be refused (the connection budget protects training, not Prometheus);
-        # once it stops, the verified scraper is answered at once
+        # once it stops, the verified scraper is answered at once, from the cache (no new hash)
         assert _served_within(mon.url, legit, seconds=3.0)
-    print(f"training {control:.3f} s alone, {flooded:.3f} s under the flood")
-    assert flooded < 1.10 * control, (flooded, control)
+    print(f"{elapsed:.1f} s of flood: {answered} answers, {accepted} connections accepted, {during} slow hashes")
+    assert during <= server.FAILED_AUTH_BURST + server.FAILED_AUTH_PER_S * elapsed + 1
+    assert answered > 10 * during  # without the throttle every answer would have been a slow hash
+    # the accept loop: each dropped connection costs it a SHED_PAUSE_S rest (<= 200 a second); the others were
+    # answered (the flood's answers, the legitimate scrapes)
+    assert accepted <= elapsed / server.SHED_PAUSE_S + answered + 2 * server.WORKERS
+    assert hashes[0] == 1 + during  # the scrapes after the flood were answered from the cache
 
 
 def _served_within(url: str, headers: dict[str, str], seconds: float) -> bool:
@@ -325,16 +330,23 @@ _FLOOD = """
 import base64, sys, threading, time, urllib.error, urllib.request
 url = sys.argv[1]
 header = {"Authorization": "Basic " + base64.b64encode(b"prom:wrong").decode()}
+answered = [0]
 def hammer():
-    end = time.monotonic() + 60
+    end = time.monotonic() + 3
     while time.monotonic() < end:
         try:
             urllib.request.urlopen(urllib.request.Request(url, headers=header), timeout=5).read()
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 429):
+                answered[0] += 1
         except Exception:
             time.sleep(0.01)
-for _ in range(50):
-    threading.Thread(target=hammer, daemon=True).start()
-time.sleep(60)
+threads = [threading.Thread(target=hammer, daemon=True) for _ in range(50)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(answered[0])
 """
 
 

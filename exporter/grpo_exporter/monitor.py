@@ -170,6 +170,7 @@ class GRPOMonitor:
                 triggers=config.recorder_triggers, lines=config.stop_lines,
                 flush_timeout_s=config.recorder_flush_timeout_s, publication=self._publication,
                 on_error=lambda exc: self._report.error("recorder", exc, "flight recorder"), decode=decode,
+                metrics=config,
             )
         self._publication.merge(static_values(config))
         self._publication.publish()

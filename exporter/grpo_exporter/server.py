@@ -15,8 +15,9 @@ Binds 127.0.0.1 by default (0.0.0.0 or ``::`` is an explicit choice for containe
   time, and failed attempts draw on a small token bucket: past it, the answer is 429 without hashing, so a
   flood of wrong passwords costs the training process a few slow hashes a second at most; while failed
   attempts are being throttled, the accept loop also sheds connections beyond ``CONNECTIONS_PER_S`` a
-  second before reading a byte, resting ``SHED_PAUSE_S`` after each, so a client that reconnects at once
-  costs at most ~200 accepts a second (scrapes may fail during such a flood: training comes first).
+  second before reading a byte; every dropped connection (shed, or all workers busy) makes the loop rest
+  ``SHED_PAUSE_S``, so a client that reconnects at once costs at most ~200 dropped accepts a second beside
+  the connections it is answered on (scrapes may fail during such a flood: training comes first).
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ class _Server(WSGIServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         shedding = self.auth is not None and self.auth.failures.tokens < 1.0 and not self.accepting.take()
         if self.closing or shedding or not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)  # every worker busy: drop it; the scraper retries next interval
-            if shedding:  # a client that reconnects at once would keep this loop (and a core) busy accepting
+            self.shutdown_request(request)  # shed, or every worker busy: drop it; a scraper retries next interval
+            if not self.closing:  # a client that reconnects at once would keep this loop (and a core) busy
                 time.sleep(SHED_PAUSE_S)
             return
         with self.connections_lock:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+KVCache = list[tuple[Tensor, Tensor]]  # per layer: keys and values (B, heads, positions, head width)
+
 
 class TinyLM(nn.Module):
     def __init__(self, vocab: int, context: int = 16, width: int = 48, layers: int = 2, heads: int = 4) -> None:
@@ -23,3 +25,27 @@ class TinyLM(nn.Module):
         h = self.embed(tokens) + self.position(torch.arange(t, device=tokens.device))
         h = self.norm(self.blocks(h, mask=mask, is_causal=True))
         return h @ self.embed.weight.T  # tied output embedding
+
+    def decode_step(self, tokens: Tensor, cache: KVCache | None) -> tuple[Tensor, KVCache]:
+        """The next-token logits (B, vocab) after ``tokens`` (B, t), with a key/value cache: the first call
+        takes the whole prefix, each later call one new token. The rollout engine's own code path (as vLLM
+        keeps a KV cache), written out from the same weights: in the engine's precision, a different
+        implementation than the trainer's :meth:`forward`."""
+        start = 0 if cache is None else cache[0][0].shape[2]
+        t = tokens.shape[1]
+        h = self.embed(tokens) + self.position(torch.arange(start, start + t, device=tokens.device))
+        out: KVCache = []
+        for i, layer in enumerate(self.blocks.layers):
+            attn = layer.self_attn
+            heads, width = attn.num_heads, h.shape[-1]
+            q, k, v = nn.functional.linear(layer.norm1(h), attn.in_proj_weight, attn.in_proj_bias).split(width, -1)
+            q, k, v = (x.view(x.shape[0], t, heads, width // heads).transpose(1, 2) for x in (q, k, v))
+            if cache is not None:
+                k, v = torch.cat([cache[i][0], k], dim=2), torch.cat([cache[i][1], v], dim=2)
+            out.append((k, v))
+            mixed = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cache is None)
+            h = h + attn.out_proj(mixed.transpose(1, 2).reshape(h.shape[0], t, width))
+            h = h + layer.linear2(layer.activation(layer.linear1(layer.norm2(h))))
+        h = self.norm(h[:, -1])
+        return h @ self.embed.weight.T, out
+

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.background import worker_thread
+from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.publication import Publication
 from grpo_exporter.recorder.rows import Decode, describe_rows, json_number, select_rows, take_rows
@@ -124,6 +125,7 @@ class FlightRecorder:
         self, root: Path, *, run: str, rank: int, world: int, rows: int, history_steps: int, budget_bytes: int,
         triggers: tuple[str, ...], lines: StopLines, flush_timeout_s: float, publication: Publication,
         on_error: Callable[[BaseException], None], decode: Decode | None = None,
+        metrics: MetricsConfig | None = None,
     ) -> None:
         self.root = ensure_root(root)
         for path in sweep_partials(self.root):
@@ -132,6 +134,7 @@ class FlightRecorder:
         self._rows, self._budget, self._enabled, self._lines = rows, budget_bytes, triggers, lines
         self._flush_timeout_s = flush_timeout_s
         self._publication, self._on_error, self._decode = publication, on_error, decode
+        self._metrics = metrics
         self._open: dict[int, State] = {}
         self._history: deque[dict[str, Any]] = deque(maxlen=history_steps)
         self._last_normal: State | None = None
@@ -165,7 +168,7 @@ class FlightRecorder:
                 if inputs is not None and getattr(inputs, name) is not None:
                     state.versions[name] = int(getattr(inputs, name))
             if inputs is not None and inputs.n:
-                index, drivers = select_rows(inputs, fired, self._rows)
+                index, drivers = select_rows(inputs, fired, self._rows, self._metrics)
                 state.rows[stage] = take_rows(inputs, index, extra)
                 state.drivers[stage] = drivers
                 if index.is_cuda:

@@ -17,8 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional.constants import cached_constant
 from grpo_exporter.functional.gradient import completion_positions
+from grpo_exporter.functional.groups import advantage_bounds
+from grpo_exporter.functional.reward import sequence_abs_advantage
 from grpo_exporter.inputs import SEQUENCE_BOOLS, SEQUENCE_FLOATS, TOKEN_BOOLS, TOKEN_FLOATS, StepInputs
 
 ROW_FIELDS = (*SEQUENCE_FLOATS, *SEQUENCE_BOOLS, "group_ids", "completion_lengths", "completion_ids", *TOKEN_BOOLS,
@@ -72,9 +75,10 @@ def _masked_abs(a: Tensor, b: Tensor, mask: Tensor | None) -> Tensor:
     return d if mask is None else torch.where(mask, d, torch.zeros_like(d))
 
 
-def row_scores(x: StepInputs) -> dict[str, Tensor]:
+def row_scores(x: StepInputs, cfg: MetricsConfig | None = None) -> dict[str, Tensor]:
     """(N,) float scores per kind, each > 0 only on rows that can drive its trigger; kinds whose inputs are
-    missing are absent."""
+    missing are absent. With ``cfg`` the advantage score is |A| only on rows above their group's normalisation
+    bound (the rows the ``advantage_bound`` trigger counted), else |A| on every row."""
     mask = _tokens(x)
     scores: dict[str, Tensor] = {}
     bad = None
@@ -109,18 +113,32 @@ def row_scores(x: StepInputs) -> dict[str, Tensor]:
         a = torch.nan_to_num(x.advantages.float().abs(), nan=math.inf)
         if a.dim() == 2:
             a = (torch.where(mask, a, torch.zeros_like(a)) if mask is not None else a).amax(1)
-        scores["advantage"] = a
+        over = _over_bound(x, cfg)
+        scores["advantage"] = a if over is None else torch.where(over, a, torch.zeros_like(a))
     return scores
 
 
-def select_rows(x: StepInputs, triggers: Sequence[str], rows: int) -> tuple[Tensor, dict[int, str]]:
+def _over_bound(x: StepInputs, cfg: MetricsConfig | None) -> Tensor | None:
+    """(N,) rows whose |A| is above their group's bound, as the step's advantage check counts them; None
+    without a config or groups."""
+    groups = x.groups(cfg.group_size) if cfg is not None and x.advantages is not None else None
+    if cfg is None or groups is None or x.advantages is None:
+        return None
+    bounds = advantage_bounds(x.rewards, groups, cfg.advantage_norm, cfg.group_size)
+    abs_a, exists = sequence_abs_advantage(x.advantages, x.loss_mask)
+    return exists & (abs_a.double() > bounds[groups.index] * (1.0 + cfg.advantage_bound_rtol) + 1e-6)
+
+
+def select_rows(x: StepInputs, triggers: Sequence[str], rows: int,
+                cfg: MetricsConfig | None = None) -> tuple[Tensor, dict[int, str]]:
     """The rows to keep (device index) and, for an anomalous step, which trigger each offending row drove
-    (row -> trigger, offending rows first in the index). Normal steps: spread rows, no host read."""
+    (row -> trigger, offending rows first in the index). Normal steps: spread rows, no host read. ``cfg``
+    (the monitor's) says which rows are above the advantage bound."""
     n = x.n
     if n is None or n == 0:
         return torch.zeros(0, dtype=torch.long), {}
     kinds = [(trigger, kind) for trigger in triggers for kind in SCORES_OF.get(trigger, ())]
-    scores = row_scores(x) if kinds else {}
+    scores = row_scores(x, cfg) if kinds else {}
     kinds = [(trigger, kind) for trigger, kind in kinds if kind in scores]
     if not kinds:
         return _spread_index(n, rows, x.device), {}
