@@ -125,6 +125,7 @@ def make_batch(
         "zero_variance_prob": stored(
             (group_p**group_size + (1 - group_p) ** group_size)[group_index], torch.float32
         ),
+        "all_incorrect_prob": stored(((1 - group_p) ** group_size)[group_index], torch.float32),
         "completion_lengths": lengths.astype(np.int64),
         "completion_ids": ids.astype(np.int64),
         "loss_mask": loss_mask,

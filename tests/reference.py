@@ -238,9 +238,10 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
         return float(adv[i] if adv.ndim == 1 else adv[i, t])
 
     signed = [(c, token_adv(*c)) for c in cells if math.isfinite(token_adv(*c))]
-    pos = [c for c, v in signed if v > 0]
-    neg = [c for c, v in signed if v < 0]
-    zero = [c for c, v in signed if v == 0]
+    atol = cfg.zero_advantage_atol  # an advantage within it of 0 is zero (the rounding of equal rewards)
+    pos = [c for c, v in signed if v > atol]
+    neg = [c for c, v in signed if v < -atol]
+    zero = [c for c, v in signed if abs(v) <= atol]
     out['grpo_update_tokens_total{advantage_sign="positive"}'] = float(len(pos))
     out['grpo_update_tokens_total{advantage_sign="negative"}'] = float(len(neg))
     out['grpo_update_tokens_total{advantage_sign="zero"}'] = float(len(zero))
@@ -301,6 +302,9 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
     for idx in members:
         expected.append(float(np.mean([a["zero_variance_prob"][i] for i in idx])))
     out["grpo_zero_variance_groups_expected_ratio"] = float(np.mean(expected))
+    if a.get("all_incorrect_prob") is not None:
+        out["grpo_all_incorrect_groups_expected_ratio"] = float(np.mean(
+            [np.mean([a["all_incorrect_prob"][i] for i in idx]) for idx in members]))
 
     rates = []
     for idx in members:

@@ -199,7 +199,11 @@ FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...
     # log ratios spread wide: a few tokens carry the weight, and most lie outside the clip range
     "ess-drop": ({"log_ratio_sd": 1.5}, {}, ("GRPOESSDrop", "GRPOClipFractionHigh")),
     "lower-clip": ({"lower_only": 0.3}, {}, ("GRPOLowerClipDominant",)),
-    "identical-completions": ({"distinct": 0.125}, {}, ("GRPODiversityCollapse",)),
+    # each group repeats one completion, its answer included: pass@G falls to pass@1 (the seed's collapse;
+    # identical completions while pass@G holds are a learned task), and groups lose reward variance
+    "identical-completions": ({"distinct": 0.125, "same_answer": 1.0}, {},
+                              ("GRPODiversityCollapse", "GRPOZeroVarianceAbovePrediction?",
+                               "GRPOFewGroupsCarrySignal?")),
     # correctness falls while a format component pays for the loss: the total holds; the sudden fall also
     # leaves more all-wrong groups than the prompts' histories predict, until the histories catch up
     "reward-hack": ({"solve": 0.15, "format_pays": 1.0}, {},

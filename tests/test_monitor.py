@@ -212,13 +212,17 @@ def test_solve_rate_history_predicts_zero_variance():
             predictions.append(mon.metrics()["grpo_zero_variance_groups_expected_ratio"])
         # before any batch: Beta(1, 1) around the 0.5 prior -> P(k=0 or k=4) = 2/5
         assert predictions[0] == pytest.approx(0.4)
-        solved = float(mon._solve_rates.predict(torch.tensor([0]), contiguous_groups(g, g))[0])
-        half = float(mon._solve_rates.predict(torch.tensor([1]), contiguous_groups(g, g))[0])
-        unseen = float(mon._solve_rates.predict(torch.tensor([7]), contiguous_groups(g, g))[0])
+        solved = float(mon._solve_rates.predict(torch.tensor([0]), contiguous_groups(g, g)).sum(0)[0])
+        half = float(mon._solve_rates.predict(torch.tensor([1]), contiguous_groups(g, g)).sum(0)[0])
+        unseen = float(mon._solve_rates.predict(torch.tensor([7]), contiguous_groups(g, g)).sum(0)[0])
         # shrunk toward the population (p in {1, 0.5}: Beta(6, 2)), within a discounted history of ~25 samples
         assert solved > 0.75, (solved, half, unseen)
         assert half < 0.2, (solved, half, unseen)
         assert half < unseen < solved
+        # the parts: a solved prompt's zero-variance chance is all-correct, almost none all-incorrect
+        correct_part, incorrect_part = mon._solve_rates.predict(torch.tensor([0]), contiguous_groups(g, g))[:, 0]
+        assert float(correct_part) > 0.75
+        assert float(incorrect_part) < 0.01
 
 
 def test_population_moments_follow_the_discounted_group_shares():

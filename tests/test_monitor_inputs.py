@@ -292,6 +292,22 @@ def test_no_spike_is_judged_before_enough_norms():
     assert spikes.observe(float("nan")) is False
 
 
+def test_a_converging_run_whose_signal_swings_is_no_spike_and_a_crash_still_is():
+    """A converging run: most steps carry one mixed group of sixteen (1/16 of the loss tokens have signal,
+    norm ~0.05), some several (1/2, norm ~0.6, twelve times the norm for eight times the signal). Judged per signal
+    share (seed: zero-advantage tokens dilute the gradient) nothing spikes; judged raw, the dense steps do. A
+    crash, 10x the norm at the same signal, still spikes."""
+    from grpo_exporter.spikes import GradNormSpikes
+
+    config = MonitorConfig(run="r", group_size=8)
+    steps = [(0.05, 1 / 16)] * 30 + [(0.6, 0.5), (0.05, 1 / 16), (0.55, 0.5)] * 5
+    per_signal, raw = GradNormSpikes(config), GradNormSpikes(config)
+    assert not any(per_signal.observe(norm, share) for norm, share in steps)
+    assert any(raw.observe(norm) for norm, _ in steps)
+    assert per_signal.observe(0.6, 1 / 16) is True  # twelve times the sparse steps' norm at their signal
+    assert per_signal.observe(0.3, 0.0) is False  # no signal at all: not judged
+
+
 def test_stale_update_steps_are_counted_on_every_step():
     """A weight sync every 8 steps: staleness climbs 0..7 and resets. Steps 5, 6 and 7 of each cycle are more
     than 4 versions stale; a scrape right after each sync would only ever see 0."""
@@ -413,3 +429,25 @@ def test_ids_that_are_not_a_sequence_of_keys_are_refused_naming_the_field(bad: o
 
     with pytest.raises(InputError, match="group_ids"):
         id_tensor("group_ids", bad, None)  # type: ignore[arg-type]
+
+
+def test_the_rounding_of_equal_rewards_is_a_zero_advantage():
+    """A group of equal rewards normalised as (r - mean) / (std + 1e-4) in fp32 leaves the mean's rounding over
+    eps (~1e-3 for rewards of 1.6), not an exact 0: it counts as a zero advantage (default tolerance 1e-2 with
+    std normalisation). Without normalisation (advantage_norm none: 1e-6) the rounding is ~1e-7 and zero too,
+    while a reward difference of 1e-3 is a real advantage."""
+    from grpo_exporter.functional.samples import advantage_signs
+
+    rewards = torch.full((16,), 1.6)
+    normalised_advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    assert bool((normalised_advantages != 0).any())  # the rounding, divided by eps
+    mask = torch.ones(16, 3, dtype=torch.bool)
+    normalised = MonitorConfig(run="r", group_size=16).zero_advantage_atol
+    plain = MonitorConfig(run="r", group_size=16, advantage_norm="none").zero_advantage_atol
+    assert (normalised, plain) == (1e-2, 1e-6)
+    assert bool(advantage_signs(normalised_advantages, mask, normalised).zero.all())
+    assert not bool(advantage_signs(normalised_advantages, mask, 0.0).zero.any())
+    differences = rewards - rewards.mean()
+    differences[:8] += torch.tensor([1e-3, -1e-3] * 4)
+    assert int(advantage_signs(differences, mask, plain).zero.sum()) == 8
+    assert MonitorConfig(run="r", group_size=16, advantage_zero_atol=0.0).zero_advantage_atol == 0.0

@@ -608,6 +608,14 @@ CATALOG: tuple[Metric, ...] = (
         S, "ratio", inputs=("zero_variance_prob",), merge=Merge.RATIO,
     ),
     Metric(
+        "grpo_all_incorrect_groups_expected_ratio", GA,
+        "The all-incorrect part of the zero-variance prediction, E[(1-p)^G] over the batch's prompts (same "
+        "posteriors). The seed reads the two sides apart: all-correct groups beyond their prediction are data "
+        "too easy or a policy learning faster than its history; all-incorrect beyond theirs a verifier or "
+        "ability problem, or a policy repeating one answer.",
+        S, "ratio", inputs=("all_incorrect_prob",), merge=Merge.RATIO,
+    ),
+    Metric(
         "grpo_zero_advantage_tokens_ratio", GA,
         "Share of the last update's loss tokens with zero advantage: they sit in a token-level loss "
         "denominator and dilute the gradient like a smaller batch and learning rate.",

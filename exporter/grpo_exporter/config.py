@@ -32,6 +32,12 @@ class MetricsConfig(BaseModel):
     log_ratio_clamp: float | None = Field(
         None, gt=0.0, description="numerical |log ratio| clamp before exp (the fuse); None = not used"
     )
+    advantage_zero_atol: float | None = Field(
+        None, ge=0.0, description="|A| at or below this is a zero advantage (no gradient): the rounding a group "
+        "of equal rewards leaves, (r - mean) / (std + eps) with the mean's fp32 rounding over eps 1e-4, is "
+        "~1e-3 for rewards of ~1, never an exact 0. None: 1e-2 with std normalisation (far below the smallest "
+        "real one, ~1/sqrt(G) for G up to thousands), 1e-6 without (advantage_norm none: reward differences)"
+    )
     advantage_bound_rtol: float = Field(
         1e-3, ge=0.0, description="relative slack before |A| counts as above the normalisation bound"
     )
@@ -68,6 +74,13 @@ class MetricsConfig(BaseModel):
         if bad:
             raise ValueError(f"pass_k: expected every k in [1, group_size={self.group_size}], got {bad}")
         return self
+
+    @property
+    def zero_advantage_atol(self) -> float:
+        """The tolerance below which an advantage is zero (``advantage_zero_atol``, or its default by norm)."""
+        if self.advantage_zero_atol is not None:
+            return self.advantage_zero_atol
+        return 1e-6 if self.advantage_norm == "none" else 1e-2
 
     @property
     def pass_ks(self) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from torch import Tensor
 from grpo_exporter.catalog import check_label_value
 from grpo_exporter.functional.groups import Groups, contiguous_groups, groups_from_ids
 
-SEQUENCE_FLOATS = ("rewards", "zero_variance_prob")
+SEQUENCE_FLOATS = ("rewards", "zero_variance_prob", "all_incorrect_prob")
 SEQUENCE_BOOLS = ("correct", "truncated")
 TOKEN_FLOATS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy")
 TOKEN_BOOLS = ("loss_mask", "completion_mask")
@@ -56,6 +56,7 @@ class StepInputs:
     truncated: Tensor | None = None
     reward_components: Mapping[str, Tensor] = field(default_factory=dict)
     zero_variance_prob: Tensor | None = None
+    all_incorrect_prob: Tensor | None = None
     completion_lengths: Tensor | None = None
     completion_mask: Tensor | None = None
     completion_ids: Tensor | None = None

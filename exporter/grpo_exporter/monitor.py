@@ -73,7 +73,8 @@ _SOLVE_TERMS = "solve_rate_terms"  # the rollout's solve-rate moment terms, carr
 # the loss-mask audit of the rollout is published only when the update does not audit its own mask
 _AUDIT = frozenset(MASK_AUDIT_FAMILIES)
 UPDATE_FIELDS = frozenset(f.name for f in dataclasses.fields(StepInputs)) - {
-    "value_errors", "zero_variance_prob", "params_before", "params_after", "step", "reward_components",
+    "value_errors", "zero_variance_prob", "all_incorrect_prob", "params_before", "params_after", "step",
+    "reward_components",
 }
 
 
@@ -245,7 +246,9 @@ class GRPOMonitor:
                     with contextlib.suppress(InputError):  # a grouping error is the metric blocks' to count
                         groups = inputs.groups(self.config.group_size)
                     if groups is not None and inputs.correct is not None:
-                        inputs = inputs.replaced(zero_variance_prob=self._solve_rates.predict(slots, groups))
+                        extremes = self._solve_rates.predict(slots, groups)
+                        inputs = inputs.replaced(zero_variance_prob=extremes.sum(dim=0).clamp_(0.0, 1.0),
+                                                 all_incorrect_prob=extremes[1])
                         carry[_SOLVE_TERMS] = SolveRates.moment_terms(inputs.correct, groups)
                 carry |= edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
             result = self._compute("rollout", inputs, carry)
@@ -500,7 +503,8 @@ class GRPOMonitor:
             inputs = None  # merged as failed, like a rank whose inputs were rejected
         result = self._compute("update", inputs, {}, failed=failed)
         norm = result.metrics.get(_key("grpo_grad_norm_pre_clip"))
-        spike = norm is not None and self._spikes.observe(norm)
+        zero_share = result.metrics.get(_key("grpo_zero_advantage_tokens_ratio"))
+        spike = norm is not None and self._spikes.observe(norm, None if zero_share is None else 1.0 - zero_share)
         if spike:
             self._publication.add({_key("grpo_grad_norm_spike_steps_total"): 1.0})
         if self._recorder is not None and step is not None:

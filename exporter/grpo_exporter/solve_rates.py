@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups
-from grpo_exporter.functional.samples import beta_binomial_zero_variance
+from grpo_exporter.functional.samples import beta_binomial_extremes
 from grpo_exporter.inputs import InputError, StepInputs, describe
 
 _MAX_CONCENTRATION = 1e4  # a0 + b0 when the population has (almost) no spread: p known to ~1%
@@ -77,13 +77,14 @@ class SolveRates:
         return max(m * concentration, _MIN_SHAPE), max((1.0 - m) * concentration, _MIN_SHAPE)
 
     def predict(self, slots: Tensor, groups: Groups) -> Tensor:
-        """Per sample: the predicted probability that its group is all-correct or all-wrong, from its
-        prompt's posterior *before* this batch (fp64, on the device, no host sync)."""
+        """(2, N) per sample: the predicted probabilities that its group is all-correct and all-wrong, from its
+        prompt's posterior *before* this batch (fp64, on the device, no host sync); their sum is the
+        zero-variance prediction."""
         assert self.table is not None
         a0, b0 = self.population()
         hits, trials = self.table[slots].unbind(1)
         size = float(groups.size) if groups.size is not None else groups.sizes()[groups.index]
-        return beta_binomial_zero_variance(hits + a0, (trials - hits).add_(b0), size)
+        return beta_binomial_extremes(hits + a0, (trials - hits).add_(b0), size)
 
     @staticmethod
     def moment_terms(correct: Tensor, groups: Groups) -> Tensor:

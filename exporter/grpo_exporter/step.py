@@ -535,7 +535,7 @@ class _Context:
         both read them. Only where ``advantages`` and ``loss_mask`` were given."""
         assert self.x.advantages is not None
         assert self.x.loss_mask is not None
-        return samples.advantage_signs(self.x.advantages, self.x.loss_mask)
+        return samples.advantage_signs(self.x.advantages, self.x.loss_mask, self.cfg.zero_advantage_atol)
 
     @functools.cached_property
     def positions(self) -> Tensor | None:
@@ -861,6 +861,7 @@ def _clipping(g: _Gather, c: _Context) -> None:
     "grpo_zero_variance_groups_total",
     "grpo_zero_variance_groups_ratio",
     "grpo_zero_variance_groups_expected_ratio",
+    "grpo_all_incorrect_groups_expected_ratio",
 )
 def _zero_variance(g: _Gather, c: _Context) -> None:
     x, groups = c.x, c.groups
@@ -876,6 +877,9 @@ def _zero_variance(g: _Gather, c: _Context) -> None:
     if x.zero_variance_prob is not None:
         expected = samples.expected_zero_variance_ratio(x.zero_variance_prob, groups)
         g.add("grpo_zero_variance_groups_expected_ratio", expected)
+    if x.all_incorrect_prob is not None:
+        g.add("grpo_all_incorrect_groups_expected_ratio", samples.expected_zero_variance_ratio(x.all_incorrect_prob,
+                                                                                             groups))
 
 
 @produces("grpo_mixed_group_solve_rate_ratio")

@@ -56,7 +56,9 @@ class EventLines(BaseModel):
 
     grad_spike_factor: float = Field(
         10.0, gt=1, description="a step's pre-clip grad norm above this multiple of the median of the previous "
-        "non-zero norms counts in grpo_grad_norm_spike_steps_total and pages GRPOGradNormSpike (seed: 10x)",
+        "non-zero norms counts in grpo_grad_norm_spike_steps_total and pages GRPOGradNormSpike (seed: 10x); each "
+        "norm is taken per share of loss tokens with non-zero advantage (the gradient's dilution), so a "
+        "converging run whose steps swing between one mixed group and several is no spike",
     )
     grad_spike_window_steps: int = Field(
         50, ge=2, description="how many previous non-zero pre-clip norms the spike median is taken over (zero "

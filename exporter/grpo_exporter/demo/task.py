@@ -3,7 +3,10 @@ Many answers are right, so a healthy policy keeps several distinct completions p
 is meaningful), and a briefly warmed-up policy solves some samples of a group and not others (mixed groups).
 ``reverse``: answer with the prompt's symbols reversed, then EOS: exactly one right answer, which the policy
 learns, so a healthy run converges to identical correct completions and mostly all-correct groups (the
-regime in which diversity, clip-side and zero-variance rules must not mistake convergence for collapse)."""
+regime in which diversity, clip-side and zero-variance rules must not mistake convergence for collapse).
+``distinct``: answer with the prompt's distinct symbols in ascending order, then EOS: one right answer whose
+length depends on the prompt (1 to ``length`` symbols). :meth:`Task.partial` scores partial credit, for runs
+whose reward has several components (tests/worlds.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_SYMBOL = 4
 
 
-TASKS = ("permute", "reverse")
+TASKS = ("permute", "reverse", "distinct")
 _SPECIAL = {PAD: "<pad>", BOS: "<bos>", SEP: "|", EOS: "<eos>"}
 
 
@@ -54,14 +57,28 @@ class Task:
         return tokens, ids
 
     def answers(self, prompts: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """(count, answer_length) reference completions: the symbols in a random order (``permute``) or
-        reversed (``reverse``), then EOS."""
+        """(count, answer_length) reference completions: the symbols in a random order (``permute``),
+        reversed (``reverse``) or distinct and sorted (``distinct``), then EOS (then PAD for shorter ones)."""
         body = prompts[:, 1 : 1 + self.length]
+        if self.kind == "distinct":
+            return self._distinct(body)
         if self.kind == "reverse":
             answer = body.flip(1)
         else:
             answer = body.gather(1, torch.rand(body.shape, generator=generator).argsort(dim=1))
         return torch.cat([answer, torch.full((prompts.shape[0], 1), EOS)], dim=1)
+
+    def _distinct(self, body: Tensor) -> Tensor:
+        """Each row's distinct symbols ascending, EOS, PAD to ``answer_length``."""
+        ordered = body.sort(dim=1).values
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+        key = torch.where(first, torch.arange(self.length), self.length + torch.arange(self.length))
+        kept = ordered.gather(1, key.argsort(dim=1))  # the distinct symbols first, in ascending order
+        count = first.sum(dim=1, keepdim=True)
+        pos = torch.arange(self.answer_length).unsqueeze(0)
+        padded = torch.cat([kept, torch.full((body.shape[0], 1), PAD)], dim=1)
+        return torch.where(pos < count, padded, torch.where(pos == count, EOS, PAD))
 
     def score(self, prompts: Tensor, completions: Tensor, lengths: Tensor) -> Tensor:
         """Correct: the prompt's symbols in an allowed order, then EOS, and nothing else."""
@@ -69,8 +86,30 @@ class Task:
         if completions.shape[1] < n + 1:
             return torch.zeros(prompts.shape[0], dtype=torch.bool)
         body = prompts[:, 1 : 1 + n]
+        if self.kind == "distinct":
+            reference = self._distinct(body)
+            size = (reference != PAD).sum(dim=1)  # symbols + EOS
+            inside = torch.arange(n + 1).unsqueeze(0) < size.unsqueeze(1)
+            return (torch.where(inside, completions[:, : n + 1] == reference, True)).all(dim=1) & (lengths == size)
         if self.kind == "reverse":
             same = (completions[:, :n] == body.flip(1)).all(dim=1)
         else:
             same = (completions[:, :n].sort(dim=1).values == body.sort(dim=1).values).all(dim=1)
         return same & (completions[:, n] == EOS) & (lengths == n + 1)
+
+    def partial(self, prompts: Tensor, completions: Tensor, lengths: Tensor) -> Tensor:
+        """Partial credit in [0, 1]: the share of the reference answer's positions (symbols and EOS) the
+        completion gets right (``permute``: of the prompt's symbols it uses, as a multiset)."""
+        n = self.length
+        width = n + 1
+        got = torch.nn.functional.pad(completions, (0, max(0, width - completions.shape[1])), value=PAD)[:, :width]
+        body = prompts[:, 1 : 1 + n]
+        if self.kind == "permute":
+            symbols = torch.arange(FIRST_SYMBOL, FIRST_SYMBOL + self.symbols)
+            want = (body.unsqueeze(2) == symbols).sum(dim=1)
+            have = (got[:, :n].unsqueeze(2) == symbols).sum(dim=1)
+            return torch.minimum(want, have).sum(dim=1).float() / n
+        reference = self.answers(prompts)
+        size = (reference != PAD).sum(dim=1)
+        inside = torch.arange(width).unsqueeze(0) < size.unsqueeze(1)
+        return ((got == reference) & inside).sum(dim=1).float() / size.float()

@@ -17,7 +17,7 @@ from torch import Tensor
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.engine import Rollout, RolloutEngine
 from grpo_exporter.demo.model import TinyLM
-from grpo_exporter.demo.task import FIRST_SYMBOL, Task
+from grpo_exporter.demo.task import FIRST_SYMBOL, PAD, Task
 
 HACK_WEIGHT = 2.0  # reward-hack: the quirk pays twice a correct answer
 
@@ -55,6 +55,7 @@ class DemoConfig:
     clip_eps: tuple[float, float] = (0.2, 0.28)
     log_ratio_clamp: float = 20.0
     format_weight: float = 0.1
+    partial_weight: float = 0.0  # > 0: a "partial" reward component, Task.partial times this (several components)
     engine_precision: torch.dtype = torch.bfloat16  # as real engines run; float32 matches the trainer to ~1e-7
     task: Task = field(default_factory=lambda: Task(symbols=8, length=5))
 
@@ -63,10 +64,11 @@ class DemoConfig:
 class StepReport:
     step: int
     reward: float
-    correct: float
+    correct: float  # pass@1 of the step's rollouts
     truncated: float
     grad_norm: float
     skipped: bool
+    pass_at_group: float = 0.0  # share of groups with a correct completion (the trainer's own pass@G)
 
 
 class Trainer:
@@ -75,7 +77,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.task = config.task
-        self.policy = TinyLM(self.task.vocab)
+        self.policy = TinyLM(self.task.vocab, context=self.task.prompt_length + config.max_new)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=0.0)
         self.engine = RolloutEngine(self.policy, config.engine_precision)
         self.version = 0
@@ -95,8 +97,10 @@ class Trainer:
             prompts, _ = self.task.prompts(64, self.generator)
             sequence = torch.cat([prompts, self.task.answers(prompts, self.generator)], dim=1)
             logits = self.policy(sequence[:, :-1])[:, self.task.prompt_length - 1 :]
-            targets = sequence[:, self.task.prompt_length :]
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            targets = sequence[:, self.task.prompt_length :].masked_fill(sequence[:, self.task.prompt_length :] == PAD,
+                                                                           -100)  # nothing to learn after EOS
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                     ignore_index=-100)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -144,6 +148,10 @@ class Trainer:
             fmt = (~rollout.truncated).float()
             rewards = correct.float() + c.format_weight * fmt
         components = {"correctness": correct.float(), "format": fmt}
+        if c.partial_weight:
+            partial = self.task.partial(rollout.prompts, rollout.completions, rollout.lengths)
+            rewards = rewards + c.partial_weight * partial
+            components["partial"] = partial
 
         t = rollout.completions.shape[1]
         positions = torch.arange(t).unsqueeze(0) < rollout.lengths.unsqueeze(1)
@@ -202,7 +210,8 @@ class Trainer:
             self.version += 1
         self.engine.sync(self.policy, self.version)
         return StepReport(step, float(rewards.mean()), float(correct.float().mean()),
-                          float(rollout.truncated.float().mean()), float(pre_clip), skipped)
+                          float(rollout.truncated.float().mean()), float(pre_clip), skipped,
+                          float(correct.view(-1, c.group_size).any(dim=1).float().mean()))
 
     def _rollout(self) -> Rollout:
         c, f = self.config, self.faults

@@ -58,16 +58,18 @@ class SignedRows(NamedTuple):
     per_row: bool
 
 
-def advantage_signs(advantages: Tensor, loss_mask: Tensor) -> SignedRows:
-    """Finite advantages by sign. An (N,) advantage is judged once per row, never expanded to (N, T): a
-    sequence-level advantage costs O(N), not O(N T)."""
+def advantage_signs(advantages: Tensor, loss_mask: Tensor, atol: float = 0.0) -> SignedRows:
+    """Finite advantages by sign; within ``atol`` of 0 an advantage is zero (a group of equal rewards leaves
+    the rounding of its mean, divided by the std's eps: ~1e-3 for rewards of ~1 in fp32, not an exact 0). An
+    (N,) advantage is judged once per row, never expanded to (N, T): a sequence-level advantage costs O(N),
+    not O(N T)."""
     if advantages.dim() == 1:
         a = advantages.float().unsqueeze(1)
         ok = finite(a)
-        return SignedRows(ok & (a > 0), ok & (a < 0), ok & (a == 0), True)
+        return SignedRows(ok & (a > atol), ok & (a < -atol), ok & (a.abs() <= atol), True)
     a = advantages.float()
     signed = loss_mask & finite(a)
-    return SignedRows(signed & (a > 0), signed & (a < 0), signed & (a == 0), False)
+    return SignedRows(signed & (a > atol), signed & (a < -atol), signed & (a.abs() <= atol), False)
 
 
 def _tokens(selected: Tensor, signs: SignedRows, row_tokens: Tensor) -> Tensor:
@@ -277,6 +279,13 @@ def beta_binomial_zero_variance(alpha: Tensor, beta: Tensor, size: Tensor | floa
     have, not taken at their mean (the function is convex; the mean underestimates it). The six log-gammas
     are taken in one call and combined by one product with their signs (a dozen operators where one call per
     term took thirty: this runs on every rollout). ``size``: per sample, or one G for all (contiguous groups)."""
+    return beta_binomial_extremes(alpha, beta, size).sum(dim=0).clamp(0.0, 1.0)
+
+
+def beta_binomial_extremes(alpha: Tensor, beta: Tensor, size: Tensor | float) -> Tensor:
+    """(2, ...) fp64: E[p^G] (all correct) and E[(1-p)^G] (all incorrect) for p ~ Beta(alpha, beta), the two
+    parts of :func:`beta_binomial_zero_variance` (the seed reads them apart: all-correct beyond prediction is
+    "data too easy", all-incorrect beyond it a verifier or ability problem). Inputs as that function's."""
     a = alpha if alpha.dtype == torch.float64 else alpha.double()
     b = beta if beta.dtype == torch.float64 else beta.double()
     g: Tensor | float = size
@@ -289,7 +298,7 @@ def beta_binomial_zero_variance(alpha: Tensor, beta: Tensor, size: Tensor | floa
     ab = a + b
     logs = torch.lgamma(torch.stack([a, b, ab, a + g, b + g, ab + g]))
     signs = constant(_BETA_SIGNS, torch.float64, logs.device).view(2, 6)
-    return (signs @ logs.reshape(6, -1)).exp().sum(dim=0).reshape(a.shape).clamp(0.0, 1.0)
+    return (signs @ logs.reshape(6, -1)).exp().reshape(2, *a.shape).clamp(0.0, 1.0)
 
 
 # log B(a+G, b) - log B(a, b) = lgG(a+G) - lgG(a+b+G) - lgG(a) + lgG(a+b); the same with b+G for k = 0

@@ -189,14 +189,10 @@ class MixinConfig(StopLines, EventLines):
         86400, ge=1, description="how far back the run's best 20-step pass@G is remembered (the slow leg of "
         "GRPOEntropyCollapse compares against it: a run that learned, then declines for hours)"
     )
-    convergence_gain: float = Field(
-        0.1, ge=0, lt=1, description="GRPODiversityCollapse stays silent while windowed pass@1 is this far above "
-        "the run's early pass@1: identical completions of a task the policy learned (a unique right answer) are "
-        "convergence, not collapse"
-    )
     unique_ratio_min: float = Field(
         0.2, gt=0, lt=1, description="GRPODiversityCollapse: distinct completions per group (seed: 16 samples "
-        "down to 2-3 distinct is collapse)"
+        "down to 2-3 distinct is collapse), paged only while pass@G falls (`pass_drop_margin` below its trailing "
+        "baseline or `peak_drop_margin` below its best): identical correct completions are a learned task"
     )
     edit_distance_drop_factor: float = Field(
         0.5, gt=0, lt=1, description="GRPODiversityCollapse: in-group edit distance below this x its baseline"

@@ -112,6 +112,25 @@ def _increase(c: MixinConfig, metric: str, by: str = BY, steps: int | None = Non
     return f"sum by ({by}) (increase({metric}{c.matchers(**labels)}[{c.window(steps)}]))"
 
 
+def _sampling_error(window: str) -> str:
+    """The standard error of pass@G's mean over the ``window`` (``window`` or ``trend``) from the groups it
+    holds: sqrt(p(1-p)/groups), p the window's own mean (0 where no group count is published)."""
+    p = f"run:grpo_pass_at_group_size:{window}_mean"
+    # without a group count (none published) no sampling error is known: the margin alone decides
+    return (f"(sqrt({p} * (1 - {p}) / on(job, run) clamp_min(run:grpo_groups:{window}_increase, 1)) "
+            f"or on(job, run) 0 * {p})")
+
+
+def _peak_sampling_error() -> str:
+    """The standard error of the difference between pass@G's 20-step mean and the best 20-step mean the run has
+    shown, both over the groups of one trend window: sqrt(2 p(1-p)/groups), p their mean. The slow leg wants 4
+    of them: 2 for the test, 2 for the peak's own bias (the best of the ~7 independent windows of a day at
+    10-min steps sits ~sqrt(2 ln 7) = 2 standard errors above the truth)."""
+    p = "((run:grpo_pass_at_group_size:trend_mean + on(job, run) run:grpo_pass_at_group_size:peak) / 2)"
+    return (f"(sqrt(2 * {p} * (1 - {p}) / on(job, run) clamp_min(run:grpo_groups:trend_increase, 1)) "
+            "or on(job, run) 0 * run:grpo_pass_at_group_size:trend_mean)")
+
+
 def _fraction(numerator: str, denominator: str, on: str = "") -> str:
     """``numerator / denominator`` with 0/0 (a window without events, as the first window of a run of slow
     steps) dropped: no sample rather than NaN, which would poison every average or quantile over the window
@@ -184,6 +203,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
          "expr": _fraction(_rate(c, "grpo_grad_clip_active_steps_total", steps=c.clip_window_steps),
                            _rate(c, "grpo_optimizer_steps_total", steps=c.clip_window_steps))},
         {"record": "run:grpo_groups:window_increase", "expr": _increase(c, "grpo_groups_total")},
+        {"record": "run:grpo_groups:trend_increase",
+         "expr": _increase(c, "grpo_groups_total", steps=c.trend_window_steps)},
         {"record": "run:grpo_steps:window_increase", "expr": _increase(c, "grpo_steps_total")},
         {"record": "run:grpo_zero_variance_groups:window_ratio",
          "expr": _fraction(_rate(c, "grpo_zero_variance_groups_total"), _rate(c, "grpo_groups_total"))},
@@ -192,6 +213,17 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
                            _rate(c, "grpo_groups_total"), on="on(job, run) group_left() ")},
         {"record": "run:grpo_zero_variance_groups_expected:window_mean",
          "expr": _mean(c, "grpo_zero_variance_groups_expected_ratio")},
+        {"record": "run:grpo_all_incorrect_groups_expected:window_mean",
+         "expr": _mean(c, "grpo_all_incorrect_groups_expected_ratio")},
+        # zero-variance groups that are not all-correct (all-incorrect or unknown outcome), and their prediction
+        # (the whole share and prediction where correctness or the split is missing)
+        {"record": "run:grpo_unsolved_zero_variance_groups:window_ratio",
+         "expr": "run:grpo_zero_variance_groups:window_ratio - on(job, run) (max by (job, run) "
+                 '(run:grpo_zero_variance_groups:window_ratio_by_outcome{outcome="all_correct"}) '
+                 "or on(job, run) 0 * run:grpo_zero_variance_groups:window_ratio)"},
+        {"record": "run:grpo_unsolved_zero_variance_groups_expected:window_mean",
+         "expr": "run:grpo_all_incorrect_groups_expected:window_mean or on(job, run) "
+                 "run:grpo_zero_variance_groups_expected:window_mean"},
         {"record": "run:grpo_reward_mean:window_mean", "expr": _mean(c, "grpo_reward_mean", by="job, run, component")},
         {"record": "run:grpo_ess_ratio:window_mean", "expr": _mean(c, "grpo_ess_ratio", by="job, run, level")},
         {"record": "run:grpo_entropy_mean_nats:window_mean", "expr": _mean(c, "grpo_entropy_mean_nats")},
@@ -227,6 +259,12 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
          "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.window(c.trend_window_steps)}]))"},
         {"record": "run:grpo_pass_at_1:trend_mean",
          "expr": _mean(c, "grpo_pass_at_k_ratio", steps=c.trend_window_steps, k="1")},
+        # the trend mean once its window holds its steps: the run's best (peak) is taken over these only, never
+        # over the first minutes' windows of a step or two (a partial window of 4 groups reads 1.0)
+        {"record": "run:grpo_pass_at_group_size:trend_mean_full",
+         "expr": f"run:grpo_pass_at_group_size:trend_mean and on(job, run) (max by ({BY}) (max_over_time("
+                 f"grpo_steps_total{c.matchers()}[{c.window(c.trend_window_steps)}]) - min_over_time("
+                 f"grpo_steps_total{c.matchers()}[{c.window(c.trend_window_steps)}])) >= {c.trend_window_steps - 1})"},
         {"record": "run:grpo_step_interval_seconds:mean",
          # the span of step timestamps over the steps taken in it: exact for a run younger than the window
          # (rate() would divide by the whole window), undefined (no sample) before a second step
@@ -243,7 +281,7 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_pass_at_1:anchor", "expr": _anchor(c, "grpo_pass_at_k_ratio", "k='1'")},
         # the best the run has shown (its 20-step pass@G, over peak_window_s, or its early window)
         {"record": "run:grpo_pass_at_group_size:peak",
-         "expr": f"max by ({BY}) (max_over_time(run:grpo_pass_at_group_size:trend_mean[{c.duration(c.peak_window_s)}]))"
+         "expr": f"max by ({BY}) (max_over_time(run:grpo_pass_at_group_size:trend_mean_full[{c.duration(c.peak_window_s)}]))"
                  " > on(job, run) run:grpo_pass_at_group_size:anchor or on(job, run) run:grpo_pass_at_group_size:anchor"},
         {"record": "run:grpo_edit_distance_median_ratio:anchor", "expr": _anchor(c, "grpo_edit_distance_median_ratio")},
         # rolling baselines: the run's own history, ending baseline_offset ago
@@ -290,6 +328,19 @@ def _alerts(c: MixinConfig) -> list[Alert]:
     finished = f"(max by ({BY}) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}])) == 1)"
     g1, g2, g3, g4, g0 = Layer.GRADIENT, Layer.REWARD, Layer.SAMPLES, Layer.DIVERSITY, Layer.LIVENESS
     groups_enough = f"and on(job, run) run:grpo_groups:window_increase >= {c.min_window_groups}"
+    # pass@G falling: sharply against its trailing baseline, or slowly against the best the run has shown; by
+    # more than its margin and than the window's own sampling error (seed: how many samples decide): 2 standard
+    # errors sqrt(p(1-p)/groups) of the window's mean; for the slow leg 4 of the difference to the peak (which
+    # is the best of many noisy means); four groups a step of G=16 move pass@G in quanta of 0.25
+    pass_g_sharp = (
+        "run:grpo_pass_at_group_size:window_mean < on(job, run) (run:grpo_pass_at_group_size:baseline_median - "
+        f"on(job, run) clamp_min(2 * {_sampling_error('window')}, {c.pass_drop_margin:g}))"
+    )
+    pass_g_slow = (
+        "run:grpo_pass_at_group_size:trend_mean < on(job, run) (run:grpo_pass_at_group_size:peak - "
+        f"on(job, run) clamp_min(4 * {_peak_sampling_error()}, {c.peak_drop_margin:g}))"
+    )
+    pass_g_falls = f"{pass_g_sharp} or on(job, run) {pass_g_slow}"
     return [
         # ---- liveness ----
         Alert(
@@ -516,13 +567,25 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPOZeroVarianceAbovePrediction", g3, "zero_variance", "warning",
-            "run:grpo_zero_variance_groups:window_ratio > on(job, run) "
-            f"(run:grpo_zero_variance_groups_expected:window_mean + {c.zero_variance_margin:g}) {groups_enough}",
+            # the zero-variance groups that are not all-correct against their own prediction E[(1-p)^G]: all-correct
+            # groups beyond theirs are the seed's "data too easy" (or a policy learning faster than its history),
+            # no alarm; without the split (no correctness, or a prediction without it) the whole share vs E[...]
+            # by more than the margin and than 2 standard errors of the observed share over the window's groups
+            "run:grpo_unsolved_zero_variance_groups:window_ratio > on(job, run) "
+            "(run:grpo_unsolved_zero_variance_groups_expected:window_mean + on(job, run) clamp_min(2 * sqrt("
+            "run:grpo_unsolved_zero_variance_groups:window_ratio * (1 - run:grpo_unsolved_zero_variance_groups:"
+            "window_ratio) / on(job, run) clamp_min(run:grpo_groups:window_increase, 1)), "
+            f"{c.zero_variance_margin:g})) {groups_enough} "
+            # the prediction starts from a prior and learns the run's solve rates from its batches: judged once
+            # the run's early window is complete (its reward anchor, 20 batches: the prior then weighs ~3%)
+            f'and on(job, run) max by ({BY}) (grpo_run_anchor{c.matchers(metric="grpo_reward_mean")})',
             900,
-            "More groups without reward variance than the difficulty predicts.",
-            "Run {{ $labels.run }}: " + _value("%.3g") + f" of groups have zero reward variance over {w}, "
-            "against a predicted E[p^G+(1-p)^G] of "
-            + _query("max(run:grpo_zero_variance_groups_expected:window_mean{run=%q})") + " (all-correct "
+            "More groups without reward variance than the difficulty predicts, and not because they are solved.",
+            "Run {{ $labels.run }}: " + _value("%.3g") + f" of groups have zero reward variance without being "
+            f"all-correct over {w}, against a predicted all-incorrect E[(1-p)^G] of "
+            + _query("max(run:grpo_unsolved_zero_variance_groups_expected:window_mean{run=%q})") + " (zero variance in all "
+            + _query("max(run:grpo_zero_variance_groups:window_ratio{run=%q})") + " against E[p^G+(1-p)^G] of "
+            + _query("max(run:grpo_zero_variance_groups_expected:window_mean{run=%q})") + "; all-correct "
             + _query('max(run:grpo_zero_variance_groups:window_ratio_by_outcome{run=%q,outcome=\\"all_correct\\"})')
             + ", all-incorrect "
             + _query('max(run:grpo_zero_variance_groups:window_ratio_by_outcome{run=%q,outcome=\\"all_incorrect\\"})')
@@ -586,11 +649,9 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         Alert(
             "GRPOEntropyCollapse", g4, "entropy", "warning",
             f"(run:grpo_entropy_mean_nats:window_mean < on(job, run) ({c.entropy_drop_factor:g} * "
-            "run:grpo_entropy_mean_nats:baseline_median) and on(job, run) run:grpo_pass_at_group_size:window_mean "
-            f"< on(job, run) (run:grpo_pass_at_group_size:baseline_median - {c.pass_drop_margin:g})) or on(job, run) "
+            f"run:grpo_entropy_mean_nats:baseline_median) and on(job, run) ({pass_g_sharp})) or on(job, run) "
             f"(run:grpo_entropy_mean_nats:trend_mean < on(job, run) ({c.entropy_drop_factor:g} * "
-            "run:grpo_entropy_mean_nats:anchor) and on(job, run) run:grpo_pass_at_group_size:trend_mean "
-            f"< on(job, run) (run:grpo_pass_at_group_size:peak - {c.peak_drop_margin:g}))", 900,
+            f"run:grpo_entropy_mean_nats:anchor) and on(job, run) ({pass_g_slow}))", 900,
             "Entropy collapses while pass@G falls.",
             "Mean token entropy of run {{ $labels.run }} is " + _value() + f" nats (over {w} against its "
             "trailing baseline " + _query("max(run:grpo_entropy_mean_nats:baseline_median{run=%q})")
@@ -611,16 +672,18 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:baseline_median) or "
             "run:grpo_edit_distance_median_ratio:window_mean < on(job, run) "
             f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:anchor)) "
-            # convergence on a learned answer is no collapse: silent while correctness rose
-            "unless on(job, run) (run:grpo_pass_at_1:trend_mean >= on(job, run) "
-            f"(run:grpo_pass_at_1:anchor + {c.convergence_gain:g}))", 900,
-            "Completions of the same prompt became (nearly) identical while correctness did not rise.",
+            # the seed's collapse is pass@k falling (第 2 篇 ③): identical completions while pass@G holds are a
+            # learned task (one right answer), at any pass@1 and any warm start
+            f"and on(job, run) ({pass_g_falls})", 900,
+            "Completions of the same prompt became (nearly) identical while pass@G falls.",
             "Run {{ $labels.run }}: in-group diversity " + _value("%.3g") + f" over {w} (distinct share below "
             f"{c.unique_ratio_min:g}, or median edit distance below {c.edit_distance_drop_factor:g}x its baseline "
             + _query("max(run:grpo_edit_distance_median_ratio:baseline_median{run=%q})") + " or early window "
-            + _query("max(run:grpo_edit_distance_median_ratio:anchor{run=%q})") + "), while pass@1 is "
-            + _query("max(run:grpo_pass_at_1:trend_mean{run=%q})") + f" over {c.window(c.trend_window_steps)} against "
-            + _query("max(run:grpo_pass_at_1:anchor{run=%q})") + " early.",
+            + _query("max(run:grpo_edit_distance_median_ratio:anchor{run=%q})") + "), while pass@G is "
+            + _query("max(run:grpo_pass_at_group_size:window_mean{run=%q})") + " against "
+            + _query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + " lately and "
+            + _query("max(run:grpo_pass_at_group_size:peak{run=%q})") + " at its best (pass@1 "
+            + _query("max(run:grpo_pass_at_1:trend_mean{run=%q})") + ").",
             trend=True,
         ),
         Alert(

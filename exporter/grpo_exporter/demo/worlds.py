@@ -1,0 +1,144 @@
+"""Tiny GRPO worlds unlike the demo's: a generator that varies what real runs vary, each world trained for real
+with the demo's trainer and watched by a real :class:`~grpo_exporter.GRPOMonitor` (tests/worlds.py replays
+them through the production rules).
+
+The axes (issue 27): task family (one right answer; many; one whose length depends on the prompt; partial
+credit from several reward components), warm-start strength (weak, medium, already solved), G (4, 8, 16),
+completion length (short, long), engine precision (fp32, bf16) and cadence (20 s, 2 min, 10 min between
+steps). :func:`world` enumerates them so that any 24 consecutive worlds cover every value of every axis.
+
+A world is classified by the trainer's own measurements, never by the exporter's: its pass@1 (share of
+correct rollouts) and pass@G (share of groups with a correct one) early and late in the run. The seed's
+collapse is pass@k falling while pass@1 holds or rises (第 2 篇 ③, 第 4 篇): such a world is
+``collapsing``, and a layer-4 page there is right; every other fault-free world is ``healthy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from statistics import fmean
+
+import torch
+
+from grpo_exporter import GRPOMonitor
+from grpo_exporter.demo.task import Task
+from grpo_exporter.demo.trainer import DemoConfig, StepReport, Trainer
+
+FAMILIES = {  # name -> (task kind, partial-credit weight)
+    "unique": ("reverse", 0.0),
+    "many": ("permute", 0.0),
+    "length": ("distinct", 0.0),
+    "partial": ("reverse", 0.5),
+}
+WARM = {"weak": 0.1, "medium": 0.4, "solved": 0.9}  # sampled accuracy the warm start stops at
+GROUP_SIZES = (4, 8, 16)
+LENGTHS = {"short": (3, 6), "long": (6, 10)}  # prompt symbols, max new tokens
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CADENCES = {"20s": 20.0, "2min": 120.0, "10min": 600.0}
+# steps a world trains: past the rules' baselines and anchors at its cadence (1 h floors at 20 s; ~5 h at 10 min)
+STEPS = {"20s": 300, "2min": 150, "10min": 80}
+BATCH = 64  # completions a step: prompts = BATCH / G
+# the classification (the trainer's own pass@1 and pass@G, early and late fifths of the run)
+COLLAPSE_PASS_G_DROP = 0.10  # pass@G falls at least this much, absolute ...
+PASS_1_HOLD = 0.05  # ... while pass@1 falls less than this
+
+
+@dataclass(frozen=True)
+class World:
+    index: int
+    family: str
+    warm: str
+    group_size: int
+    length: str
+    precision: str
+    cadence: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return (f"w{self.index:03d}-{self.family}-{self.warm}-g{self.group_size}-{self.length}-{self.precision}-"
+                f"{self.cadence}")
+
+    @property
+    def cadence_s(self) -> float:
+        return CADENCES[self.cadence]
+
+    @property
+    def steps(self) -> int:
+        return STEPS[self.cadence]
+
+    def config(self) -> DemoConfig:
+        kind, partial = FAMILIES[self.family]
+        symbols_in_prompt, max_new = LENGTHS[self.length]
+        return DemoConfig(
+            seed=self.seed, prompts_per_step=BATCH // self.group_size, group_size=self.group_size, max_new=max_new,
+            warmup_steps=1500 if self.warm == "solved" else 600, warmup_target=WARM[self.warm],
+            partial_weight=partial, engine_precision=PRECISIONS[self.precision],
+            task=Task(symbols=6, length=symbols_in_prompt, kind=kind),
+        )
+
+
+def world(index: int) -> World:
+    """The ``index``-th world. Axis periods 4, 3, 3 (offset), 2, 2 (offset) and 3 (offset) make every 24
+    consecutive worlds cover each value of each axis, and (family, warm start) every one of its 12 pairs."""
+    return World(
+        index=index,
+        family=list(FAMILIES)[index % 4],
+        warm=list(WARM)[index % 3],
+        group_size=GROUP_SIZES[(index // 3 + index) % 3],
+        length=list(LENGTHS)[(index // 4) % 2],
+        precision=list(PRECISIONS)[(index // 2 + index // 8) % 2],
+        cadence=list(CADENCES)[(index // 12 + index) % 3],
+        seed=1000 + index,
+    )
+
+
+@dataclass
+class Trajectory:
+    """The trainer's own measurements of a world, per step, and its class."""
+
+    world: World
+    warm_accuracy: float
+    pass_at_1: list[float] = field(default_factory=list)
+    pass_at_group: list[float] = field(default_factory=list)
+
+    def _fifth(self, values: list[float], late: bool) -> float:
+        k = max(1, len(values) // 5)
+        return fmean(values[-k:] if late else values[:k])
+
+    @property
+    def early(self) -> tuple[float, float]:
+        """(pass@1, pass@G) over the first fifth of the steps."""
+        return self._fifth(self.pass_at_1, False), self._fifth(self.pass_at_group, False)
+
+    @property
+    def late(self) -> tuple[float, float]:
+        """(pass@1, pass@G) over the last fifth of the steps."""
+        return self._fifth(self.pass_at_1, True), self._fifth(self.pass_at_group, True)
+
+    @property
+    def kind(self) -> str:
+        """``collapsing`` when pass@G fell clearly while pass@1 held or rose, else ``healthy``."""
+        (p1_early, pg_early), (p1_late, pg_late) = self.early, self.late
+        falls = pg_early - pg_late >= COLLAPSE_PASS_G_DROP
+        holds = p1_late >= p1_early - PASS_1_HOLD
+        return "collapsing" if falls and holds else "healthy"
+
+
+def train(w: World, monitor: GRPOMonitor, after_step: Callable[[int], None] = lambda step: None) -> Trajectory:
+    """Warm-start and train ``w`` for its steps, feeding ``monitor``; ``after_step(step)`` is called after each
+    step (the replay takes its scrape there). Returns the trainer's own measurements."""
+    torch.set_num_threads(1)
+    trainer = Trainer(w.config(), monitor)
+    trajectory = Trajectory(w, trainer.warm_start())
+    for step in range(w.steps):
+        r: StepReport = trainer.step(step)
+        trajectory.pass_at_1.append(r.correct)
+        trajectory.pass_at_group.append(r.pass_at_group)
+        after_step(step)
+    return trajectory
+
+
+__all__ = ["CADENCES", "FAMILIES", "GROUP_SIZES", "LENGTHS", "PRECISIONS", "WARM", "Trajectory", "World", "train",
+           "world"]

@@ -1,0 +1,235 @@
+"""The world sweep: tiny GRPO worlds unlike ours (grpo_exporter.demo.worlds), each trained for real with a real
+GRPOMonitor, scraped every 30 s at its cadence, and judged by the production rules (generated for that cadence
+only: ``MixinConfig(step_seconds=...)``) inside promtool, as tests/replay.py does for simulated runs.
+
+A world's class comes from the trainer's own pass@1 and pass@G, never from the exporter. The verdict: nothing
+at warning or critical fires on a healthy world; on a collapsing one only layer 4 may. The info notice
+(GRPOEngineLogprobGapAboveSeedLine) may fire once on any world whose engine is bf16.
+
+``python tests/worlds.py --worlds 200 --out docs/worlds.md`` runs the larger sweep (worlds 0..N-1, one
+process per core) and writes the table; tests/test_worlds.py runs a fixed sample of it in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from grpo_exporter import GRPOMonitor, MonitorConfig
+from grpo_exporter.demo.trainer import Trainer
+from grpo_exporter.demo.worlds import CADENCES, Trajectory, World, world
+from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.render import rules_outputs
+from replay import EPISODE_RULES, JOB, SCRAPE_S, Timeline, _encode, _exposed, rule_metric_names
+
+TAIL_S = 1800  # scrapes after the run's end (its target down): a normal end pages nothing
+NOTICES = {"GRPOEngineLogprobGapAboveSeedLine"}
+
+
+@dataclass
+class Replayed:
+    """One world after the replay: its measurements and the alerts that fired (alert -> episodes)."""
+
+    trajectory: Trajectory
+    fired: dict[str, int]
+    fault: str | None = None  # a control world: the fault injected half-way
+
+    @property
+    def world(self) -> World:
+        return self.trajectory.world
+
+
+def _series(w: World, keep: set[str], scrapes: int, fault: str | None) -> tuple[dict[str, list[float | None]],
+                                                                                 Trajectory]:
+    """Train ``w`` with a monitor; the scrape series of its run (target ``w.name``) and its measurements."""
+    torch.set_num_threads(1)  # one training process per core
+    instance = f"{w.name}:9887"
+    timeline = Timeline(scrapes)
+    c = w.config()
+    config = MonitorConfig(run=w.name, group_size=w.group_size, clip_eps=c.clip_eps, log_ratio_clamp=c.log_ratio_clamp,
+                           port=None, guard="off", close_linger_s=0.0)
+    cadence = w.cadence_s
+    up = f'up{{instance="{instance}",job="{JOB}"}}'
+    with GRPOMonitor(config=config) as mon:
+        trainer = Trainer(c, mon)
+        trajectory = Trajectory(w, trainer.warm_start())
+        for step in range(w.steps):
+            if fault is not None and step == w.steps // 2:
+                setattr(trainer.faults, fault, True)
+            r = trainer.step(step)
+            trajectory.pass_at_1.append(r.correct)
+            trajectory.pass_at_group.append(r.pass_at_group)
+            mon.wait_for_workers()
+            clock = step * cadence
+            state = _exposed(mon, keep, clock, instance) | {up: 1.0}
+            for i in range(math.ceil(clock / SCRAPE_S), min(scrapes, math.ceil((clock + cadence) / SCRAPE_S))):
+                timeline.put(i, state)
+        last_clock = (w.steps - 1) * cadence
+    end = w.steps * cadence
+    final = _exposed(mon, keep, last_clock, instance) | {up: 1.0}  # closed: grpo_run_finished 1, one scrape
+    timeline.put(math.ceil(end / SCRAPE_S), final)
+    for i in range(math.ceil(end / SCRAPE_S) + 1, scrapes):
+        timeline.series[up][i] = 0.0
+    print(f"trained {w.name}: {trajectory.kind}", file=sys.stderr, flush=True)
+    return timeline.series, trajectory
+
+
+def _scrapes(cadence: str, worlds: Iterable[World]) -> int:
+    return int((max(w.steps for w in worlds) * CADENCES[cadence] + TAIL_S) // SCRAPE_S)
+
+
+def _job(args: tuple[World, set[str], int, str | None]) -> tuple[dict[str, list[float | None]], Trajectory]:
+    return _series(*args)
+
+
+def _fired(mixin: MixinConfig, timeline: Timeline, folder: Path) -> dict[str, dict[str, int]]:
+    """run -> alert -> separate firing episodes, read by promtool from Prometheus' own ALERTS series: the test
+    expects none, and its failure lists what fired."""
+    for file, text in rules_outputs(mixin).items():
+        (folder / file).write_text(text)
+    (folder / "replay-episodes.rules.yml").write_text(yaml.safe_dump(EPISODE_RULES, sort_keys=False))
+    end = timeline.scrapes * SCRAPE_S
+    doc = {
+        "rule_files": [*sorted(rules_outputs(mixin)), "replay-episodes.rules.yml"],
+        "evaluation_interval": f"{SCRAPE_S}s",
+        "group_eval_order": ["grpo-recording", "grpo-alerts", "replay-episodes"],
+        "tests": [{
+            "name": "worlds",
+            "interval": f"{SCRAPE_S}s",
+            "input_series": [{"series": k, "values": _encode(v)} for k, v in sorted(timeline.series.items())],
+            "promql_expr_test": [{
+                "expr": f"sum by (alertname, run) (sum_over_time(replay:alert_starts[{end}s]))",
+                "eval_time": f"{end}s",
+                "exp_samples": [],
+            }],
+        }],
+    }
+    path = folder / "worlds.test.yml"
+    path.write_text(yaml.safe_dump(doc, width=1 << 30, sort_keys=False))
+    import subprocess
+
+    done = subprocess.run(["promtool", "test", "rules", path.name], cwd=folder, capture_output=True, text=True,
+                          timeout=1200)
+    text = done.stdout + done.stderr
+    if done.returncode == 0:
+        return {}
+    got = re.search(r"got: (.*)", text)
+    if got is None:
+        raise RuntimeError(f"promtool failed without a result:\n{text[-3000:]}")
+    fired: dict[str, dict[str, int]] = {}
+    for alert, run, value in re.findall(r'\{alertname="([^"]+)", run="([^"]+)"\} ([0-9.eE+-]+)', got.group(1)):
+        fired.setdefault(run, {})[alert] = round(float(value))
+    return fired
+
+
+def alert_labels(mixin: MixinConfig) -> dict[str, dict[str, str]]:
+    """alert -> its labels (severity, layer)."""
+    return {r["alert"]: r["labels"] for doc in rules_outputs(mixin).values()
+            for g in yaml.safe_load(doc)["groups"] for r in g["rules"] if "alert" in r}
+
+
+def sweep(worlds: Sequence[World], faults: dict[int, str] | None = None, processes: int | None = None,
+          folder: Path | None = None) -> list[Replayed]:
+    """Train and replay ``worlds`` (``faults``: world index -> a demo Faults switch turned on half-way), one
+    promtool run per cadence; returns each world with what fired."""
+    faults = faults or {}
+    out: list[Replayed] = []
+    with ProcessPoolExecutor(processes or min(len(worlds), os.cpu_count() or 1)) as pool:
+        by_cadence = {c: [w for w in worlds if w.cadence == c] for c in CADENCES}
+        futures = {}
+        for cadence, group in by_cadence.items():
+            if not group:
+                continue
+            mixin = MixinConfig(step_seconds=CADENCES[cadence])
+            keep, scrapes = rule_metric_names(mixin), _scrapes(cadence, group)
+            futures[cadence] = (mixin, scrapes,
+                                [pool.submit(_job, (w, keep, scrapes, faults.get(w.index))) for w in group])
+        for mixin, scrapes, jobs in futures.values():
+            timeline = Timeline(scrapes)
+            trajectories = []
+            for job in jobs:
+                series, trajectory = job.result()
+                timeline.series.update(series)
+                trajectories.append(trajectory)
+            with tempfile.TemporaryDirectory() as tmp:
+                fired = _fired(mixin, timeline, Path(folder or tmp))
+            out += [Replayed(t, fired.get(t.world.name, {}), faults.get(t.world.index)) for t in trajectories]
+    return sorted(out, key=lambda r: r.world.index)
+
+
+def pages(r: Replayed, labels: dict[str, dict[str, str]]) -> dict[str, int]:
+    """The alerts that fired on ``r`` at warning or critical (not the info notice)."""
+    return {a: n for a, n in r.fired.items() if labels[a]["severity"] != "info"}
+
+
+def verdict(r: Replayed, labels: dict[str, dict[str, str]]) -> str | None:
+    """Why ``r`` fails the sweep, or None: a healthy world pages nothing; a collapsing one pages layer 4 at
+    most; a notice fires once at most."""
+    paged = pages(r, labels)
+    notices = {a: n for a, n in r.fired.items() if a not in paged}
+    if any(n > 1 for n in notices.values()):
+        return f"a notice repeated: {notices}"
+    if r.fault is not None:
+        return None if paged else f"the control fault {r.fault} paged nothing"
+    if r.trajectory.kind == "healthy" and paged:
+        return f"healthy, paged {paged}"
+    if r.trajectory.kind == "collapsing" and any(labels[a]["layer"] != "4" for a in paged):
+        return f"collapsing, paged outside layer 4: {paged}"
+    return None
+
+
+def table(results: Sequence[Replayed], labels: dict[str, dict[str, str]]) -> str:
+    """Markdown: one row per world (axes, the trainer's own pass@1 / pass@G early -> late, class, alerts)."""
+    rows = ["| world | family | warm start | G | length | engine | cadence | pass@1 | pass@G | class | fired |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        w, t = r.world, r.trajectory
+        (p1e, pge), (p1l, pgl) = t.early, t.late
+        fired = ", ".join(f"{a}" + (f" x{n}" if n > 1 else "") for a, n in sorted(r.fired.items())) or "-"
+        kind = t.kind if r.fault is None else f"fault: {r.fault}"
+        rows.append(f"| {w.index} | {w.family} | {w.warm} ({t.warm_accuracy:.2f}) | {w.group_size} | {w.length} | "
+                    f"{w.precision} | {w.cadence} | {p1e:.2f} → {p1l:.2f} | {pge:.2f} → {pgl:.2f} | {kind} | "
+                    f"{fired} |")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, default=200, help="worlds 0..N-1 (default 200)")
+    parser.add_argument("--processes", type=int, default=None, help="training processes (default: one per core)")
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
+    args = parser.parse_args(argv)
+    worlds = [world(i) for i in range(args.worlds)]
+    results = sweep(worlds, processes=args.processes)
+    labels = alert_labels(MixinConfig())
+    failures = [(r, v) for r in results if (v := verdict(r, labels)) is not None]
+    classes = {k: sum(r.trajectory.kind == k for r in results) for k in ("healthy", "collapsing")}
+    summary = (f"{len(results)} worlds: {classes['healthy']} healthy, {classes['collapsing']} collapsing; "
+               f"{len(failures)} failing the verdict")
+    text = table(results, labels)
+    print(text)
+    print(summary)
+    for r, v in failures:
+        print(f"FAIL {r.world.name}: {v}")
+    if args.out is not None:
+        args.out.write_text(text + "\n\n" + summary + "\n")
+    return 1 if failures else 0
+
+
+__all__ = ["Replayed", "alert_labels", "pages", "sweep", "table", "verdict", "world"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())
