@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -119,8 +120,6 @@ def _fired(mixin: MixinConfig, timeline: Timeline, folder: Path) -> dict[str, di
     }
     path = folder / "worlds.test.yml"
     path.write_text(yaml.safe_dump(doc, width=1 << 30, sort_keys=False))
-    import subprocess
-
     done = subprocess.run(["promtool", "test", "rules", path.name], cwd=folder, capture_output=True, text=True,
                           timeout=1200)
     text = done.stdout + done.stderr

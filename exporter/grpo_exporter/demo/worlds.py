@@ -1,6 +1,6 @@
 """Tiny GRPO worlds unlike the demo's: a generator that varies what real runs vary, each world trained for real
-with the demo's trainer and watched by a real :class:`~grpo_exporter.GRPOMonitor` (tests/worlds.py replays
-them through the production rules).
+with the demo's trainer (:meth:`World.config`) and watched by a real :class:`~grpo_exporter.GRPOMonitor`
+(tests/worlds.py trains them and replays them through the production rules).
 
 The axes (issue 27): task family (one right answer; many; one whose length depends on the prompt; partial
 credit from several reward components), warm-start strength (weak, medium, already solved), G (4, 8, 16),
@@ -15,15 +15,13 @@ collapse is pass@k falling while pass@1 holds or rises (第 2 篇 ③, 第 4 篇
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import fmean
 
 import torch
 
-from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.task import Task
-from grpo_exporter.demo.trainer import DemoConfig, StepReport, Trainer
+from grpo_exporter.demo.trainer import DemoConfig
 
 FAMILIES = {  # name -> (task kind, partial-credit weight)
     "unique": ("reverse", 0.0),
@@ -126,19 +124,4 @@ class Trajectory:
         return "collapsing" if falls and holds else "healthy"
 
 
-def train(w: World, monitor: GRPOMonitor, after_step: Callable[[int], None] = lambda step: None) -> Trajectory:
-    """Warm-start and train ``w`` for its steps, feeding ``monitor``; ``after_step(step)`` is called after each
-    step (the replay takes its scrape there). Returns the trainer's own measurements."""
-    torch.set_num_threads(1)
-    trainer = Trainer(w.config(), monitor)
-    trajectory = Trajectory(w, trainer.warm_start())
-    for step in range(w.steps):
-        r: StepReport = trainer.step(step)
-        trajectory.pass_at_1.append(r.correct)
-        trajectory.pass_at_group.append(r.pass_at_group)
-        after_step(step)
-    return trajectory
-
-
-__all__ = ["CADENCES", "FAMILIES", "GROUP_SIZES", "LENGTHS", "PRECISIONS", "WARM", "Trajectory", "World", "train",
-           "world"]
+__all__ = ["CADENCES", "FAMILIES", "GROUP_SIZES", "LENGTHS", "PRECISIONS", "WARM", "Trajectory", "World", "world"]
