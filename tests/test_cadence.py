@@ -6,13 +6,21 @@ episode (no flapping), each first firing no earlier than its ``for`` after the f
 bound after it. Healthy runs, a normal end, the gap between two runs and one noisy batch must page nothing.
 At 2 min and 10 min steps a fleet of seventeen runs, one fault each, makes every alert fire for its run
 (rules/tests/*.test.yml checks every alert just before and after its `for` at 1-minute steps).
+
+The replays the selected tests read run first, two at a time (the ``outcomes`` fixture); each test asserts its
+own replay's promtool result.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_exporter.mixin.config import MixinConfig
 from replay import Expect, Knobs, Scenario, Segment, after, healthy, promtool_test, replay
@@ -135,9 +143,7 @@ def a_day_at_ten_minutes(step: int, hours: float) -> Knobs:
     return replace(k, entropy=k.entropy * (1 - 0.75 * fall), same_answer=fall, distinct=1.0 - 0.6 * fall)
 
 
-def test_a_day_of_ten_minute_steps_pages_each_fault_once(tmp_path):
-    """The replay acceptance in one run: 144 steps of a real exporter, 30 s scrapes, 24 h; healthy stretches,
-    the noisy batch and the normal end page nothing, each fault pages exactly once."""
+def _a_day(folder: Path) -> subprocess.CompletedProcess[str]:
     mixin = MixinConfig(step_seconds=600.0)
     timeline = replay(mixin, 600.0, [Segment("day", a_day_at_ten_minutes, 23.5)], 24.0)
     collapse = 18.4  # hours: entropy crosses half of its early window (~0.99)
@@ -148,7 +154,13 @@ def test_a_day_of_ten_minute_steps_pages_each_fault_once(tmp_path):
               # repeating one answer empties the groups of reward variance: layer 3 pages it too, once each
               Expect("GRPOZeroVarianceAbovePrediction", 14 * 3600.0, 10 * 3600.0),
               Expect("GRPOFewGroupsCarrySignal", 14 * 3600.0, 10 * 3600.0)]
-    done = promtool_test(mixin, timeline, expect, tmp_path, "a-day-at-10min")
+    return promtool_test(mixin, timeline, expect, folder, "a-day-at-10min")
+
+
+def test_a_day_of_ten_minute_steps_pages_each_fault_once(outcomes):
+    """The replay acceptance in one run: 144 steps of a real exporter, 30 s scrapes, 24 h; healthy stretches,
+    the noisy batch and the normal end page nothing, each fault pages exactly once."""
+    done = outcomes["day"]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -159,25 +171,33 @@ def _params() -> list[tuple[str, str]]:
             for scenario, case in cases(cadence_s).items() if not (cadence_s < 60 and case.hours > 12)]
 
 
-@pytest.mark.parametrize(("cadence", "scenario"), _params())
-def test_rules_at_production_cadence(cadence, scenario, tmp_path):
+def _case(folder: Path, cadence: str, scenario: str) -> subprocess.CompletedProcess[str]:
     cadence_s = CADENCES[cadence]
     case = cases(cadence_s)[scenario]
     mixin = MixinConfig(step_seconds=cadence_s)
     timeline = replay(mixin, cadence_s, list(case.segments), case.hours)
     within = max(3600.0, LATENCY_STEPS * cadence_s) + 3600
     expect = [Expect(e[0], e[1] * 3600, e[2] * 3600 if len(e) > 2 else within) for e in case.expect]
-    done = promtool_test(mixin, timeline, expect, tmp_path, f"{scenario}-{cadence}")
+    return promtool_test(mixin, timeline, expect, folder, f"{scenario}-{cadence}")
+
+
+@pytest.mark.parametrize(("cadence", "scenario"), _params())
+def test_rules_at_production_cadence(cadence, scenario, outcomes):
+    done = outcomes[f"case/{cadence}/{scenario}"]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-def test_rules_left_at_a_shorter_step_say_so(tmp_path):
-    """Rules generated for 1-minute steps on a run of 10-minute steps: their windows often hold no step. The
-    healthy run pages nothing, and the info alert says the cadence is slower than configured."""
+def _shorter_step(folder: Path) -> subprocess.CompletedProcess[str]:
     mixin = MixinConfig()
     timeline = replay(mixin, 600.0, [Segment("a", near_clip, 8.0)], 9.0)
     expect = [Expect("GRPOStepCadenceSlowerThanConfigured", 0.0, 4 * 3600.0)]
-    done = promtool_test(mixin, timeline, expect, tmp_path, "misconfigured-cadence")
+    return promtool_test(mixin, timeline, expect, folder, "misconfigured-cadence")
+
+
+def test_rules_left_at_a_shorter_step_say_so(outcomes):
+    """Rules generated for 1-minute steps on a run of 10-minute steps: their windows often hold no step. The
+    healthy run pages nothing, and the info alert says the cadence is slower than configured."""
+    done = outcomes["shorter-step"]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -217,11 +237,7 @@ FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...
 }
 
 
-@pytest.mark.parametrize("cadence", ["2min", "10min"])
-def test_every_fault_pages_once_at_production_cadence(cadence, tmp_path):
-    """Seventeen runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
-    listed), once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
-    floors (5 min windows, 1 h baselines), which rules/tests/*.test.yml check for every alert at 1 min steps."""
+def _fleet(folder: Path, cadence: str) -> subprocess.CompletedProcess[str]:
     cadence_s = CADENCES[cadence]
     u = phase_hours(cadence_s)
     mixin = MixinConfig(step_seconds=cadence_s)
@@ -234,5 +250,62 @@ def test_every_fault_pages_once_at_production_cadence(cadence, tmp_path):
         expect += [Expect(alert, 5 * u * 3600, within, run) for alert in alerts if not alert.endswith("?")]
         may_fire += [(alert[:-1], run) for alert in alerts if alert.endswith("?")]
     timeline = replay(mixin, cadence_s, segments, 9 * u)
-    done = promtool_test(mixin, timeline, expect, tmp_path, f"faults-{cadence}", may_fire)
+    return promtool_test(mixin, timeline, expect, folder, f"faults-{cadence}", may_fire)
+
+
+@pytest.mark.parametrize("cadence", ["2min", "10min"])
+def test_every_fault_pages_once_at_production_cadence(cadence, outcomes):
+    """Seventeen runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
+    listed), once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
+    floors (5 min windows, 1 h baselines), which rules/tests/*.test.yml check for every alert at 1 min steps."""
+    done = outcomes[f"fleet/{cadence}"]
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+# ---- the replays run side by side: each is a Python replay of a real exporter, then a promtool run ----
+
+def _key(item: pytest.Item) -> str | None:
+    """The replay a collected test of this module reads, or None."""
+    params = getattr(item, "callspec", None)
+    name = getattr(item, "originalname", item.name)
+    if name == "test_rules_at_production_cadence" and params is not None:
+        return f"case/{params.params['cadence']}/{params.params['scenario']}"
+    if name == "test_every_fault_pages_once_at_production_cadence" and params is not None:
+        return f"fleet/{params.params['cadence']}"
+    return {"test_a_day_of_ten_minute_steps_pages_each_fault_once": "day",
+            "test_rules_left_at_a_shorter_step_say_so": "shorter-step"}.get(name)
+
+
+def _cost(key: str) -> float:
+    """Replayed steps x runs, to start the longest replays first."""
+    kind, *rest = key.split("/")
+    if kind == "case":
+        cadence, scenario = rest
+        return cases(CADENCES[cadence])[scenario].hours * 3600 / CADENCES[cadence]
+    if kind == "fleet":
+        return len(FAULT_RUNS) * 9 * phase_hours(CADENCES[rest[0]]) * 3600 / CADENCES[rest[0]]
+    return 150.0
+
+
+def _run(key: str, folder: str) -> subprocess.CompletedProcess[str]:
+    """One replay and its promtool run, in a worker process."""
+    torch.set_num_threads(1)
+    kind, *rest = key.split("/")
+    path = Path(folder)
+    if kind == "case":
+        return _case(path, *rest)
+    if kind == "fleet":
+        return _fleet(path, *rest)
+    return _a_day(path) if kind == "day" else _shorter_step(path)
+
+
+@pytest.fixture(scope="module")
+def outcomes(request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every replay the selected tests of this module read, run two at a time (one per core of the CI machine:
+    a replay is one Python process, then promtool), the longest first."""
+    keys = sorted({k for item in request.session.items if item.module is request.module
+                   and (k := _key(item)) is not None}, key=_cost, reverse=True)
+    with ProcessPoolExecutor(min(2, os.cpu_count() or 1)) as pool:
+        futures = {k: pool.submit(_run, k, str(tmp_path_factory.mktemp(k.replace("/", "-")))) for k in keys}
+        return {k: f.result() for k, f in futures.items()}

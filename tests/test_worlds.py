@@ -1,6 +1,7 @@
 """The world sweep's fixed CI sample (tests/worlds.py): 24 tiny GRPO worlds unlike the demo's, trained for real
 and judged by the production rules in promtool. Healthy worlds page nothing; collapsing ones page layer 4 at
-most; a control world with a fault injected half-way pages, so the reading of what fired can fail.
+most; a control world with a fault injected half-way pages, so the reading of what fired can fail; a bf16
+trainer's batch-variant recomputation pages nothing, and a second probability path through it pages.
 
 KNOWN_FAILURES are the worlds that still page against the verdict, each with what it pages and why (none at
 present). The test asserts that exactly these fail, with exactly these pages: a new false page fails it,
@@ -9,13 +10,21 @@ and so does a fix (which must then remove its entry)."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from grpo_exporter.demo.worlds import CADENCES, FAMILIES, GROUP_SIZES, LENGTHS, PRECISIONS, WARM, world
 from grpo_exporter.mixin.config import MixinConfig
 from worlds import alert_labels, pages, sweep, table, verdict
 
 CI_WORLDS = 24
-CONTROL = 24  # world 24 with a loss mask over the padding from half-way: layer 1, GRPOLossMaskMismatch
+CONTROL = world(24)  # a loss mask over the padding from half-way: layer 1, GRPOLossMaskMismatch
+# the on-policy check under batch-variant numerics: a bf16 trainer recomputing the old log-probs one sequence a
+# pass and updating in micro-batches of 16 rows (max |log r| ~0.1 nats before any update, none outside the clip
+# band) pages nothing; a second probability path from half-way (the old log-probs' pass divides the logits by
+# 0.8, the loss pass does not) pages the on-policy alerts through that noise
+BATCH_VARIANT = replace(world(29), trainer="bf16", old_logprob_rows=1)
+SECOND_PATH = replace(world(40), trainer="bf16", old_logprob_rows=1)
+FAULTS = {CONTROL.name: ("mask_covers_padding", True), SECOND_PATH.name: ("old_logprob_temperature", 0.8)}
 KNOWN_FAILURES: dict[str, dict[str, int]] = {}
 
 
@@ -29,12 +38,15 @@ def test_the_sample_covers_every_axis():
 
 
 def test_healthy_worlds_page_nothing_and_collapsing_ones_only_layer_4(capsys):
-    results = sweep([world(i) for i in range(CI_WORLDS + 1)], faults={CONTROL: "mask_covers_padding"})
+    results = sweep([*(world(i) for i in range(CI_WORLDS)), CONTROL, BATCH_VARIANT, SECOND_PATH], faults=FAULTS)
     labels = alert_labels(MixinConfig())
     with capsys.disabled():
         print("\n" + table(results, labels))
-    [control] = [r for r in results if r.fault is not None]
-    assert set(pages(control, labels)) == {"GRPOLossMaskMismatch"}
+    by_name = {r.world.name: r for r in results}
+    assert set(pages(by_name[CONTROL.name], labels)) == {"GRPOLossMaskMismatch"}
+    assert pages(by_name[BATCH_VARIANT.name], labels) == {}
+    second_path = pages(by_name[SECOND_PATH.name], labels)
+    assert {"GRPORatioClippedBeforeUpdate", "GRPOOnPolicyRatioDrift"} <= set(second_path), second_path
     failures = {r.world.name: pages(r, labels) for r in results if verdict(r, labels) is not None}
     assert failures == KNOWN_FAILURES
     assert all(r.trajectory.kind == "healthy" for r in results if r.world.name in KNOWN_FAILURES)

@@ -37,6 +37,7 @@ from grpo_exporter.mixin.render import rules_outputs
 from replay import EPISODE_RULES, JOB, SCRAPE_S, Timeline, _encode, _exposed, rule_metric_names
 
 TAIL_S = 1800  # scrapes after the run's end (its target down): a normal end pages nothing
+PROMTOOL_WORLDS = 12  # worlds of one cadence judged by one promtool run (a larger sweep runs several)
 NOTICES = {"GRPOEngineLogprobGapAboveSeedLine"}
 
 
@@ -46,16 +47,24 @@ class Replayed:
 
     trajectory: Trajectory
     fired: dict[str, int]
-    fault: str | None = None  # a control world: the fault injected half-way
+    fault: str | None = None  # a control world: the fault injected half-way ("switch=value")
 
     @property
     def world(self) -> World:
         return self.trajectory.world
 
 
-def _series(w: World, keep: set[str], scrapes: int, fault: str | None) -> tuple[dict[str, list[float | None]],
-                                                                                 Trajectory]:
-    """Train ``w`` with a monitor; the scrape series of its run (target ``w.name``) and its measurements."""
+Fault = tuple[str, object]  # a demo Faults switch and the value it takes half-way through a world
+
+
+def _label(fault: Fault | None) -> str | None:
+    return None if fault is None else f"{fault[0]}={fault[1]}"
+
+
+def _series(w: World, keep: set[str], scrapes: int, fault: Fault | None) -> tuple[dict[str, list[float | None]],
+                                                                                   Trajectory]:
+    """Train ``w`` with a monitor (``fault`` switched on half-way); the scrape series of its run (target
+    ``w.name``) and its measurements."""
     torch.set_num_threads(1)  # one training process per core
     instance = f"{w.name}:9887"
     timeline = Timeline(scrapes)
@@ -69,7 +78,7 @@ def _series(w: World, keep: set[str], scrapes: int, fault: str | None) -> tuple[
         trajectory = Trajectory(w, trainer.warm_start())
         for step in range(w.steps):
             if fault is not None and step == w.steps // 2:
-                setattr(trainer.faults, fault, True)
+                setattr(trainer.faults, *fault)
             r = trainer.step(step)
             trajectory.pass_at_1.append(r.correct)
             trajectory.pass_at_group.append(r.pass_at_group)
@@ -92,7 +101,7 @@ def _scrapes(cadence: str, worlds: Iterable[World]) -> int:
     return int((max(w.steps for w in worlds) * CADENCES[cadence] + TAIL_S) // SCRAPE_S)
 
 
-def _job(args: tuple[World, set[str], int, str | None]) -> tuple[dict[str, list[float | None]], Trajectory]:
+def _job(args: tuple[World, set[str], int, Fault | None]) -> tuple[dict[str, list[float | None]], Trajectory]:
     return _series(*args)
 
 
@@ -140,23 +149,24 @@ def alert_labels(mixin: MixinConfig) -> dict[str, dict[str, str]]:
             for g in yaml.safe_load(doc)["groups"] for r in g["rules"] if "alert" in r}
 
 
-def sweep(worlds: Sequence[World], faults: dict[int, str] | None = None, processes: int | None = None,
+def sweep(worlds: Sequence[World], faults: dict[str, Fault] | None = None, processes: int | None = None,
           folder: Path | None = None) -> list[Replayed]:
-    """Train and replay ``worlds`` (``faults``: world index -> a demo Faults switch turned on half-way), one
-    promtool run per cadence; returns each world with what fired."""
+    """Train and replay ``worlds`` (``faults``: world name -> a demo Faults switch and the value it takes
+    half-way), one promtool run per cadence and PROMTOOL_WORLDS worlds; returns each world with what fired."""
     faults = faults or {}
     out: list[Replayed] = []
     with ProcessPoolExecutor(processes or min(len(worlds), os.cpu_count() or 1)) as pool:
         by_cadence = {c: [w for w in worlds if w.cadence == c] for c in CADENCES}
-        futures = {}
+        batches = []
         for cadence, group in by_cadence.items():
-            if not group:
-                continue
             mixin = MixinConfig(step_seconds=CADENCES[cadence])
-            keep, scrapes = rule_metric_names(mixin), _scrapes(cadence, group)
-            futures[cadence] = (mixin, scrapes,
-                                [pool.submit(_job, (w, keep, scrapes, faults.get(w.index))) for w in group])
-        for mixin, scrapes, jobs in futures.values():
+            keep = rule_metric_names(mixin)
+            for i in range(0, len(group), PROMTOOL_WORLDS):
+                chunk = group[i : i + PROMTOOL_WORLDS]
+                scrapes = _scrapes(cadence, chunk)
+                batches.append((mixin, scrapes,
+                                [pool.submit(_job, (w, keep, scrapes, faults.get(w.name))) for w in chunk]))
+        for mixin, scrapes, jobs in batches:
             timeline = Timeline(scrapes)
             trajectories = []
             for job in jobs:
@@ -165,8 +175,8 @@ def sweep(worlds: Sequence[World], faults: dict[int, str] | None = None, process
                 trajectories.append(trajectory)
             with tempfile.TemporaryDirectory() as tmp:
                 fired = _fired(mixin, timeline, Path(folder or tmp))
-            out += [Replayed(t, fired.get(t.world.name, {}), faults.get(t.world.index)) for t in trajectories]
-    return sorted(out, key=lambda r: r.world.index)
+            out += [Replayed(t, fired.get(t.world.name, {}), _label(faults.get(t.world.name))) for t in trajectories]
+    return sorted(out, key=lambda r: (r.world.index, r.world.name))
 
 
 def pages(r: Replayed, labels: dict[str, dict[str, str]]) -> dict[str, int]:
@@ -199,8 +209,11 @@ def table(results: Sequence[Replayed], labels: dict[str, dict[str, str]]) -> str
         (p1e, pge), (p1l, pgl) = t.early, t.late
         fired = ", ".join(f"{a}" + (f" x{n}" if n > 1 else "") for a, n in sorted(r.fired.items())) or "-"
         kind = t.kind if r.fault is None else f"fault: {r.fault}"
+        engine = w.precision + (f" (trainer {w.trainer}" + (f", old log-probs {w.old_logprob_rows} row a pass"
+                                                             if w.old_logprob_rows else "") + ")"
+                                if w.trainer != "fp32" or w.old_logprob_rows else "")
         rows.append(f"| {w.index} | {w.family} | {w.warm} ({t.warm_accuracy:.2f}) | {w.group_size} | {w.length} | "
-                    f"{w.precision} | {w.cadence} | {p1e:.2f} → {p1l:.2f} | {pge:.2f} → {pgl:.2f} | {kind} | "
+                    f"{engine} | {w.cadence} | {p1e:.2f} → {p1l:.2f} | {pge:.2f} → {pgl:.2f} | {kind} | "
                     f"{fired} |")
     return "\n".join(rows)
 
@@ -224,7 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r, v in failures:
         print(f"FAIL {r.world.name}: {v}")
     if args.out is not None:
-        args.out.write_text(text + "\n\n" + summary + "\n")
+        command = f".venv/bin/python tests/worlds.py --worlds {args.worlds} --out {args.out}"
+        head = (f"# The world sweep, worlds 0-{args.worlds - 1}\n\nMade by `{command}` (docs/worlds.md says what "
+                "the axes, classes and verdict are). pass@1 and pass@G are the trainer's own, over the first and "
+                "the last fifth of the steps; fired: every alert that fired, with its episodes.\n\n")
+        failing = "".join(f"- {r.world.name}: {v}\n" for r, v in failures)
+        args.out.write_text(head + f"**{summary}.**\n\n" + (failing + "\n" if failing else "") + text + "\n")
     return 1 if failures else 0
 
 

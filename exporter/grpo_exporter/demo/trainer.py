@@ -38,6 +38,7 @@ class Faults:
     reuse_rollouts: bool = False
     max_new: int | None = None
     verifier_broken: bool = False
+    old_logprob_temperature: float = 1.0  # != 1: a second probability path, the old log-probs' pass scales logits
 
 
 @dataclass
@@ -57,6 +58,12 @@ class DemoConfig:
     format_weight: float = 0.1
     partial_weight: float = 0.0  # > 0: a "partial" reward component, Task.partial times this (several components)
     engine_precision: torch.dtype = torch.bfloat16  # as real engines run; float32 matches the trainer to ~1e-7
+    # the trainer's forward: float32, or bfloat16 as a mixed-precision FSDP/Megatron trainer (CPU autocast: fp32
+    # master weights, bf16 matmuls), whose results depend on the batch layout (batch-variant kernels)
+    trainer_precision: torch.dtype = torch.float32
+    # rows per forward when the old log-probs are recomputed (None: the whole batch in one pass); the updates
+    # always run in ``micro_batches`` chunks. 1 recomputes each sequence alone, another layout than the update's
+    old_logprob_rows: int | None = None
     task: Task = field(default_factory=lambda: Task(symbols=8, length=5))
 
 
@@ -160,7 +167,7 @@ class Trainer:
             old_logprobs = self._reused_old  # the behaviour policy's, kept from when the batch was generated
         else:
             with torch.no_grad():
-                old_logprobs, _ = self._logprobs(rollout)
+                old_logprobs = self._old_logprobs(rollout)
             self._reused_old = old_logprobs if f.reuse_rollouts else None
         advantages = self._advantages(rewards)
 
@@ -224,13 +231,24 @@ class Trainer:
         self._reused = rollout if f.reuse_rollouts else None
         return rollout
 
-    def _logprobs(self, rollout: Rollout, rows: slice = slice(None)) -> tuple[Tensor, Tensor]:
-        """Trainer-side per-token log-probs and entropies of the completions (fp32, log_softmax)."""
+    def _old_logprobs(self, rollout: Rollout) -> Tensor:
+        """The behaviour policy's log-probs, recomputed by the trainer in ``old_logprob_rows`` rows a pass."""
+        n = rollout.completions.shape[0]
+        size = self.config.old_logprob_rows or n
+        temperature = self.faults.old_logprob_temperature
+        return torch.cat([self._logprobs(rollout, slice(i, i + size), temperature)[0] for i in range(0, n, size)])
+
+    def _logprobs(self, rollout: Rollout, rows: slice = slice(None), temperature: float = 1.0) -> tuple[Tensor,
+                                                                                                          Tensor]:
+        """Trainer-side per-token log-probs and entropies of the completions (log_softmax in fp32 of logits
+        computed in ``trainer_precision``; ``temperature`` divides them, 1 but for the second-path fault)."""
         prompts, completions = rollout.prompts[rows], rollout.completions[rows]
         sequence = torch.cat([prompts, completions], dim=1)
         lp = self.task.prompt_length
-        logits = self.policy(sequence[:, :-1])[:, lp - 1 :]
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        bf16 = self.config.trainer_precision == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = self.policy(sequence[:, :-1])[:, lp - 1 :]
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         chosen = logp.gather(2, completions.unsqueeze(2)).squeeze(2)
         entropy = -(logp.exp() * logp).sum(dim=-1)
         return chosen, entropy

@@ -52,11 +52,17 @@ class World:
     precision: str
     cadence: str
     seed: int
+    # not an axis of the enumeration: a bf16 trainer whose old log-probs are recomputed ``old_logprob_rows``
+    # rows a pass (batch-variant numerics, the on-policy check's noise; tests/test_worlds.py)
+    trainer: str = "fp32"
+    old_logprob_rows: int | None = None
 
     @property
     def name(self) -> str:
+        extra = f"-trainer-{self.trainer}" if self.trainer != "fp32" else ""
+        extra += f"-rows{self.old_logprob_rows}" if self.old_logprob_rows is not None else ""
         return (f"w{self.index:03d}-{self.family}-{self.warm}-g{self.group_size}-{self.length}-{self.precision}-"
-                f"{self.cadence}")
+                f"{self.cadence}{extra}")
 
     @property
     def cadence_s(self) -> float:
@@ -73,6 +79,7 @@ class World:
             seed=self.seed, prompts_per_step=BATCH // self.group_size, group_size=self.group_size, max_new=max_new,
             warmup_steps=1500 if self.warm == "solved" else 600, warmup_target=WARM[self.warm],
             partial_weight=partial, engine_precision=PRECISIONS[self.precision],
+            trainer_precision=PRECISIONS[self.trainer], old_logprob_rows=self.old_logprob_rows,
             task=Task(symbols=6, length=symbols_in_prompt, kind=kind),
         )
 
