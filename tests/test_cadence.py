@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -160,7 +160,7 @@ def _a_day(folder: Path) -> subprocess.CompletedProcess[str]:
 def test_a_day_of_ten_minute_steps_pages_each_fault_once(outcomes):
     """The replay acceptance in one run: 144 steps of a real exporter, 30 s scrapes, 24 h; healthy stretches,
     the noisy batch and the normal end page nothing, each fault pages exactly once."""
-    done = outcomes["day"]
+    done = outcomes["day"].result()
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -183,7 +183,7 @@ def _case(folder: Path, cadence: str, scenario: str) -> subprocess.CompletedProc
 
 @pytest.mark.parametrize(("cadence", "scenario"), _params())
 def test_rules_at_production_cadence(cadence, scenario, outcomes):
-    done = outcomes[f"case/{cadence}/{scenario}"]
+    done = outcomes[f"case/{cadence}/{scenario}"].result()
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -197,7 +197,7 @@ def _shorter_step(folder: Path) -> subprocess.CompletedProcess[str]:
 def test_rules_left_at_a_shorter_step_say_so(outcomes):
     """Rules generated for 1-minute steps on a run of 10-minute steps: their windows often hold no step. The
     healthy run pages nothing, and the info alert says the cadence is slower than configured."""
-    done = outcomes["shorter-step"]
+    done = outcomes["shorter-step"].result()
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -258,7 +258,7 @@ def test_every_fault_pages_once_at_production_cadence(cadence, outcomes):
     """Seventeen runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
     listed), once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
     floors (5 min windows, 1 h baselines), which rules/tests/*.test.yml check for every alert at 1 min steps."""
-    done = outcomes[f"fleet/{cadence}"]
+    done = outcomes[f"fleet/{cadence}"].result()
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
 
 
@@ -301,11 +301,11 @@ def _run(key: str, folder: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def outcomes(request: pytest.FixtureRequest,
-             tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[subprocess.CompletedProcess[str]]]:
     """Every replay the selected tests of this module read, run two at a time (one per core of the CI machine:
-    a replay is one Python process, then promtool), the longest first."""
+    a replay is one Python process, then promtool), the longest first; all done when it returns (an error in
+    one replay is raised by its own test)."""
     keys = sorted({k for item in request.session.items if item.module is request.module
                    and (k := _key(item)) is not None}, key=_cost, reverse=True)
     with ProcessPoolExecutor(min(2, os.cpu_count() or 1)) as pool:
-        futures = {k: pool.submit(_run, k, str(tmp_path_factory.mktemp(k.replace("/", "-")))) for k in keys}
-        return {k: f.result() for k, f in futures.items()}
+        return {k: pool.submit(_run, k, str(tmp_path_factory.mktemp(k.replace("/", "-")))) for k in keys}

@@ -143,6 +143,10 @@ class MixinConfig(StopLines, EventLines):
     length_flat_ratio: float = Field(
         1.05, ge=1, description="GRPOLengthGrowthIncorrectOnly: correct answers grow less than this"
     )
+    length_min_completions: int = Field(
+        32, ge=1, description="the length alerts: completions of the growing outcome a rate window must hold "
+        "(how many samples decide: a solved run's few incorrect completions move their mean 20% on one long one)"
+    )
 
     # ---- layer 3 thresholds ----
     ess_drop_factor: float = Field(0.5, gt=0, lt=1, description="GRPOESSDrop: token ESS ratio below this x baseline")

@@ -233,6 +233,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_retrieval_accuracy_ratio:window_mean", "expr": _mean(c, "grpo_retrieval_accuracy_ratio")},
         {"record": "run:grpo_truncated_completions:window_ratio",
          "expr": _fraction(_rate(c, "grpo_truncated_completions_total"), _rate(c, "grpo_completions_total"))},
+        {"record": "run:grpo_completions:window_increase",
+         "expr": _increase(c, "grpo_completion_length_tokens_count", by="job, run, outcome")},
         {"record": "run:grpo_completion_length_tokens:window_mean",
          "expr": _fraction(_rate(c, "grpo_completion_length_tokens_sum", by="job, run, outcome"),
                            _rate(c, "grpo_completion_length_tokens_count", by="job, run, outcome"))},
@@ -534,7 +536,9 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         Alert(
             "GRPOLengthGrowthIncorrectOnly", g2, "length_incorrect", "warning",
             f'max by ({BY}) ({growth}{{outcome="incorrect"}}) > {c.length_growth_ratio:g} and on(job, run) '
-            f'max by ({BY}) ({growth}{{outcome="correct"}}) <= {c.length_flat_ratio:g}', 900,
+            f'max by ({BY}) ({growth}{{outcome="correct"}}) <= {c.length_flat_ratio:g} and on(job, run) '
+            f'max by ({BY}) (run:grpo_completions:window_increase{{outcome="incorrect"}}) >= '
+            f'{c.length_min_completions}', 900,
             "Only incorrect completions grow longer: loss aggregation, not a length hack.",
             "Mean length of incorrect completions of run {{ $labels.run }} is " + _value("%.2f") + "x its "
             "baseline while correct ones grow "
@@ -545,7 +549,9 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         Alert(
             "GRPOLengthHack", g2, "length_hack", "warning",
             f'max by ({BY}) ({growth}{{outcome="correct"}}) > {c.length_growth_ratio:g} and on(job, run) '
-            f'max by ({BY}) ({growth}{{outcome="correct"}}) > on(job, run) max by ({BY}) ({growth}{{outcome="incorrect"}})',
+            f'max by ({BY}) ({growth}{{outcome="correct"}}) > on(job, run) max by ({BY}) ({growth}{{outcome="incorrect"}}) '
+            f'and on(job, run) max by ({BY}) (run:grpo_completions:window_increase{{outcome="correct"}}) >= '
+            f'{c.length_min_completions}',
             900,
             "Correct completions grow longer, faster than incorrect ones: a length hack.",
             "Mean length of correct completions of run {{ $labels.run }} is " + _value("%.2f") + "x its "
