@@ -248,6 +248,65 @@ def test_mask_table_names_a_length_that_does_not_match():
         mask_table(TOKENS, ATTENTION, LOSS, SOURCES, advantages=[0.5, 0.5])
 
 
+# ---- cannot tell: a check that sees nothing never passes ----------------------------------------------------
+
+
+def test_abc_cannot_tell_on_an_empty_batch_an_all_masked_one_or_non_finite_log_probs():
+    tokens, mask = batch()
+    model = TinyLM().eval()
+    empty = torch.zeros(0, T, dtype=torch.long)
+    reports = {
+        "empty": abc_consistency(lambda: model(empty), lambda: model(empty), torch.zeros(0, T, dtype=torch.bool)),
+        "all-masked": abc_consistency(lambda: model(tokens), lambda: model(tokens), torch.zeros_like(mask)),
+        "non-finite": abc_consistency(lambda: model(tokens), lambda: model(tokens).masked_fill(mask, float("nan")),
+                                      mask),
+    }
+    for name, report in reports.items():
+        assert (report.outcome, report.passed) == ("cannot_tell", False), name
+        assert report.diagnosis.startswith("cannot tell"), name
+    assert "selects no token" in reports["all-masked"].diagnosis
+    assert "non-finite log-probs on loss tokens in C" in reports["non-finite"].diagnosis
+
+
+def test_accumulation_diagnoses_a_zero_gradient_and_cannot_tell_on_a_non_finite_one():
+    model = TinyLM().eval()
+    batch_loss, micro = _losses(model, "once")
+    zero = accumulation_equivalence(model.parameters(), lambda: batch_loss() * 0.0,
+                                    [lambda f=f: f() * 0.0 for f in micro])
+    assert zero.outcome == "failed"
+    assert "a zero gradient" in zero.diagnosis
+    nan = accumulation_equivalence(model.parameters(), batch_loss, [*micro[:-1], lambda: micro[-1]() * float("nan")],
+                                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert nan.outcome == "cannot_tell"
+    assert "the accumulated gradient is not finite" in nan.diagnosis
+    assert all(bool(torch.isfinite(p).all()) and p.grad is None for p in model.parameters())  # restored
+    both = accumulation_equivalence(model.parameters(), lambda: batch_loss() * float("inf"), micro)
+    assert both.outcome == "cannot_tell"
+    assert "the batch gradient is not finite" in both.diagnosis
+
+
+def test_nll_reach_cannot_tell_on_an_empty_mask_or_a_non_finite_nll_and_never_broadcasts_a_mask():
+    tokens, mask = batch()
+    model = TinyLM().eval()
+    empty = nll_reach(lambda: model(tokens), torch.zeros_like(mask), model.parameters(), steps=5)
+    assert empty.outcome == "cannot_tell"
+    nan = nll_reach(lambda: model(tokens) * float("nan"), mask, model.parameters(), steps=5)
+    assert nan.outcome == "cannot_tell"
+    assert "the NLL is not finite" in nan.diagnosis
+    for wrong in (mask[:, :1], mask[0]):  # (N, 1) and (T,) would broadcast and pass with a wrong NLL
+        with pytest.raises(ValueError, match=r"nll_reach: completion_logprobs\(\): expected shape \(\d+,( \d+)?\) like "
+                                             r"completion_mask, got \(8, 12\)"):
+            nll_reach(lambda: model(tokens), wrong, model.parameters(), steps=5)
+
+
+def test_mask_table_cannot_tell_on_an_empty_sample_or_one_without_a_completion():
+    for report in (mask_table([], [], [], []), mask_table([5, 6], [1, 1], [0, 0], ["prompt", "prompt"])):
+        assert report.outcome == "cannot_tell"
+        assert "no completion token" in report.diagnosis
+    prompt_trained = mask_table([5, 6], [1, 1], [1, 0], ["prompt", "prompt"])
+    assert prompt_trained.outcome == "failed"  # a violation stays a failure
+
+
 def test_the_guide_example_runs_as_written():
     text = (Path(__file__).parent.parent / "docs" / "checks.md").read_text()
     code = text.split("```py\n", 1)[1].split("```", 1)[0]
@@ -263,12 +322,16 @@ def test_the_monitor_publishes_each_checks_last_verdict():
         model = TinyLM().eval()
         mon.publish_check(abc_consistency(lambda: model(tokens), lambda: model(tokens), mask))
         mon.publish_check(bad)  # the last run of a check replaces its verdict
+        mon.publish_check(nll_reach(lambda: model(tokens), torch.zeros_like(mask), model.parameters()))
         values = mon.metrics()
         with pytest.raises(TypeError, match=r"publish_check: report: expected a report of .*got dict"):
             mon.publish_check({"passed": True})
     assert values['grpo_preflight_check_passed{check="mask_table"}'] == 0.0
     assert values['grpo_preflight_check_passed{check="abc_consistency"}'] == 1.0
-    assert not any("nll_reach" in k for k in values)
+    assert values['grpo_preflight_check_cannot_tell{check="mask_table"}'] == 0.0
+    assert values['grpo_preflight_check_passed{check="nll_reach"}'] == 0.0  # could not tell: never a pass
+    assert values['grpo_preflight_check_cannot_tell{check="nll_reach"}'] == 1.0
+    assert not any("accumulation_equivalence" in k for k in values)
 
 
 def test_every_report_names_a_check_the_catalogue_declares():

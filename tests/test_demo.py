@@ -11,6 +11,7 @@ import torch
 
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.scenarios import SCENARIOS
+from grpo_exporter.demo.task import EOS, FIRST_SYMBOL, Task
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 
 STEPS_AFTER = 4
@@ -137,6 +138,27 @@ def test_the_reverse_task_has_one_right_answer():
     palindrome = (body == body.flip(1)).all(dim=1)
     assert not task.score(prompts, other, lengths)[~palindrome].any()
     assert SCENARIOS["healthy"].config().task.score(prompts, other, lengths).all()  # the permutation task takes it
+
+
+def test_the_conflict_task_has_two_rules_no_symbol_tells_apart():
+    """The conflict family (tests/worlds.py): reversed on half of the prompts, any order but reversed on the
+    other half, the halves chosen by a hash of the whole prompt."""
+    task = Task(symbols=6, length=3, kind="conflict")
+    gen = torch.Generator().manual_seed(0)
+    prompts, _ = task.prompts(512, gen)
+    body = prompts[:, 1 : 1 + task.length]
+    lengths = torch.full((512,), task.answer_length)
+    eos = torch.full((512, 1), EOS)
+    assert task.score(prompts, task.answers(prompts, gen), lengths)[~(body == body[:, :1]).all(dim=1)].all()
+    reversed_ = task.score(prompts, torch.cat([body.flip(1), eos], dim=1), lengths)
+    rotated = task.score(prompts, torch.cat([body.roll(1, 1), eos], dim=1), lengths)
+    distinct = (body[:, 0] != body[:, 1]) & (body[:, 1] != body[:, 2]) & (body[:, 0] != body[:, 2])
+    assert not (reversed_ & rotated)[distinct].any()  # one rule or the other, never both
+    assert 0.4 < reversed_.float().mean() < 0.6  # half of the prompts
+    for position in range(task.length):  # no symbol in any position decides the rule
+        for symbol in range(FIRST_SYMBOL, FIRST_SYMBOL + task.symbols):
+            rows = body[:, position] == symbol
+            assert 0.25 < reversed_[rows].float().mean() < 0.75
 
 
 def test_the_reverse_task_is_learned_into_all_correct_groups():

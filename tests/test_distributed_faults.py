@@ -74,6 +74,8 @@ def _worker(rank: int, scenario: str, port: int, out: str, test_path: str) -> No
         dist.destroy_process_group()
         return
     mon = GRPOMonitor(run="ddp", **settings)
+    if scenario == "empty-rank" and rank == 1:
+        rows = slice(0, 0)  # this rank's shard came out empty: no completion
     for step in range(2):
         rollout = _shard(rollout_kwargs(x), rows)
         if scenario == "component-order" and rank == 1:
@@ -194,6 +196,18 @@ def test_a_block_that_raises_on_one_rank_is_absent_everywhere(tmp_path):
     assert_union(got, single_process(), absent=("grpo_entropy", "grpo_token_entropy"))
     assert first_step(ranks[1]) == got
     assert errors(ranks[1]) >= 1
+
+
+def test_an_empty_rank_adds_nothing_and_the_others_are_published(tmp_path):
+    """A rank with no completion (N = 0) is no error on either rank; the merge publishes rank 0's values, as a
+    single process of rank 0's shard would."""
+    ranks = run_scenario("empty-rank", tmp_path)
+    for r in ranks:
+        assert r["merging"]
+        assert r["seconds"] < TIMEOUT_S
+        assert errors(r) == 0
+    assert_union(first_step(ranks[0]), single_process(_half(0)))
+    assert first_step(ranks[1]) == first_step(ranks[0])
 
 
 def test_reward_components_in_another_order_merge_by_name(tmp_path):

@@ -50,6 +50,34 @@ def test_empty_loss_mask_makes_token_metrics_absent_not_zero():
     assert "grpo_reward_mean{component=\"total\"}" in m  # sequence-level metrics do not need the mask
 
 
+def _cut(batch, rows: int | None = None, tokens: int | None = None) -> StepInputs:
+    """``batch``'s inputs cut to its first ``rows`` completions and first ``tokens`` positions."""
+    x = batch.inputs()
+    cut = {}
+    for name, value in vars(x).items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and not name.startswith("_"):
+            t = value[:rows] if rows is not None else value
+            cut[name] = t[:, :tokens] if tokens is not None and t.dim() == 2 else t
+    cut["reward_components"] = {k: v[:rows] for k, v in x.reward_components.items()}
+    lengths = cut.get("completion_lengths")
+    if tokens is not None and lengths is not None:
+        cut["completion_lengths"] = lengths.clamp(max=tokens)
+    return batch.inputs(**cut)
+
+
+def test_an_empty_batch_is_skipped_without_errors_and_no_tokens_leaves_the_completions_measured():
+    """N = 0 completions: nothing to measure, nothing raises (every block of the old code hit an amax() of no
+    elements); T = 0 tokens: rewards and groups are measured, every per-token reading is absent."""
+    batch = make_batch(0)
+    empty = compute_step(_cut(batch, rows=0), CFG)  # strict: a block that raised would raise here
+    assert empty == {}
+    no_tokens = compute_step(_cut(batch, tokens=0), CFG)
+    no_nan(no_tokens)
+    assert no_tokens['grpo_reward_mean{component="total"}'] == pytest.approx(float(batch.arrays["rewards"].mean()))
+    for key in TOKEN_GAUGES:
+        assert key not in no_tokens, key
+
+
 def test_one_token_sequences():
     n = 16
     lp = torch.full((n, 1), -0.5)

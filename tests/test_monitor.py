@@ -291,6 +291,12 @@ def test_config_sources_and_precedence(tmp_path):
         MonitorConfig(run="r", group_size=4, tls_cert=file)
     with pytest.raises(ValueError, match="from `grpo-exporter hash-password`"):
         MonitorConfig(run="r", group_size=4, basic_auth_user="u", basic_auth_password_hash="secret")
+    # an empty recorder_dir is off (not the current directory); a newline in it is an error naming the field
+    assert MonitorConfig.load(environ={"GRPO_EXPORTER_RECORDER_DIR": ""}, run="r", group_size=4).recorder_dir is None
+    assert MonitorConfig(run="r", group_size=4, recorder_dir="  ").recorder_dir is None
+    with pytest.raises(ValueError, match=r"recorder_dir\n.*expected a directory path without control characters, "
+                                         r"got '/tmp/a\\nb'"):
+        MonitorConfig(run="r", group_size=4, recorder_dir="/tmp/a\nb")
 
 
 def test_reference_baseline_file_is_checked_and_published(tmp_path):

@@ -451,3 +451,43 @@ def test_the_rounding_of_equal_rewards_is_a_zero_advantage():
     differences[:8] += torch.tensor([1e-3, -1e-3] * 4)
     assert int(advantage_signs(differences, mask, plain).zero.sum()) == 8
     assert MonitorConfig(run="r", group_size=16, advantage_zero_atol=0.0).zero_advantage_atol == 0.0
+
+
+def test_an_empty_step_is_skipped_silently_and_said_once(caplog):
+    """N = 0 completions (a rank whose shard came out empty, a filtered-out batch): no error counted, one
+    info line per stage, and the next step is measured as usual."""
+    empty = {"rewards": torch.zeros(0), "rollout_logprobs": torch.zeros(0, 4), "old_logprobs": torch.zeros(0, 4),
+             "completion_mask": torch.ones(0, 4, dtype=torch.bool), "correct": torch.zeros(0, dtype=torch.bool)}
+    with caplog.at_level(logging.INFO, logger="grpo_exporter"), monitor() as mon:
+        for step in (0, 1):
+            mon.observe_rollout(step, **empty)
+            mon.observe_update(step, logprobs=torch.zeros(0, 4), old_logprobs=torch.zeros(0, 4),
+                               advantages=torch.zeros(0), loss_mask=torch.ones(0, 4, dtype=torch.bool))
+            mon.end_step()
+        mon.observe_rollout(2, rewards=torch.ones(8), correct=torch.ones(8, dtype=torch.bool))
+        mon.end_step()
+        m = mon.metrics()
+    assert not any(k.startswith("grpo_exporter_errors_total") and v for k, v in m.items())
+    said = [r.getMessage() for r in caplog.records if "empty batch" in r.getMessage()]
+    assert len(said) == 2  # rollout and update, once each
+    assert m['grpo_reward_mean{component="total"}'] == 1.0
+
+
+def test_a_rollout_on_the_meta_device_leaves_the_next_cpu_rollout_measured():
+    """A dry run on the meta device (no data: that rollout is counted as an error) used to leave the solve-rate
+    table there, so every later CPU rollout failed too and the zero-variance prediction was never published."""
+    def rollout(step: int, device: str) -> None:
+        n = 8
+        mon.observe_rollout(step, rewards=torch.ones(n, device=device), correct=torch.arange(n, device=device) % 2 == 0,
+                            group_ids=(torch.arange(n) // 4).to(device), prompt_ids=(torch.arange(n) // 4).to(device))
+        mon.end_step()
+
+    with monitor(group_size=4) as mon:
+        rollout(0, "meta")
+        after_meta = registry_value(mon, ERRORS % "rollout")
+        rollout(1, "cpu")
+        rollout(2, "cpu")
+        m = mon.metrics()
+    assert after_meta == 1
+    assert m[ERRORS % "rollout"] == 1  # no error after the device change
+    assert 0 < m["grpo_zero_variance_groups_expected_ratio"] < 1

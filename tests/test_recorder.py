@@ -4,16 +4,19 @@ a disk budget, owner-only files, and no partial incident after kill -9."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import math
 import os
+import shlex
 import signal
 import stat
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,7 @@ from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 from grpo_exporter.guard import TrainingSignalError
 from grpo_exporter.recorder import RecorderError
 from grpo_exporter.recorder.inspect import InspectError, load, render
-from grpo_exporter.recorder.store import incidents, size_of
+from grpo_exporter.recorder.store import incidents, size_of, sweep_partials
 
 INJECT = 5
 # a seed and a task the scenarios are not calibrated on: one right answer (reverse), seed 4
@@ -331,6 +334,71 @@ raise SystemExit(3)  # a crash of the training loop: no close()
 """
 
 
+STUCK = """
+import os, sys, time, torch
+sys.path.insert(0, {tests!r})
+from test_recorder import _inputs
+from grpo_exporter import GRPOMonitor
+def hang(*args):
+    time.sleep(3600)
+if {where!r} == "fsync":
+    os.fsync = hang  # a filesystem that never answers (a dead NFS mount)
+decode = hang if {where!r} == "decode" else None
+mon = GRPOMonitor(run="s", group_size=8, port=None, guard="off", recorder_dir={root!r}, edit_distance_groups=0,
+                  recorder_flush_timeout_s=3.0, decode=decode)  # the serialisation ends well within it
+for step in range(3):
+    mon.observe_rollout(step, **_inputs(step, bad=step == 1))
+if {close!r}:
+    mon.close()
+print("training done", flush=True)
+"""
+
+LAUNCHER = """
+import gc, sys, torch
+sys.path.insert(0, {tests!r})
+from test_recorder import _inputs
+from grpo_exporter import GRPOMonitor
+def train():
+    mon = GRPOMonitor(run="l", group_size=8, port=None, guard="off", recorder_dir={root!r}, edit_distance_groups=0)
+    for step in range(2):
+        mon.observe_rollout(step, **_inputs(step, bad=step == 1))
+    raise RuntimeError("the training loop crashed")  # no with, no close()
+try:
+    train()
+except RuntimeError:
+    print("the launcher caught it", flush=True)
+gc.collect()  # the monitor is garbage now
+"""
+
+
+@pytest.mark.parametrize(("where", "close"), [("decode", True), ("decode", False), ("fsync", True),
+                                              ("fsync", False)])
+def test_a_hung_decode_or_filesystem_never_keeps_the_process_alive(tmp_path, where, close):
+    """The writer thread is stuck for good: close() returns after recorder_flush_timeout_s, and the process
+    exits, saying what it abandoned (concurrent.futures used to join the stuck thread at exit: a finished
+    job kept its nodes for ever). The stuck call is one of the user's or the filesystem's: a writer abandoned
+    while it still runs torch's serialisation (a timeout shorter than it) would be stopped mid-call at exit."""
+    code = textwrap.dedent(STUCK.format(tests=str(Path(__file__).parent), root=str(tmp_path / "rec"), where=where,
+                                        close=close))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "training done" in done.stdout
+    assert time.monotonic() - start < 45
+    said = "close() returns without them" if close else "abandoned at exit"
+    assert said in done.stderr, done.stderr[-2000:]
+
+
+def test_a_monitor_never_closed_in_a_loop_a_launcher_catches_still_writes_its_incident(tmp_path):
+    root = tmp_path / "rec"
+    code = textwrap.dedent(LAUNCHER.format(tests=str(Path(__file__).parent), root=str(root)))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [m] = manifests(root)
+    assert m["steps"] == {"last_normal": 0, "first_anomalous": 1, "next": None}
+    assert m["next_missing"] == "the process exited"
+
+
 def test_kill_9_mid_write_leaves_no_partial_incident_and_the_next_recorder_cleans_up(tmp_path):
     root = tmp_path / "rec"
     code = textwrap.dedent(KILLED.format(tests=str(Path(__file__).parent), root=str(root)))
@@ -348,6 +416,53 @@ def test_kill_9_mid_write_leaves_no_partial_incident_and_the_next_recorder_clean
         load(root)
     _episodes(root, 1)  # a new recorder on the directory removes the dead process's partial write
     assert [p.name.startswith("incident-") for p in root.iterdir()] == [True]
+
+
+def test_a_live_writer_in_another_pid_namespace_is_never_swept(tmp_path):
+    """Two PID namespaces on one directory (two containers on one host): the writer's PID (3999991 in its
+    namespace) is no process in ours, so `kill(pid, 0)` called it dead and its incident was deleted mid-write.
+    Its lock says it is alive; once it is gone, its partial directory is removed."""
+    root = tmp_path / "rec"
+    code = textwrap.dedent(KILLED.format(tests=str(Path(__file__).parent), root=str(root)))
+    # the namespace's next PID set, then a fork (not an exec): the writer is PID 3999991 there
+    inner = f"echo 3999990 > /proc/sys/kernel/ns_last_pid && {sys.executable} -c {shlex.quote(code)}; exit $?"
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", inner],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "one file written"
+        [partial] = list(root.iterdir())
+        assert "--3999991-" in partial.name  # a PID that no process of this namespace has
+        assert sweep_partials(root) == []
+        assert partial.exists()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    assert sweep_partials(root) == [partial]  # unlocked now, its writer gone
+
+
+def test_two_recorders_of_one_process_on_one_directory_both_write(tmp_path):
+    """Both write their first incident at once: the partial names once collided (host, pid, serial 1)."""
+    holding, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a's writer keeps its partial directory until b's incident is written
+        holding.set()
+        gate.wait(30)
+
+    kw = {"group_size": 8, "port": None, "guard": "off", "recorder_dir": tmp_path, "edit_distance_groups": 0}
+    with GRPOMonitor(run="a", **kw) as a, GRPOMonitor(run="b", **kw) as b:
+        assert a._recorder is not None
+        a._recorder.between_files = hold
+        for mon in (a, b):
+            for step in range(5):  # rollouts only: step 4 seals step 2, the incident's next state
+                mon.observe_rollout(step, **_inputs(step, bad=step == 1))
+            if mon is a:
+                assert holding.wait(30)
+        b.wait_for_workers()
+        gate.set()
+    assert sorted(m["run"] for m in manifests(tmp_path)) == ["a", "b"]
+    assert a.metrics().get('grpo_exporter_errors_total{stage="recorder"}', 0) == 0
+    assert b.metrics().get('grpo_exporter_errors_total{stage="recorder"}', 0) == 0
 
 
 def test_an_exit_without_close_still_writes_the_pending_incident(tmp_path):
@@ -416,3 +531,82 @@ def test_recorder_settings_are_validated():
         GRPOMonitor(run="v", group_size=8, port=None, recorder_triggers=["nonfinite", "nan"])
     with pytest.raises(ValueError, match="recorder_rows"):
         GRPOMonitor(run="v", group_size=8, port=None, recorder_rows=0)
+
+
+def _manifest(**changes: object) -> dict:
+    """A minimal valid manifest, as the recorder writes one, with ``changes`` applied."""
+    row = {"row": 3, "driver": "nonfinite", "rewards": 1.0, "reward_components": {"correctness": 1.0},
+           "correct": True, "truncated": False, "loss_tokens": 5, "log_ratio_min": -0.1, "log_ratio_max": "inf",
+           "engine_gap_mean": 0.01, "advantage": 0.5, "nonfinite": ["logprobs"], "prompt": "p", "completion": [4, 5]}
+    state = {"step": 1, "metrics": {"grpo_nonfinite_values_total": 1.0}, "rows": {"update": [row]}}
+    return {"format": 1, "id": "incident-x", "run": "r", "rank": 0, "world": 1, "triggers": ["nonfinite"],
+            "steps": {"last_normal": 0, "first_anomalous": 1, "next": None}, "states": {"first_anomalous": state}
+            } | changes
+
+
+def _row_with(**fields: object) -> dict:
+    m = _manifest()
+    m["states"]["first_anomalous"]["rows"]["update"][0].update(fields)
+    return m
+
+
+CRAFTED = {
+    "deep nesting": "[" * 100_000 + "]" * 100_000,
+    "deep inside a metric": json.dumps(_manifest(states={"first_anomalous": {"metrics": {"m": [[[[[1]]]]]}}})),
+    "states a list": json.dumps(_manifest(states=[1, 2])),
+    "an unknown role": json.dumps(_manifest(states={"\x1b[2Jrole": {"metrics": {}}})),
+    "a state a string": json.dumps(_manifest(states={"next": "x"})),
+    "metrics a list": json.dumps(_manifest(states={"next": {"metrics": [1]}})),
+    "rows a string": json.dumps(_manifest(states={"next": {"metrics": {}, "rows": "x"}})),
+    "a stage a dict": json.dumps(_manifest(states={"next": {"metrics": {}, "rows": {"update": {}}}})),
+    "a row a number": json.dumps(_manifest(states={"next": {"metrics": {}, "rows": {"update": [7]}}})),
+    "a row without its index": json.dumps(_row_with(row="3")),
+    "a ratio of the wrong type": json.dumps(_row_with(log_ratio_min={"a": 1})),
+    "components a list": json.dumps(_row_with(reward_components=[1])),
+    "non-finite names numbers": json.dumps(_row_with(nonfinite=[1])),
+    "steps a list": json.dumps(_manifest(steps=[1])),
+    "triggers a number": json.dumps(_manifest(triggers=3)),
+    "the run an object": json.dumps(_manifest(run={"a": 1})),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_inspect_of_a_crafted_manifest_exits_2_with_a_message(tmp_path, capsys, case):
+    (tmp_path / "incident.json").write_text(CRAFTED[case])
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-exporter inspect: "), err[:300]
+    assert "expected" in err, err[:300]
+    assert "\x1b" not in err
+
+
+def test_inspect_escapes_control_characters_and_lone_surrogates_in_model_text(tmp_path, capsys):
+    text = "ok\x1b[2J\x07\rbell\u2028\ud800end"
+    m = _row_with(prompt=text, completion=text, driver="nonfinite\x1b")
+    m["states"]["first_anomalous"]["metrics"]["grpo_x{k=\"\x1b\"}"] = 1.0
+    (tmp_path / "incident.json").write_text(json.dumps(m))  # ensure_ascii: "\ud800" stays a lone surrogate
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert all(ch == "\n" or ch.isprintable() for ch in out)
+    assert "\\x1b[2J\\x07\\rbell\\u2028\\ud800end" in out
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert "\x1b" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("decode", "starts"), [
+    (lambda ids: b"\xffok" + bytes(i % 128 for i in ids), "\ufffdok"),  # bytes: UTF-8, bad bytes replaced
+    (lambda ids: {"ids": ids}, "<decode returned dict>"),
+    (lambda ids: (_ for _ in ()).throw(SystemExit(3)), "<decode failed: SystemExit>"),
+    (lambda ids: (_ for _ in ()).throw(asyncio.CancelledError()), "<decode failed: CancelledError>"),
+])
+def test_decode_may_return_or_raise_anything_and_the_incident_keeps_its_rows(tmp_path, decode, starts):
+    with GRPOMonitor(run="h", group_size=8, port=None, guard="off", recorder_dir=tmp_path, decode=decode,
+                     edit_distance_groups=0) as mon:
+        for step in (0, 1, 2):
+            mon.observe_rollout(step, **_inputs(step, bad=step == 1))
+    [m] = manifests(tmp_path)  # close() returned, nothing escaped, the incident is whole
+    row = m["states"]["first_anomalous"]["rows"]["rollout"][0]
+    assert (row["row"], row["driver"]) == (3, "nonfinite")
+    assert row["completion"].startswith(starts)
+    raw = torch.load(Path(m["path"]) / "first_anomalous.pt", weights_only=True)
+    assert raw["rollout"]["row"][0] == 3  # the tensors kept

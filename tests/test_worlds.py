@@ -1,7 +1,8 @@
 """The world sweep's fixed CI sample (tests/worlds.py): 24 tiny GRPO worlds unlike the demo's, trained for real
 and judged by the production rules in promtool. Healthy worlds page nothing; collapsing ones page layer 4 at
-most; a control world with a fault injected half-way pages, so the reading of what fired can fail; a bf16
-trainer's batch-variant recomputation pages nothing, and a second probability path through it pages.
+most, and a world of the conflict family that collapses with nothing wrong pages layer 4; a control world
+with a fault injected half-way pages, so the reading of what fired can fail; a bf16 trainer's batch-variant
+recomputation pages nothing, and a second probability path through it pages.
 
 KNOWN_FAILURES are the worlds that still page against the verdict, each with what it pages and why (none at
 present). The test asserts that exactly these fail, with exactly these pages: a new false page fails it,
@@ -12,9 +13,19 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-from grpo_exporter.demo.worlds import CADENCES, FAMILIES, GROUP_SIZES, LENGTHS, PRECISIONS, WARM, world
+from grpo_exporter.demo.worlds import (
+    CADENCES,
+    FAMILIES,
+    GROUP_SIZES,
+    LENGTHS,
+    PRECISIONS,
+    WARM,
+    Trajectory,
+    collapse_world,
+    world,
+)
 from grpo_exporter.mixin.config import MixinConfig
-from worlds import alert_labels, pages, sweep, table, verdict
+from worlds import Replayed, alert_labels, pages, sweep, table, verdict
 
 CI_WORLDS = 24
 CONTROL = world(24)  # a loss mask over the padding from half-way: layer 1, GRPOLossMaskMismatch
@@ -24,6 +35,9 @@ CONTROL = world(24)  # a loss mask over the padding from half-way: layer 1, GRPO
 # 0.8, the loss pass does not) pages the on-policy alerts through that noise
 BATCH_VARIANT = replace(world(29), trainer="bf16", old_logprob_rows=1)
 SECOND_PATH = replace(world(40), trainer="bf16", old_logprob_rows=1)
+# the conflict family drifts to the seed's collapse with nothing wrong: pass@G 0.93 -> 0.82 while pass@1 rises
+# 0.43 -> 0.60 (G = 16, 20 s steps; docs/worlds-conflict.md)
+COLLAPSING = collapse_world(9)
 FAULTS = {CONTROL.name: ("mask_covers_padding", True), SECOND_PATH.name: ("old_logprob_temperature", 0.8)}
 KNOWN_FAILURES: dict[str, dict[str, int]] = {}
 
@@ -37,12 +51,34 @@ def test_the_sample_covers_every_axis():
     assert len({(w.family, w.warm) for w in worlds}) == len(FAMILIES) * len(WARM)
 
 
+def test_the_verdict_allows_layer_4_on_a_collapsing_world_and_nothing_else():
+    labels = alert_labels(MixinConfig())
+    steps = 100
+    falling = Trajectory(COLLAPSING, 0.4, [0.4] * 50 + [0.6] * 50, [0.95] * 50 + [0.75] * 50)
+    flat = Trajectory(COLLAPSING, 0.4, [0.4] * steps, [0.95] * steps)
+    assert (falling.kind, flat.kind) == ("collapsing", "healthy")
+    assert verdict(Replayed(falling, {"GRPODiversityCollapse": 1, "GRPOEntropyCollapse": 1}), labels) is None
+    assert verdict(Replayed(falling, {}), labels) is None
+    assert "outside layer 4" in str(verdict(Replayed(falling, {"GRPOZeroVarianceAbovePrediction": 1}), labels))
+    assert "healthy, paged" in str(verdict(Replayed(flat, {"GRPODiversityCollapse": 1}), labels))
+    # a fall beyond the 0.05 margin but within 2 standard errors of the fifths is no collapse (4 groups a step,
+    # 20 steps a fifth: 0.08 against 2 x 0.045)
+    noisy = Trajectory(COLLAPSING, 0.4, [0.4] * steps, [0.95] * 80 + [0.87] * 20)
+    assert 0.05 < 0.95 - 0.87 < 2 * noisy.pass_at_group_fall_error
+    assert noisy.kind == "healthy"
+
+
 def test_healthy_worlds_page_nothing_and_collapsing_ones_only_layer_4(capsys):
-    results = sweep([*(world(i) for i in range(CI_WORLDS)), CONTROL, BATCH_VARIANT, SECOND_PATH], faults=FAULTS)
+    results = sweep([*(world(i) for i in range(CI_WORLDS)), CONTROL, BATCH_VARIANT, SECOND_PATH, COLLAPSING],
+                    faults=FAULTS)
     labels = alert_labels(MixinConfig())
     with capsys.disabled():
         print("\n" + table(results, labels))
     by_name = {r.world.name: r for r in results}
+    collapsing = by_name[COLLAPSING.name]
+    assert collapsing.trajectory.kind == "collapsing"
+    assert pages(collapsing, labels), collapsing.fired
+    assert verdict(collapsing, labels) is None, collapsing.fired
     assert set(pages(by_name[CONTROL.name], labels)) == {"GRPOLossMaskMismatch"}
     assert pages(by_name[BATCH_VARIANT.name], labels) == {}
     second_path = pages(by_name[SECOND_PATH.name], labels)

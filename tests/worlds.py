@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_exporter import GRPOMonitor, MonitorConfig
 from grpo_exporter.demo.trainer import Trainer
-from grpo_exporter.demo.worlds import CADENCES, Trajectory, World, world
+from grpo_exporter.demo.worlds import CADENCES, COLLAPSE_INDEX, Trajectory, World, collapse_world, world
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.render import rules_outputs
 from replay import EPISODE_RULES, JOB, SCRAPE_S, Timeline, _encode, _exposed, rule_metric_names
@@ -195,7 +195,7 @@ def verdict(r: Replayed, labels: dict[str, dict[str, str]]) -> str | None:
         return None if paged else f"the control fault {r.fault} paged nothing"
     if r.trajectory.kind == "healthy" and paged:
         return f"healthy, paged {paged}"
-    if r.trajectory.kind == "collapsing" and any(labels[a]["layer"] != "4" for a in paged):
+    if r.trajectory.kind == "collapsing" and any(not labels[a]["layer"].startswith("4-") for a in paged):
         return f"collapsing, paged outside layer 4: {paged}"
     return None
 
@@ -223,10 +223,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worlds", type=int, default=200, help="worlds 0..N-1 (default 200)")
     parser.add_argument("--processes", type=int, default=None, help="training processes (default: one per core)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
-    parser.add_argument("--only", type=str, default=None, help="comma-separated world indices instead of 0..N-1")
+    parser.add_argument("--only", type=str, default=None, help="comma-separated world indices instead of 0..N-1 "
+                        f"(from {COLLAPSE_INDEX}: the conflict family's worlds)")
+    parser.add_argument("--conflict", type=int, default=0, help="also the conflict family's worlds 0..N-1 "
+                        f"(indices {COLLAPSE_INDEX}..: a family that drifts to collapse)")
     args = parser.parse_args(argv)
     indices = [int(i) for i in args.only.split(",")] if args.only else list(range(args.worlds))
-    worlds = [world(i) for i in indices]
+    indices += [COLLAPSE_INDEX + i for i in range(args.conflict)]
+    worlds = [collapse_world(i - COLLAPSE_INDEX) if i >= COLLAPSE_INDEX else world(i) for i in indices]
     results = sweep(worlds, processes=args.processes)
     labels = alert_labels(MixinConfig())
     failures = [(r, v) for r in results if (v := verdict(r, labels)) is not None]
@@ -240,8 +244,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"FAIL {r.world.name}: {v}")
     if args.out is not None:
         only = f" --only {args.only}" if args.only else ""
-        command = f".venv/bin/python tests/worlds.py --worlds {args.worlds}{only} --out {args.out}"
-        span = f"worlds {args.only}" if args.only else f"worlds 0-{args.worlds - 1}"
+        conflict = f" --conflict {args.conflict}" if args.conflict else ""
+        command = f".venv/bin/python tests/worlds.py --worlds {args.worlds}{only}{conflict} --out {args.out}"
+        spans = [f"worlds {args.only}" if args.only else f"worlds 0-{args.worlds - 1}" if args.worlds else "",
+                 f"conflict worlds 0-{args.conflict - 1}" if args.conflict else ""]
+        span = " and ".join(s for s in spans if s)
         head = (f"# The world sweep, {span}\n\nMade by `{command}` (docs/worlds.md says what "
                 "the axes, classes and verdict are). pass@1 and pass@G are the trainer's own, over the first and "
                 "the last fifth of the steps; fired: every alert that fired, with its episodes.\n\n")

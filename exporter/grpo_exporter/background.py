@@ -1,4 +1,5 @@
-"""The in-group edit distance, computed on a worker thread so the training thread never waits for it."""
+"""The monitor's worker threads (daemon threads that an interpreter's exit never waits for), and the in-group
+edit distance, computed on one of them so the training thread never waits for it."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import contextlib
 import ctypes
 import functools
 import os
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -79,6 +82,48 @@ def worker_thread() -> None:
     serial_operators()
 
 
+T = TypeVar("T")
+
+
+class DaemonExecutor:
+    """One daemon thread running the submitted calls in order: ThreadPoolExecutor(max_workers=1) without its
+    join at interpreter shutdown. concurrent.futures joins its workers then, so one call that never returns (a
+    hung ``decode``, an fsync on a dead NFS mount) kept a finished process, and the job's GPUs, alive for ever.
+    Whoever needs the work done waits on its Future, with a timeout; at exit a daemon thread is abandoned."""
+
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue())
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, args=(initializer,), name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        if self._closed:
+            raise RuntimeError("cannot schedule new calls after shutdown")
+        future: Future[T] = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Take no more calls; the thread ends after the queued ones (nobody waits for it)."""
+        self._closed = True
+        self._queue.put(None)
+
+    def _loop(self, initializer: Callable[[], None] | None) -> None:
+        if initializer is not None:
+            with contextlib.suppress(Exception):
+                initializer()
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # the caller's to see, on its Future
+                future.set_exception(exc)
+
+
 class EditDistanceWorker:
     """One job at a time: a rollout's sampled groups arrive while the previous job runs are skipped. Each job
     is bounded by ``budget_s`` of wall time and a pair cap that shrinks as 1/T^2
@@ -91,9 +136,7 @@ class EditDistanceWorker:
         self._on_error = on_error
         self._budget_s = budget_s
         self._jobs = 0
-        self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="grpo-exporter-edit-distance", initializer=worker_thread
-        )
+        self._pool = DaemonExecutor("grpo-exporter-edit-distance", initializer=worker_thread)
         self._job: Future[None] | None = None
 
     def submit(self, carried: dict[str, Tensor], width: int) -> None:
@@ -122,5 +165,9 @@ class EditDistanceWorker:
         if self._job is not None:
             self._job.result(timeout=timeout)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+    def shutdown(self, timeout: float = 1.0) -> None:
+        """Take no more jobs; wait for the running one (bounded by its budget; at most ``timeout``)."""
+        self._pool.shutdown()
+        if self._job is not None:
+            with contextlib.suppress(Exception):
+                self._job.result(timeout=timeout)

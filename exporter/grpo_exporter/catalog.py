@@ -722,8 +722,14 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_preflight_check_passed", GA,
         "1 when the last run of a preflight check (grpo_exporter.checks, published with "
-        "GRPOMonitor.publish_check) passed, 0 when it failed: the seed's 0/1 tests before any curve (fix, never "
-        "tune). Absent until a check is published.",
+        "GRPOMonitor.publish_check) passed, 0 when it failed or could not tell: the seed's 0/1 tests before any "
+        "curve (fix, never tune). Absent until a check is published.",
+        G, labels=(Label("check", PREFLIGHT_CHECKS),), inputs=("preflight_report",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_preflight_check_cannot_tell", GA,
+        "1 when the last run of a preflight check could not judge (an empty or all-masked batch, non-finite "
+        "values: its diagnosis says which), 0 when it passed or failed. A check that sees nothing never passes.",
         G, labels=(Label("check", PREFLIGHT_CHECKS),), inputs=("preflight_report",), source=Source.MONITOR,
     ),
     Metric(

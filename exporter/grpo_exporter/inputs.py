@@ -207,6 +207,12 @@ class StepInputs:
         return self._n  # type: ignore[attr-defined, no-any-return]
 
     @property
+    def empty(self) -> bool:
+        """No completion (N = 0): nothing to measure (the step's metrics are skipped). T = 0 tokens is measured:
+        the per-completion values (rewards, groups) stand, the per-token readings are absent."""
+        return self._n == 0  # type: ignore[attr-defined, no-any-return]
+
+    @property
     def device(self) -> torch.device:
         """Device of the tensors (cpu when none was given)."""
         return self._device  # type: ignore[attr-defined, no-any-return]

@@ -388,14 +388,17 @@ class GRPOMonitor:
 
     def publish_check(self, report: PreflightReport) -> None:
         """Publish a preflight check's verdict (:mod:`grpo_exporter.checks`) as
-        ``grpo_preflight_check_passed{check}``; the last report of each check stays published."""
+        ``grpo_preflight_check_passed{check}`` and ``grpo_preflight_check_cannot_tell{check}``; the last report of
+        each check stays published."""
         if not isinstance(report, ABCReport | AccumulationReport | ReachReport | MaskTableReport):
             raise TypeError("publish_check: report: expected a report of grpo_exporter.checks (ABCReport, "
                             f"AccumulationReport, ReachReport, MaskTableReport), got {type(report).__name__}")
-        family = catalog.metric("grpo_preflight_check_passed")
+        passed, cannot_tell = catalog.metric("grpo_preflight_check_passed"), catalog.metric(
+            "grpo_preflight_check_cannot_tell")
         with self._publication.writing:
-            self._checks[family.key(check=report.CHECK)] = 1.0 if report.passed else 0.0
-            self._publication.merge(dict(self._checks), [family.name])
+            self._checks[passed.key(check=report.CHECK)] = 1.0 if report.passed else 0.0
+            self._checks[cannot_tell.key(check=report.CHECK)] = 1.0 if report.cannot_tell else 0.0
+            self._publication.merge(dict(self._checks), [passed.name, cannot_tell.name])
             self._publication.publish()
 
     def flush(self) -> None:
@@ -551,6 +554,9 @@ class GRPOMonitor:
         self, stage: str, inputs: StepInputs | None, carry: dict[str, Tensor], failed: bool = False
     ) -> StepResult:
         merger = self._reducer.for_stage(stage, self._components.names) if self._reducer is not None else None
+        if inputs is not None and inputs.empty and self._report.due(f"empty:{stage}"):
+            log.info("grpo-exporter: stage %r got an empty batch (N=0 completions): its metrics are skipped for "
+                     "this step, not counted as an error (said at most once a minute)", stage)
         result = compute_step_carrying(
             inputs if inputs is not None else StepInputs(), self.config, carry, self.config.strict, merger,
             _STAGE_BLOCKS[stage], failed_inputs=failed or inputs is None,

@@ -113,7 +113,7 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     )
     recorder_dir: Path | None = Field(
         None, description="flight recorder: write an incident (last normal, first anomalous and next step: metrics "
-        "and raw rows) here when a layer-1 trigger fires; None = off. Holds prompts and completions: owner-only",
+        "and raw rows) here when a layer-1 trigger fires; None or '' = off. Holds prompts and completions: owner-only",
     )
     recorder_rows: int = Field(
         16, ge=1, le=4096, description="rows kept per step and stage; on an anomalous step up to half are the rows "
@@ -131,6 +131,19 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     recorder_flush_timeout_s: float = Field(
         30.0, ge=0, description="at close, when the guard raises and at exit: longest wait for pending incidents",
     )
+
+    @field_validator("recorder_dir", mode="before")
+    @classmethod
+    def _recorder_dir_is_a_path(cls, value: Any) -> Any:
+        """'' is off, as an unset variable is (not the current directory, which would receive prompts and
+        completions); a control character (a newline breaks the latest-incident series) is an error."""
+        if isinstance(value, str | Path):
+            text = str(value) if isinstance(value, Path) else value
+            if isinstance(value, str) and not value.strip():
+                return None
+            if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+                raise ValueError(f"expected a directory path without control characters, got {text!r}")
+        return value
 
     @field_validator("recorder_triggers", mode="before")
     @classmethod

@@ -63,7 +63,8 @@ class SolveRates:
         device = inputs.device
         if prompt_ids.device != device:
             raise InputError("prompt_ids", f"device {device} like `correct`", f"device {prompt_ids.device}")
-        if self.table is None:
+        if self.table is None or (self.table.is_meta and device.type != "meta"):
+            # a table on the meta device (a dry run's) holds no history to move: it starts afresh
             self.table = torch.zeros(self.slots, 2, dtype=torch.float64, device=device)
         elif self.table.device != device:
             self.table = self.table.to(device)

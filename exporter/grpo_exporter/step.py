@@ -33,6 +33,7 @@ from grpo_exporter.functional.reading import (
     count_nonfinite,
     fraction,
     keep_bits,
+    largest,
     reading,
     zeroed,
 )
@@ -466,7 +467,9 @@ def compute_step_carrying(
     g.checks = list(inputs.value_errors)
     with torch.inference_mode():
         ctx = _Context(inputs, config)
-        for block in stage:
+        # an empty batch: nothing to measure and no error; its families keep their last values, and merged
+        # across ranks this rank adds nothing to the others' union
+        for block in stage if not inputs.empty else ():
             g.run(block, ctx, strict)
         metrics, carried, families = g.transfer(merger, tags)
     if strict and g.errors:
@@ -786,7 +789,7 @@ def _advantages(g: _Gather, c: _Context) -> None:
     g.add("grpo_advantage_abs_max", check.abs_max)
     g.add("grpo_advantage_over_bound_sequences_total", check.over_bound)
     known = (groups.sizes() > 0) & torch.isfinite(bounds)
-    g.add("grpo_advantage_bound", reading(torch.where(known, bounds, 0.0).amax(), known.any()))
+    g.add("grpo_advantage_bound", reading(largest(torch.where(known, bounds, 0.0), 0.0), known.any()))
 
 
 @produces("grpo_completion_length_tokens", "grpo_completion_length_distribution_tokens",

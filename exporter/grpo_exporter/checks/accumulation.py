@@ -10,6 +10,7 @@ parameter's absolute error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -17,11 +18,13 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from grpo_exporter.checks.outcome import Outcome
+
 _MULTIPLE_RTOL = 0.02
 
 
 @dataclass(frozen=True)
-class AccumulationReport:
+class AccumulationReport(Outcome):
     """``norm_ratio``: |g accumulated| / |g one batch|; ``delta_relative_difference``: |d2 - d1| / |d1| of the
     parameter deltas after one step of the given optimizer (None without one); ``multiple``: the integer
     multiple the norms differ by, and what it matches, when they do."""
@@ -36,6 +39,7 @@ class AccumulationReport:
     multiple: str | None
     passed: bool
     diagnosis: str
+    cannot_tell: bool = False
 
 
 def _gradients(params: list[Tensor], run: Callable[[], None], seed: int) -> Tensor:
@@ -67,7 +71,7 @@ def _delta(params: list[Tensor], saved: list[Tensor], grad: Tensor,
 
 def _integer_multiple(ratio: float, candidates: Mapping[str, float]) -> str | None:
     """'k x (what k is)' when ``ratio`` or its inverse is a named candidate or an integer >= 2, within 2%."""
-    if not ratio > 0:
+    if not (ratio > 0 and math.isfinite(ratio)):
         return None
     for value, direction in ((ratio, "x"), (1.0 / ratio, "x smaller")):
         for name, k in candidates.items():
@@ -129,6 +133,12 @@ def accumulation_equivalence(
     multiple = _integer_multiple(ratio, candidates)
     numbers = (f"cosine {cosine:.6f}, |g_acc|/|g_batch| {ratio:.4g}, relative difference {difference:.3g}"
                + (f", parameter delta difference {delta:.3g}" if delta is not None else ""))
+    if not (math.isfinite(n1) and math.isfinite(n2)):
+        where = " and ".join(name for name, n in (("batch", n1), ("accumulated", n2)) if not math.isfinite(n))
+        return AccumulationReport(len(micro_losses), cosine, ratio, difference, delta, None, False,
+                                  f"cannot tell: the {where} gradient is not finite (a NaN or Inf loss): follow "
+                                  f"the numeric path to the first NaN/Inf, then run this check again ({numbers})",
+                                  cannot_tell=True)
     if n1 == 0 or n2 == 0:
         passed, why = False, f"a zero gradient ({'batch' if n1 == 0 else 'accumulated'}): nothing reaches the " \
                              "parameters (a detached loss, an all-zero mask, frozen parameters)"

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from grpo_exporter.checks.outcome import Outcome
 from grpo_exporter.thresholds import StopLines
 
 _LINES = StopLines()
@@ -32,7 +33,7 @@ class Spread:
 
 
 @dataclass(frozen=True)
-class ABCReport:
+class ABCReport(Outcome):
     """What the A/B/C test measured, and its verdict.
 
     ``repeat``: |A - B|; ``engine``: |A - C|; ``outside_clip_ratio``: loss tokens whose exp(A - C) lies
@@ -46,6 +47,7 @@ class ABCReport:
     outside_clip_ratio: float
     passed: bool
     diagnosis: str
+    cannot_tell: bool = False
 
 
 def _spread(x: Tensor, y: Tensor, mask: Tensor) -> Spread:
@@ -94,10 +96,14 @@ def abc_consistency(
     log_ratio = (a.double() - c.double())[mask]
     outside = (log_ratio > math.log1p(clip_eps[1])) | (log_ratio < math.log1p(-clip_eps[0]))
     share = float(outside.double().mean()) if tokens else 0.0
+    if tokens == 0:
+        return ABCReport(0, repeat, engine, share, False,
+                         f"cannot tell: loss_mask selects no token (shape {tuple(mask.shape)}): nothing to compare",
+                         cannot_tell=True)
     if bad:
         return ABCReport(tokens, repeat, engine, share, False,
-                         f"non-finite log-probs on loss tokens in {', '.join(bad)}: follow the numeric path to the "
-                         "first NaN/Inf before anything else")
+                         f"cannot tell: non-finite log-probs on loss tokens in {', '.join(bad)}: follow the numeric "
+                         "path to the first NaN/Inf before anything else", cannot_tell=True)
     if repeat.max > repeat_tolerance_nats:
         return ABCReport(tokens, repeat, engine, share, False,
                          f"A != B: the trainer gives other log-probs for the same tokens and weights (max |A-B| "

@@ -14,6 +14,8 @@ from typing import ClassVar
 
 from torch import Tensor
 
+from grpo_exporter.checks.outcome import Outcome
+
 SOURCES = ("prompt", "completion", "tool", "padding")
 
 
@@ -29,7 +31,7 @@ class MaskRow:
 
 
 @dataclass(frozen=True)
-class MaskTableReport:
+class MaskTableReport(Outcome):
     """The table, the loss tokens against the completion tokens (less tool tokens), and every violated
     assertion (``passed`` when there is none)."""
 
@@ -41,6 +43,7 @@ class MaskTableReport:
     violations: tuple[str, ...]
     passed: bool
     diagnosis: str
+    cannot_tell: bool = False
 
     def render(self) -> str:
         """The table as markdown, then the verdict."""
@@ -121,6 +124,10 @@ def mask_table(
     if eos is not None and eos.loss != eos_in_loss:
         violations.append(f"EOS at position {eos.position} is {'not ' if eos_in_loss else ''}a loss target, but the "
                           f"engine's stop rule says it should {'' if eos_in_loss else 'not '}be")
+    if not violations and not generated:
+        return MaskTableReport(rows, loss_tokens, completion_tokens, (), False,
+                               f"cannot tell: the sample has no completion token ({n} positions): a table without "
+                               "one checks nothing; pass a sample the policy generated", cannot_tell=True)
     diagnosis = ("every assertion holds: " if not violations else "mask faults: ") + (
         "; ".join(violations) if violations else f"{loss_tokens} loss tokens = completion tokens less tool tokens"
     )

@@ -8,6 +8,7 @@ rate and the optimizer step before anything GRPO-specific. Passing proves only t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -15,9 +16,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from grpo_exporter.checks.outcome import Outcome
+
 
 @dataclass(frozen=True)
-class ReachReport:
+class ReachReport(Outcome):
     """``losses``: the NLL (nats per completion token) before each step; ``without_gradient``: trainable
     parameter tensors that got no (or an all-zero) gradient on the first backward."""
 
@@ -31,6 +34,7 @@ class ReachReport:
     without_gradient: int
     passed: bool
     diagnosis: str
+    cannot_tell: bool = False
 
 
 def nll_reach(
@@ -50,9 +54,6 @@ def nll_reach(
     mask = completion_mask.bool()
     tokens = int(mask.sum())
     trainable = [p for p in params if p.requires_grad]
-    if tokens == 0:
-        return ReachReport(0, factor, 0.0, 0.0, (), 0, False,
-                           "completion_mask selects no token: the loss mask is empty")
     if not trainable:
         return ReachReport(0, factor, 0.0, 0.0, (), 0, False,
                            "no parameter requires grad: every parameter is frozen")
@@ -62,8 +63,21 @@ def nll_reach(
     without = 0
     for step in range(steps + 1):
         opt.zero_grad(set_to_none=True)
-        nll = -(completion_logprobs().float() * mask).sum() / tokens
+        logprobs = completion_logprobs()
+        if step == 0 and logprobs.shape != mask.shape:
+            raise ValueError(f"nll_reach: completion_logprobs(): expected shape {tuple(mask.shape)} like "
+                             f"completion_mask, got {tuple(logprobs.shape)}")
+        if tokens == 0:
+            return ReachReport(0, factor, 0.0, 0.0, (), 0, False,
+                               "cannot tell: completion_mask selects no token (the loss mask is empty)",
+                               cannot_tell=True)
+        nll = -(logprobs.float() * mask).sum() / tokens
         losses.append(float(nll.detach()))
+        if not math.isfinite(losses[-1]):
+            return ReachReport(step, factor, losses[0], losses[-1], tuple(losses), without, False,
+                               f"cannot tell: the NLL is not finite at step {step} ({losses[-1]}): non-finite "
+                               "log-probs on completion tokens (follow the numeric path to the first NaN/Inf)",
+                               cannot_tell=True)
         if step == steps:
             break
         if not nll.requires_grad:

@@ -5,8 +5,11 @@ is meaningful), and a briefly warmed-up policy solves some samples of a group an
 learns, so a healthy run converges to identical correct completions and mostly all-correct groups (the
 regime in which diversity, clip-side and zero-variance rules must not mistake convergence for collapse).
 ``distinct``: answer with the prompt's distinct symbols in ascending order, then EOS: one right answer whose
-length depends on the prompt (1 to ``length`` symbols). :meth:`Task.partial` scores partial credit, for runs
-whose reward has several components (tests/worlds.py)."""
+length depends on the prompt (1 to ``length`` symbols). ``conflict``: two rules the policy cannot tell apart,
+reversed on half of the prompts and any order *but* reversed on the other half, the halves chosen by a hash of
+the prompt: sharpening onto the majority habit loses the samples that solved the rest, so pass@G falls while
+pass@1 rises (the seed's collapse, 第 2 篇 ③, without any fault). :meth:`Task.partial` scores partial credit,
+for runs whose reward has several components (tests/worlds.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_SYMBOL = 4
 
 
-TASKS = ("permute", "reverse", "distinct")
+TASKS = ("permute", "reverse", "distinct", "conflict")
 _SPECIAL = {PAD: "<pad>", BOS: "<bos>", SEP: "|", EOS: "<eos>"}
 
 
@@ -66,7 +69,19 @@ class Task:
             answer = body.flip(1)
         else:
             answer = body.gather(1, torch.rand(body.shape, generator=generator).argsort(dim=1))
+            if self.kind == "conflict":  # the second rule: a random order that is not the reversal
+                reversed_ = body.flip(1)
+                # else the prompt's order, or for a palindrome its rotation (none for one repeated symbol)
+                other = torch.where((body == reversed_).all(dim=1, keepdim=True), body.roll(1, 1), body)
+                answer = torch.where((answer == reversed_).all(dim=1, keepdim=True), other, answer)
+                answer = torch.where(self._second_rule(body).unsqueeze(1), answer, reversed_)
         return torch.cat([answer, torch.full((prompts.shape[0], 1), EOS)], dim=1)
+
+    def _second_rule(self, body: Tensor) -> Tensor:
+        """The ``conflict`` task's rows under its second rule: half of the prompts, chosen by a multiplicative
+        hash of the prompt's id, so that no symbol or position tells the rules apart."""
+        ids = ((body - FIRST_SYMBOL) * (self.symbols ** torch.arange(self.length))).sum(dim=1)
+        return (ids * 2654435761) % 1000 < 500
 
     def _distinct(self, body: Tensor) -> Tensor:
         """Each row's distinct symbols ascending, EOS, PAD to ``answer_length``."""
@@ -95,6 +110,9 @@ class Task:
             same = (completions[:, :n] == body.flip(1)).all(dim=1)
         else:
             same = (completions[:, :n].sort(dim=1).values == body.sort(dim=1).values).all(dim=1)
+            if self.kind == "conflict":
+                reversed_ = (completions[:, :n] == body.flip(1)).all(dim=1)
+                same = torch.where(self._second_rule(body), same & ~reversed_, reversed_)
         return same & (completions[:, n] == EOS) & (lengths == n + 1)
 
     def partial(self, prompts: Tensor, completions: Tensor, lengths: Tensor) -> Tensor:

@@ -11,10 +11,16 @@ A world is classified by the trainer's own measurements, never by the exporter's
 correct rollouts) and pass@G (share of groups with a correct one) early and late in the run. The seed's
 collapse is pass@k falling while pass@1 holds or rises (第 2 篇 ③, 第 4 篇): such a world is
 ``collapsing``, and a layer-4 page there is right; every other fault-free world is ``healthy``.
+
+None of the enumerated families collapses: their tasks are learnable. :func:`collapse_world` adds the
+``conflict`` family (two rules the policy cannot tell apart), in which GRPO's sharpening onto the majority
+rule loses the samples that solved the other half of the prompts with nothing wrong: the seed's drift toward
+collapse "even when nothing is wrong" (第 1 篇).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from statistics import fmean
 
@@ -29,6 +35,10 @@ FAMILIES = {  # name -> (task kind, partial-credit weight)
     "length": ("distinct", 0.0),
     "partial": ("reverse", 0.5),
 }
+# not enumerated by world(): two rules the policy cannot tell apart (Task kind "conflict"), the family in which
+# GRPO drifts to the seed's collapse with nothing wrong (collapse_world)
+CONFLICT = "conflict"
+CONFLICT_LR, CONFLICT_STEPS = 5e-4, 300  # the drift takes ~150 steps at 2.5x the others' learning rate
 WARM = {"weak": 0.1, "medium": 0.4, "solved": 0.9}  # sampled accuracy the warm start stops at
 GROUP_SIZES = (4, 8, 16)
 LENGTHS = {"short": (3, 6), "long": (6, 10)}  # prompt symbols, max new tokens
@@ -38,7 +48,11 @@ CADENCES = {"20s": 20.0, "2min": 120.0, "10min": 600.0}
 STEPS = {"20s": 300, "2min": 150, "10min": 80}
 BATCH = 64  # completions a step: prompts = BATCH / G
 # the classification (the trainer's own pass@1 and pass@G, early and late fifths of the run)
-COLLAPSE_PASS_G_DROP = 0.10  # pass@G falls at least this much, absolute ...
+# pass@G falls by more than this, absolute, and by more than COLLAPSE_STANDARD_ERRORS standard errors of the
+# difference of the two fifths' means (the groups they hold decide), the standard of evidence the alerts apply
+# (pass_drop_margin, 2 standard errors) ...
+COLLAPSE_PASS_G_DROP = 0.05
+COLLAPSE_STANDARD_ERRORS = 2.0
 PASS_1_HOLD = 0.05  # ... while pass@1 falls less than this
 
 
@@ -70,10 +84,10 @@ class World:
 
     @property
     def steps(self) -> int:
-        return STEPS[self.cadence]
+        return CONFLICT_STEPS if self.family == CONFLICT else STEPS[self.cadence]
 
     def config(self) -> DemoConfig:
-        kind, partial = FAMILIES[self.family]
+        kind, partial = {**FAMILIES, CONFLICT: (CONFLICT, 0.0)}[self.family]
         symbols_in_prompt, max_new = LENGTHS[self.length]
         return DemoConfig(
             seed=self.seed, prompts_per_step=BATCH // self.group_size, group_size=self.group_size, max_new=max_new,
@@ -81,6 +95,7 @@ class World:
             partial_weight=partial, engine_precision=PRECISIONS[self.precision],
             trainer_precision=PRECISIONS[self.trainer], old_logprob_rows=self.old_logprob_rows,
             task=Task(symbols=6, length=symbols_in_prompt, kind=kind),
+            lr=CONFLICT_LR if self.family == CONFLICT else DemoConfig.lr,
         )
 
 
@@ -96,6 +111,26 @@ def world(index: int) -> World:
         precision=list(PRECISIONS)[(index // 2 + index // 8) % 2],
         cadence=list(CADENCES)[(index // 12 + index) % 3],
         seed=1000 + index,
+    )
+
+
+COLLAPSE_INDEX = 1000  # collapse_world(i) is world index COLLAPSE_INDEX + i
+
+
+def collapse_world(index: int) -> World:
+    """The ``index``-th world of the conflict family: medium warm start, short completions, G 8 or 16, each
+    engine precision and cadence (period 2, 2, 3: every 12 consecutive ones cover each pair of them). Its
+    class still comes from its own pass@1 and pass@G; most of them collapse (pass@G falls by 0.1-0.2 while
+    pass@1 rises from ~0.4 to ~0.6), a few may not within their steps."""
+    return World(
+        index=COLLAPSE_INDEX + index,
+        family=CONFLICT,
+        warm="medium",
+        group_size=(8, 16)[index % 2],
+        length="short",
+        precision=list(PRECISIONS)[(index // 2) % 2],
+        cadence=list(CADENCES)[index % 3],
+        seed=2000 + index,
     )
 
 
@@ -123,12 +158,23 @@ class Trajectory:
         return self._fifth(self.pass_at_1, True), self._fifth(self.pass_at_group, True)
 
     @property
+    def pass_at_group_fall_error(self) -> float:
+        """The standard error of the difference between pass@G's early and late fifth means: each a share of
+        the groups of its fifth, sqrt(p(1-p)/groups) added in quadrature."""
+        (_, early), (_, late) = self.early, self.late
+        groups = max(1, len(self.pass_at_group) // 5) * (BATCH // self.world.group_size)
+        return math.sqrt((early * (1 - early) + late * (1 - late)) / groups)
+
+    @property
     def kind(self) -> str:
-        """``collapsing`` when pass@G fell clearly while pass@1 held or rose, else ``healthy``."""
+        """``collapsing`` when pass@G fell clearly (beyond COLLAPSE_PASS_G_DROP and its sampling error) while
+        pass@1 held or rose, else ``healthy``."""
         (p1_early, pg_early), (p1_late, pg_late) = self.early, self.late
-        falls = pg_early - pg_late >= COLLAPSE_PASS_G_DROP
+        falls = pg_early - pg_late > max(COLLAPSE_PASS_G_DROP,
+                                         COLLAPSE_STANDARD_ERRORS * self.pass_at_group_fall_error)
         holds = p1_late >= p1_early - PASS_1_HOLD
         return "collapsing" if falls and holds else "healthy"
 
 
-__all__ = ["CADENCES", "FAMILIES", "GROUP_SIZES", "LENGTHS", "PRECISIONS", "WARM", "Trajectory", "World", "world"]
+__all__ = ["CADENCES", "COLLAPSE_INDEX", "CONFLICT", "FAMILIES", "GROUP_SIZES", "LENGTHS", "PRECISIONS", "WARM",
+           "Trajectory", "World", "collapse_world", "world"]

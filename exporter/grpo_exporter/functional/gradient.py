@@ -25,6 +25,7 @@ from grpo_exporter.functional.reading import (
     finite,
     fraction,
     keep_bits,
+    largest,
     nonfinite,
     sum64,
     zeroed,
@@ -112,9 +113,9 @@ def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float, rows: Tensor |
     outside = valid & ((lr.ratio > 1.0 + eps_high) | (lr.ratio < 1.0 - eps_low))
     checked, out = count(valid), count(outside)
     present = checked > 0
-    largest = zeroed(lr.value.abs(), lr.keep if rows is None else valid).amax()  # |x| >= 0: the zeros never win
+    top = largest(zeroed(lr.value.abs(), lr.keep if rows is None else valid), 0.0)  # |x| >= 0: zeros never win
     return OnPolicyCheck(out, checked, fraction(out, checked),
-                         Extreme(torch.where(present, largest, 0.0), present, largest=True))
+                         Extreme(torch.where(present, top, 0.0), present, largest=True))
 
 
 def nonfinite_count(x: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.constants import cached_constant
-from grpo_exporter.functional.reading import count, f32_bits, filled, keep_bits, zeroed
+from grpo_exporter.functional.reading import count, f32_bits, filled, keep_bits, largest, smallest, zeroed
 
 MANTISSA_BITS = 7
 _SHIFT = 23 - MANTISSA_BITS
@@ -84,9 +84,9 @@ def histogram(
         valid_count = count(valid)
     counts = _banked_counts(kept)
     counts[:1].sub_(kept.numel() - valid_count)  # every position off ``valid`` was counted in bucket 0
-    lowest = filled(values, bits, math.inf).amin() if exact_min else _zero(values.device)
+    lowest = smallest(filled(values, bits, math.inf), math.inf) if exact_min else _zero(values.device)
     # non-negative fp32 values order as their bits do: an integer max, without the float kernel's NaN checks
-    return Histogram(counts, lowest, kept.view(torch.int32).amax().view(torch.float32))
+    return Histogram(counts, lowest, largest(kept.view(torch.int32), 0).view(torch.float32))
 
 
 def histograms(x: Tensor, members: Tensor) -> Histogram:

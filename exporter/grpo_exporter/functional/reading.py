@@ -101,10 +101,21 @@ def sum64(x: Tensor) -> Tensor:
     return (x.sum(dim=-1) if x.dim() > 1 else x).double().sum()
 
 
+def largest(x: Tensor, empty: float) -> Tensor:
+    """``x.amax()``, or ``empty`` for a tensor without elements (T = 0 tokens: a shape known on the host, so
+    no sync); the caller's reading is absent then."""
+    return x.amax() if x.numel() else torch.full((), empty, dtype=x.dtype, device=x.device)
+
+
+def smallest(x: Tensor, empty: float) -> Tensor:
+    """``x.amin()``, or ``empty`` for a tensor without elements."""
+    return x.amin() if x.numel() else torch.full((), empty, dtype=x.dtype, device=x.device)
+
+
 def masked_max(x: Tensor, mask: Tensor, bits: Tensor | None = None) -> Extreme:
     """Max of ``x`` over ``mask``, absent for an empty mask (``bits``: as in :func:`masked_mean`)."""
     present = mask.any()
-    value = filled(x, mask if bits is None else bits, torch.finfo(torch.float32).min).amax()
+    value = largest(filled(x, mask if bits is None else bits, torch.finfo(torch.float32).min), 0.0)
     return Extreme(torch.where(present, value, 0.0), present, largest=True)
 
 

@@ -28,6 +28,7 @@ from grpo_exporter.functional.reading import (
     finite,
     fraction,
     keep_bits,
+    largest,
     sum64,
     zeroed,
 )
@@ -114,7 +115,7 @@ def _ess(log_weights: Tensor, valid: Tensor, bits: Tensor | None = None, n: Tens
     absent, whatever the shift."""
     bits = keep_bits(valid) if bits is None else bits
     if shift is None:
-        shift = filled(log_weights, bits, torch.finfo(torch.float32).min).amax()
+        shift = largest(filled(log_weights, bits, torch.finfo(torch.float32).min), 0.0)
     s1, s2 = shifted_weight_sums(log_weights, bits, shift)
     r = ess_from_sums(s1, s2, count(valid) if n is None else n)
     return Effective(r, log_weights, valid)
@@ -141,7 +142,7 @@ def ess_ratio(lr: LogRatio, tokens: Tensor | None = None, largest_ratio: Tensor 
     shift = None
     if largest_ratio is not None:  # log(+inf) and log(0) are not finite: the fallback
         log_largest = largest_ratio.log()  # the histogram maximum: fp32
-        shift = torch.where(torch.isfinite(log_largest), log_largest, kept.amax().clamp(min=0.0))
+        shift = torch.where(torch.isfinite(log_largest), log_largest, largest(kept, 0.0).clamp(min=0.0))
     token = _ess(lr.exponent, lr.valid, lr.keep, tokens, shift)
     return ESS(token, _ess(seq_log_w, count(lr.valid, 1) > 0))
 

@@ -76,7 +76,8 @@ class TRLPreflight:
         return all(r.passed for r in self.reports)
 
     def render(self) -> str:
-        lines = [f"{r.CHECK}: {'pass' if r.passed else 'FAIL'}: {r.diagnosis}" for r in self.reports]
+        verdicts = {"passed": "pass", "failed": "FAIL", "cannot_tell": "CANNOT TELL"}
+        lines = [f"{r.CHECK}: {verdicts[r.outcome]}: {r.diagnosis}" for r in self.reports]
         lines += [f"{check}: not run: {why}" for check, why in self.skipped.items()]
         return "\n".join(lines) + "\n\n" + self.mask.render()
 

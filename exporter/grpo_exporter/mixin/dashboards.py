@@ -167,7 +167,9 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q(f"{c.grad_spike_factor:g} * run:grpo_grad_norm_pre_clip:baseline_median", "spike line {{run}}")),
                   "none", min=0),
         PanelSpec("Does clipping act on every step?",
-                  "Share of optimizer steps rescaled by gradient clipping. Nearly every step = the root cause is unsolved.",
+                  "Share of optimizer steps rescaled by gradient clipping. Nearly every step while the clip removes half "
+                  f"the update or more (pre-clip norm >= {c.grad_clip_carry_factor:g}x post-clip, panel above) = the "
+                  "root cause is unsolved; a norm steady a little above the line acts as a lower learning rate.",
                   (q("run:grpo_grad_clip_active_steps:window_ratio"),),
                   "percentunit", thresholds=((c.grad_clip_active_ratio, "orange"),), min=0),
         PanelSpec("How far does each optimizer step move the weights?",
@@ -300,9 +302,9 @@ def crash_triage(c: MixinConfig) -> DashboardSpec:
                       (q(f"max by (run, incident, directory) (grpo_recorder_latest_incident_step{{{SEL}}})", "step of {{incident}} in {{directory}}"),
                        q(f"max by (run) (grpo_recorder_incidents_total{{{SEL}}})", "incidents")), "none", "stat", width=6),
             PanelSpec("Did the preflight checks pass?",
-                      "The last verdict of each preflight check published with GRPOMonitor.publish_check (A/B/C consistency, gradient-accumulation equivalence, plain-NLL reach, the mask table): 0 = fix before reading any curve (docs/checks.md).",
-                      (q(f"min by (check) (grpo_preflight_check_passed{{{SEL}}})", "{{check}}"),), "none", "stat",
-                      ((0.5, "green"),), width=6, base="red"),
+                      "The last verdict of each preflight check published with GRPOMonitor.publish_check (A/B/C consistency, gradient-accumulation equivalence, plain-NLL reach, the mask table): 1 = passed, 0 = fix before reading any curve, -1 = it could not tell (empty, all-masked or non-finite inputs: its diagnosis says which; docs/checks.md).",
+                      (q(f"min by (check) (grpo_preflight_check_passed{{{SEL}}} - grpo_preflight_check_cannot_tell{{{SEL}}})", "{{check}}"),), "none", "stat",
+                      ((-0.5, "red"), (0.5, "green")), width=6, base="orange"),
         )),
         RowSpec("Probability path: do the two sides agree, is the ratio sane?", (
             PanelSpec("Engine gap quantiles", "p50/p99/p99.9/max of |rollout - trainer| log-prob on loss tokens, and the windowed mean.",

@@ -144,6 +144,11 @@ def _histogram_quantile(c: MixinConfig, q: float, metric: str, by: str = BY) -> 
     return f"histogram_quantile({q:g}, {_rate(c, metric + '_bucket', by=by + ', le')}) > -Inf"
 
 
+def _median(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None) -> str:
+    """The windowed median of a last-step gauge."""
+    return f"max by ({by}) (quantile_over_time(0.5, {metric}{c.matchers()}[{c.window(steps)}]))"
+
+
 def _mean(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None, **labels: str) -> str:
     """The windowed mean of a last-step gauge (one batch is a noisy sample; a window holds several)."""
     return f"max by ({by}) (avg_over_time({metric}{c.matchers(**labels)}[{c.window(steps)}]))"
@@ -202,6 +207,11 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_grad_clip_active_steps:window_ratio",
          "expr": _fraction(_rate(c, "grpo_grad_clip_active_steps_total", steps=c.clip_window_steps),
                            _rate(c, "grpo_optimizer_steps_total", steps=c.clip_window_steps))},
+        # how much the clip takes off the typical update: 1 = nothing, 2 = half (medians of the gauges over the
+        # clip window; at steps shorter than the scrape interval the scrapes sample the steps)
+        {"record": "run:grpo_grad_norm_clip_factor:window_median",
+         "expr": _fraction(_median(c, "grpo_grad_norm_pre_clip", steps=c.clip_window_steps),
+                           _median(c, "grpo_grad_norm_post_clip", steps=c.clip_window_steps))},
         {"record": "run:grpo_groups:window_increase", "expr": _increase(c, "grpo_groups_total")},
         {"record": "run:grpo_groups:trend_increase",
          "expr": _increase(c, "grpo_groups_total", steps=c.trend_window_steps)},
@@ -479,11 +489,14 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         Alert(
             "GRPOGradClippingEveryStep", OPTIMIZER, "grad_clip", "warning",
             f"run:grpo_grad_clip_active_steps:window_ratio > {c.grad_clip_active_ratio:g} and on(job, run) "
-            f"{_increase(c, 'grpo_optimizer_steps_total', steps=c.clip_window_steps)} >= {c.clip_window_steps // 2}",
+            f"{_increase(c, 'grpo_optimizer_steps_total', steps=c.clip_window_steps)} >= {c.clip_window_steps // 2} "
+            f"and on(job, run) run:grpo_grad_norm_clip_factor:window_median >= {c.grad_clip_carry_factor:g}",
             900,
-            "Gradient clipping is active on nearly every step.",
+            "Gradient clipping is active on nearly every step and carries the update.",
             "Run {{ $labels.run }}: " + _value("%.2f") + f" of optimizer steps were clipped over the last "
-            f"{c.clip_window_steps} steps (threshold {c.grad_clip_active_ratio:g}): the update depends on the fuse.",
+            f"{c.clip_window_steps} steps (threshold {c.grad_clip_active_ratio:g}), the median pre-clip norm "
+            + _query("max(run:grpo_grad_norm_clip_factor:window_median{run=%q})", "%.2f")
+            + f"x the clip (threshold {c.grad_clip_carry_factor:g}x): the update depends on the fuse.",
             for_steps=5,
         ),
         # ---- layer 2: does the reward measure what I think? ----

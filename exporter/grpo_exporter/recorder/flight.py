@@ -20,12 +20,12 @@ import contextlib
 import io
 import json
 import logging
+import sys
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter import catalog
-from grpo_exporter.background import worker_thread
+from grpo_exporter.background import DaemonExecutor, worker_thread
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.publication import Publication
@@ -108,14 +108,21 @@ class Incident:
     ended: str = ""  # why there is no next state
 
 
-_LIVE: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+# every recorder not closed, held strongly: a monitor that is never closed (no ``with``, an exception a
+# launcher catches) keeps its recorder until the exit, which writes the pending incident (held weakly, it was
+# collected with the monitor and the incident lost)
+_LIVE: set[FlightRecorder] = set()
 
 
 @atexit.register
 def _flush_all() -> None:
     for recorder in list(_LIVE):
         with contextlib.suppress(Exception):
-            recorder.flush("the process exited")
+            left = recorder.flush("the process exited")
+            if left:  # the writer is stuck (a hung decode or filesystem): the exit does not wait for it
+                sys.stderr.write(f"grpo-exporter flight recorder: {left} incident(s) still being written after "
+                                 f"{recorder.flush_timeout_s:g} s (recorder_flush_timeout_s); abandoned at exit "
+                                 f"(a hung decode or a stuck filesystem under {recorder.root}?)\n")
 
 
 class FlightRecorder:
@@ -143,9 +150,7 @@ class FlightRecorder:
         self._serial = 0
         self._lock = threading.Lock()
         self._queued: list[Future[None]] = []
-        self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="grpo-exporter-recorder", initializer=worker_thread
-        )
+        self._pool = DaemonExecutor("grpo-exporter-recorder", initializer=worker_thread)
         self.between_files: Callable[[], None] | None = None  # test hook: called after each file written
         # counters start at 0, so the first incident is an increase; the usage of what the directory holds
         publication.add({_INCIDENTS.key(): 0.0, _REMOVED.key(): 0.0})
@@ -178,27 +183,37 @@ class FlightRecorder:
                 self._seal(lambda s: s <= step)
             return fired
 
-    def flush(self, why: str, timeout: float | None = None) -> None:
+    @property
+    def flush_timeout_s(self) -> float:
+        return self._flush_timeout_s
+
+    def flush(self, why: str, timeout: float | None = None) -> int:
         """Seal every open step, write a pending incident without its next state (``why`` says why), and wait
-        for the writer (at most ``timeout``, default ``flush_timeout_s``)."""
+        for the writer (at most ``timeout``, default ``flush_timeout_s``); the incidents still being written
+        then (a stuck writer: nobody waits longer)."""
         with self._lock:
             self._seal(lambda s: True)
             if self._pending is not None:
                 self._pending.ended = why
                 self._submit(self._pending)
                 self._pending = None
-        self.wait(self._flush_timeout_s if timeout is None else timeout)
+        return self.wait(self._flush_timeout_s if timeout is None else timeout)
 
-    def wait(self, timeout: float) -> None:
-        """Block until the incidents handed to the writer are written (at most ``timeout``)."""
+    def wait(self, timeout: float) -> int:
+        """Block until the incidents handed to the writer are written (at most ``timeout``); how many are not."""
         deadline = time.monotonic() + timeout
         for job in list(self._queued):
             with contextlib.suppress(Exception):
                 job.result(timeout=max(0.0, deadline - time.monotonic()))
+        return sum(not job.done() for job in self._queued)
 
     def close(self) -> None:
-        self.flush("the run ended (close)")
-        self._pool.shutdown(wait=False)
+        left = self.flush("the run ended (close)")
+        if left:
+            log.warning("grpo-exporter flight recorder: %d incident(s) still being written after %g s "
+                        "(recorder_flush_timeout_s): close() returns without them (a hung decode or a stuck "
+                        "filesystem under %s?)", left, self._flush_timeout_s, self.root)
+        self._pool.shutdown()
         _LIVE.discard(self)
 
     # ---- sealing --------------------------------------------------------------------------------------------

@@ -178,11 +178,21 @@ def json_number(value: float) -> float | str:
 
 
 def _text(ids: list[int], decode: Decode | None) -> str | list[int]:
+    """The row's text by ``decode``, whatever it returns or raises: a string as given; bytes as UTF-8 (bad
+    bytes replaced); anything else as its repr; an exception (SystemExit and a cancellation included: the user's
+    callback must never end the writer or escape close()) as its ids, and why. Ctrl-C still stops it."""
     if decode is None:
         return ids[:TEXT_IDS]
     try:
-        return decode(ids)[:TEXT_CHARS]
-    except Exception as exc:  # a tokenizer that fails on this row: its ids instead, and why
+        text: object = decode(ids)
+        if isinstance(text, bytes | bytearray):
+            text = bytes(text).decode("utf-8", "replace")
+        elif not isinstance(text, str):
+            text = f"<decode returned {type(text).__name__}> {text!r}"
+        return str(text)[:TEXT_CHARS]
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a tokenizer that fails on this row: its ids instead, and why
         return f"<decode failed: {type(exc).__name__}> {ids}"[:TEXT_CHARS]
 
 

@@ -3,17 +3,23 @@
 An incident is one directory ``incident-s<step>-<UTC time>-r<rank>`` holding ``incident.json`` (what fired,
 the three states' metrics and row summaries, the last steps' key metrics) and one ``<state>.pt`` per state
 (the kept rows as tensors, loadable with ``torch.load(weights_only=True)``). It is first written under
-``.partial-<host>-<pid>-<n>`` (every file fsynced), then renamed into place: a reader, or a process killed with
-``kill -9`` mid-write, never sees a partial incident. A later recorder on the same host removes partial
-directories whose process is gone. Records hold prompts and completions: directories are 0700, files 0600.
+``.partial-<host>--<pid>-<random>`` (every file fsynced), then renamed into place: a reader, or a process killed
+with ``kill -9`` mid-write, never sees a partial incident. The writer holds an exclusive lock (flock) on the
+partial directory while it writes; a later recorder removes a partial directory only when nobody holds its
+lock and either its writer is a process of this host that is gone or it is older than ``UNLOCKED_GRACE_S``.
+A PID alone proves nothing: another container's PID namespace reuses the same numbers (and a live writer
+there looked dead to ``kill(pid, 0)``). Records hold prompts and completions: directories are 0700, files 0600.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
+import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +28,8 @@ INCIDENT_PREFIX = "incident-"
 PARTIAL_PREFIX = ".partial-"
 REMOVING_PREFIX = ".removing-"
 MANIFEST = "incident.json"
+# an unlocked partial directory this young may be one whose writer has made it and not locked it yet
+UNLOCKED_GRACE_S = 600.0
 
 
 class RecorderError(RuntimeError):
@@ -65,18 +73,61 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _locked(path: Path) -> bool | None:
+    """Whether a live writer holds ``path``'s lock; None when this filesystem cannot tell (no flock on a
+    directory: then nothing is removed on a guess)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when fd closes
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return False
+
+
+def _hold(path: Path) -> int:
+    """An exclusive lock on the directory ``path``, held until the returned fd is closed (-1: no lock here)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
+
+
 def sweep_partials(root: Path) -> list[Path]:
-    """Remove the partial and half-removed incident directories of processes of this host that are gone (a
-    kill -9 mid-write); another host's, or a live process's, are left alone. Returns what was removed."""
+    """Remove the partial and half-removed incident directories whose writer is gone: nobody holds the lock,
+    and the writer was a process of this host that no longer exists (a kill -9 mid-write) or the directory is
+    older than ``UNLOCKED_GRACE_S``. A locked one (a live writer, in any PID namespace or on any host that
+    shares the lock) is never touched. Returns what was removed."""
     host = socket.gethostname()
-    removed = []
-    for path in root.iterdir():
+    removed: list[Path] = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
         for prefix in (PARTIAL_PREFIX, REMOVING_PREFIX):
             if not path.name.startswith(prefix):
                 continue
             owner_host, _, rest = path.name.removeprefix(prefix).rpartition("--")
             pid = rest.split("-", 1)[0]
-            if owner_host == host and pid.isdigit() and not _alive(int(pid)):
+            gone = owner_host == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid))
+            try:
+                old = time.time() - path.stat().st_mtime > UNLOCKED_GRACE_S
+            except OSError:
+                continue  # removed meanwhile
+            if (gone or old) and _locked(path) is False:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
@@ -102,13 +153,24 @@ class Written:
 
 
 def incidents(root: Path) -> list[Path]:
-    """The complete incidents under ``root``, oldest first (by name: step, then UTC time; then mtime)."""
-    found = [p for p in root.iterdir() if p.name.startswith(INCIDENT_PREFIX) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: ((p / MANIFEST).stat().st_mtime, p.name))
+    """The complete incidents under ``root``, oldest first (by mtime, then name); one another process removes
+    meanwhile is left out."""
+    dated = []
+    for p in root.iterdir():
+        if p.name.startswith(INCIDENT_PREFIX):
+            with contextlib.suppress(OSError):
+                dated.append(((p / MANIFEST).stat().st_mtime, p.name, p))
+    return [p for _, _, p in sorted(dated)]
 
 
 def size_of(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Bytes of the files under ``path`` (0 for what another process removes meanwhile)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for f in path.rglob("*"):
+            with contextlib.suppress(OSError):
+                total += f.stat().st_size if f.is_file() else 0
+    return total
 
 
 def write_incident(root: Path, name: str, files: Mapping[str, bytes], budget_bytes: int, serial: int,
@@ -119,8 +181,10 @@ def write_incident(root: Path, name: str, files: Mapping[str, bytes], budget_byt
     total = sum(len(b) for b in files.values())
     if total > budget_bytes:
         raise RecorderError(f"incident {name}: {total} bytes exceed recorder_disk_budget_bytes={budget_bytes}")
-    partial = root / f"{PARTIAL_PREFIX}{socket.gethostname()}--{os.getpid()}-{serial}"
+    # random: two recorders of one process on one directory never share a name
+    partial = root / f"{PARTIAL_PREFIX}{socket.gethostname()}--{os.getpid()}-{serial}-{uuid.uuid4().hex[:12]}"
     partial.mkdir(mode=0o700)
+    lock = _hold(partial)
     os.chmod(partial, 0o700)
     try:
         for file, data in files.items():
@@ -138,6 +202,9 @@ def write_incident(root: Path, name: str, files: Mapping[str, bytes], budget_byt
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    finally:
+        if lock >= 0:
+            os.close(lock)
     return Written(final, *_prune(root, final, budget_bytes))
 
 
@@ -158,7 +225,10 @@ def _prune(root: Path, keep: Path, budget_bytes: int) -> tuple[list[str], int]:
             os.rename(path, doomed)
         except OSError:
             continue  # removed meanwhile by another rank sharing the directory
+        lock = _hold(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+        if lock >= 0:
+            os.close(lock)
         usage -= sizes[path]
         removed.append(path.name)
     return removed, usage
