@@ -338,9 +338,10 @@ def test_preflight_passes_on_a_healthy_trainer_and_leaves_it_as_found(model_dir,
     assert not any(trainer._metrics["train"].values())
     assert not any(trainer._metrics["eval"].values())
     published = trainer.monitor.metrics()
+    checks = ("abc_consistency", "mask_table", "accumulation_equivalence", "nll_reach")
     assert {k: v for k, v in published.items() if k.startswith("grpo_preflight")} == {
-        f'grpo_preflight_check_passed{{check="{c}"}}': 1.0
-        for c in ("abc_consistency", "mask_table", "accumulation_equivalence", "nll_reach")
+        **{f'grpo_preflight_check_passed{{check="{c}"}}': 1.0 for c in checks},
+        **{f'grpo_preflight_check_cannot_tell{{check="{c}"}}': 0.0 for c in checks},
     }
     assert "grpo_completions_total" not in published  # the preflight batch is no training step
     trainer.train()

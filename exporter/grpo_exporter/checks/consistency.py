@@ -74,7 +74,8 @@ def abc_consistency(
     (N, T) tokens with no gradient, the RNG seeded once with ``seed`` before A (so a dropout left on draws
     other masks for B, as it would between two training passes).
 
-    Fails, in this order: non-finite log-probs on loss tokens; A != B beyond ``repeat_tolerance_nats`` (the
+    Cannot tell when ``loss_mask`` selects no token or a log-prob on a loss token is not finite (follow the
+    numeric path first). Fails, in this order: A != B beyond ``repeat_tolerance_nats`` (the
     trainer is not repeatable: nothing downstream can be trusted); more than ``max_outside_clip_ratio`` of the
     loss tokens outside the clip range before any update (the seed's hard criterion); a mean |A - C| at or
     above ``engine_gap_stop_nats`` (seed: mean >= 0.01 stop); with ``clean_gap_nats`` (the mean |A - C| of a

@@ -75,7 +75,8 @@ def mask_table(
     ``sources``: per position one of ``prompt``, ``completion`` (tokens the policy generated), ``tool``
     (environment returns inside the completion) or ``padding``. ``advantages``: per token or one per sample.
     ``eos_id`` with ``eos_in_loss``: when the completion ends in EOS (the engine stopped on it), whether that
-    token must be a loss target.
+    token must be a loss target. A sample without a completion token and without a violation cannot tell
+    anything (the outcome says so).
     """
     ids = [int(t) for t in (token_ids.tolist() if isinstance(token_ids, Tensor) else token_ids)]
     attention = [bool(v) for v in (attention_mask.tolist() if isinstance(attention_mask, Tensor) else attention_mask)]

@@ -49,7 +49,9 @@ def nll_reach(
 ) -> ReachReport:
     """Train on NLL = -mean over completion tokens of ``completion_logprobs()`` ((N, T) log-probs of the fixed
     completions under the current parameters, with grad) for ``steps`` steps of ``optimizer(params)`` (Adam at
-    ``lr`` by default); pass when the NLL fell to at most 1/``factor`` of its start. The parameters are
+    ``lr`` by default); pass when the NLL fell to at most 1/``factor`` of its start; cannot tell when
+    ``completion_mask`` selects no token or the NLL is not finite; a mask of another shape than the log-probs'
+    is an error (it would broadcast into a wrong NLL). The parameters are
     trained in place: run it on a copy or a checkpoint you can reload."""
     mask = completion_mask.bool()
     tokens = int(mask.sum())
