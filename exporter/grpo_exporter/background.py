@@ -168,6 +168,5 @@ class EditDistanceWorker:
     def shutdown(self, timeout: float = 1.0) -> None:
         """Take no more jobs; wait for the running one (bounded by its budget; at most ``timeout``)."""
         self._pool.shutdown()
-        if self._job is not None:
-            with contextlib.suppress(Exception):
-                self._job.result(timeout=timeout)
+        with contextlib.suppress(Exception):
+            self.wait(timeout)

@@ -144,17 +144,17 @@ def _histogram_quantile(c: MixinConfig, q: float, metric: str, by: str = BY) -> 
     return f"histogram_quantile({q:g}, {_rate(c, metric + '_bucket', by=by + ', le')}) > -Inf"
 
 
-def _median(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None) -> str:
-    """The windowed median of a last-step gauge."""
-    return f"max by ({by}) (quantile_over_time(0.5, {metric}{c.matchers()}[{c.window(steps)}]))"
+def _mean(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None, op: str = "avg_over_time(",
+          **labels: str) -> str:
+    """The windowed mean of a last-step gauge (one batch is a noisy sample; a window holds several); ``op``
+    another ``*_over_time(`` of it, as in :func:`_baseline` (``"quantile_over_time(0.5, "``: the median)."""
+    return f"max by ({by}) ({op}{metric}{c.matchers(**labels)}[{c.window(steps)}]))"
 
 
-def _mean(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None, **labels: str) -> str:
-    """The windowed mean of a last-step gauge (one batch is a noisy sample; a window holds several)."""
-    return f"max by ({by}) (avg_over_time({metric}{c.matchers(**labels)}[{c.window(steps)}]))"
+MEDIAN = "quantile_over_time(0.5, "
 
 
-def _baseline(c: MixinConfig, expr: str, by: str = BY, op: str = "quantile_over_time(0.5, ") -> str:
+def _baseline(c: MixinConfig, expr: str, by: str = BY, op: str = MEDIAN) -> str:
     """A rolling baseline over the window ending ``baseline_offset`` ago, once that window holds
     ``min_baseline_steps`` steps (counted by grpo_steps_total, not by scrapes)."""
     window, offset = c.baseline_window, c.baseline_offset
@@ -210,8 +210,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         # how much the clip takes off the typical update: 1 = nothing, 2 = half (medians of the gauges over the
         # clip window; at steps shorter than the scrape interval the scrapes sample the steps)
         {"record": "run:grpo_grad_norm_clip_factor:window_median",
-         "expr": _fraction(_median(c, "grpo_grad_norm_pre_clip", steps=c.clip_window_steps),
-                           _median(c, "grpo_grad_norm_post_clip", steps=c.clip_window_steps))},
+         "expr": _fraction(_mean(c, "grpo_grad_norm_pre_clip", steps=c.clip_window_steps, op=MEDIAN),
+                           _mean(c, "grpo_grad_norm_post_clip", steps=c.clip_window_steps, op=MEDIAN))},
         {"record": "run:grpo_groups:window_increase", "expr": _increase(c, "grpo_groups_total")},
         {"record": "run:grpo_groups:trend_increase",
          "expr": _increase(c, "grpo_groups_total", steps=c.trend_window_steps)},

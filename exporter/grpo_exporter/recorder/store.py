@@ -73,36 +73,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _locked(path: Path) -> bool | None:
-    """Whether a live writer holds ``path``'s lock; None when this filesystem cannot tell (no flock on a
-    directory: then nothing is removed on a guess)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when fd closes
-    except BlockingIOError:
-        return True
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return False
-
-
-def _hold(path: Path) -> int:
-    """An exclusive lock on the directory ``path``, held until the returned fd is closed (-1: no lock here)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return -1
+def _flock(path: Path) -> int:
+    """An exclusive, non-blocking flock on the directory ``path``: its fd (the lock lives until it is closed).
+    Raises BlockingIOError while another holds it, another OSError where this filesystem cannot lock."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        return -1
+        raise
     return fd
+
+
+def _hold(path: Path) -> int:
+    """The writer's lock on ``path`` (:func:`_flock`), or -1 where none can be taken (the write goes on)."""
+    try:
+        return _flock(path)
+    except OSError:
+        return -1
+
+
+def _locked(path: Path) -> bool | None:
+    """Whether a live writer holds ``path``'s lock; None when this filesystem cannot tell (no flock on a
+    directory: then nothing is removed on a guess)."""
+    try:
+        os.close(_flock(path))
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    return False
 
 
 def sweep_partials(root: Path) -> list[Path]:
