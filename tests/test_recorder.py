@@ -5,6 +5,7 @@ a disk budget, owner-only files, and no partial incident after kill -9."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import json
 import math
@@ -30,7 +31,7 @@ from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 from grpo_exporter.guard import TrainingSignalError
 from grpo_exporter.recorder import RecorderError
 from grpo_exporter.recorder.inspect import InspectError, load, render
-from grpo_exporter.recorder.store import incidents, size_of, sweep_partials
+from grpo_exporter.recorder.store import UNLOCKED_GRACE_S, incidents, size_of, sweep_partials
 
 INJECT = 5
 # a seed and a task the scenarios are not calibrated on: one right answer (reverse), seed 4
@@ -442,6 +443,25 @@ def test_a_live_writer_in_another_pid_namespace_is_never_swept(tmp_path):
     while not (removed := sweep_partials(root)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert removed == [partial]
+
+
+def test_an_unlocked_partial_of_another_host_is_swept_only_once_it_is_old(tmp_path):
+    """Another host's writer cannot be asked by PID: its unlocked partial directory stays for UNLOCKED_GRACE_S
+    (it may not have taken its lock yet), then goes; a locked one stays whatever its age."""
+    young, old, held = (tmp_path / f".partial-elsewhere--{pid}-1-x" for pid in (11, 12, 13))
+    for path in (young, old, held):
+        path.mkdir()
+    past = time.time() - UNLOCKED_GRACE_S - 60
+    for path in (old, held):
+        os.utime(path, (past, past))
+    lock = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        assert sweep_partials(tmp_path) == [old]
+    finally:
+        os.close(lock)
+    assert young.exists()
+    assert held.exists()
 
 
 def test_two_recorders_of_one_process_on_one_directory_both_write(tmp_path):
