@@ -41,7 +41,9 @@ def full_step() -> dict[str, float]:
     inputs = batch.inputs(
         params_before=[torch.ones(3)], params_after=[torch.full((3,), 1.1)], completion_mask=None
     )
-    cfg = MetricsConfig(group_size=8, log_ratio_clamp=20.0, pass_k=(2,), rollout_correction_cap=3.0)
+    cfg = MetricsConfig(
+        group_size=8, log_ratio_clamp=20.0, pass_k=(2,), rollout_correction_cap=3.0, rollout_logprob_nan="unscored",
+    )
     return compute_step(inputs, cfg)
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from grpo_exporter.integrations.trl import TRL_METRICS, MonitoredGRPOTrainer
 from grpo_exporter.integrations.trl_preflight import preflight
 from grpo_exporter.recorder.store import incidents
 from monitor_helpers import parse_exposition, scrape
+from trl_engine import Bf16Engine
 
 WORDS = [
     "add", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "plus", "minus", "equals",
@@ -178,8 +180,10 @@ def test_engine_logprobs_that_drift_show_as_engine_gap_and_the_guard_says_so(mod
     assert trainer.monitor.config.run == "trl-test"
     assert trainer.monitor.config.group_size == G
     assert published['grpo_mismatch_kl_nats{estimator="k1"}'] == pytest.approx(0.05, abs=1e-4)
-    assert any("engine log-prob gap is systematic: mismatch KL k1 (the mean signed gap) 0.05" in r.getMessage()
-               for r in caplog.records)
+    said = [re.search(r"engine log-prob gap is systematic: mismatch KL k1 \(the mean signed gap\) (\S+) nats",
+                      r.getMessage()) for r in caplog.records]
+    # the trainer's batched forward differs from the engine's one-token forwards by ~1e-5: 0.05 to 4 digits or not
+    assert [float(m.group(1)) for m in said if m] == [pytest.approx(0.05, abs=1e-4)]
     # the flight recorder: one episode (the drift is there from the first step), rows with TRL's prompts decoded
     [incident] = incidents(tmp_path / "incidents")
     manifest = json.loads((incident / "incident.json").read_text())
@@ -190,6 +194,73 @@ def test_engine_logprobs_that_drift_show_as_engine_gap_and_the_guard_says_so(mod
     assert rows[0]["driver"] == "engine_gap"
     assert rows[0]["engine_gap_mean"] == pytest.approx(0.05, abs=1e-4)
     assert all("add" in r["prompt"] and "plus" in r["prompt"] for r in rows)
+
+
+def _vllm_mode(monkeypatch: pytest.MonkeyPatch, unscored_every: int | None = None,
+               syncs: int | None = None) -> type[Bf16Engine]:
+    """TRL's vLLM mode with a bf16 CPU engine in place of VLLMGeneration (tests/trl_engine.py)."""
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    engine = type("Engine", (Bf16Engine,), {"unscored_every": unscored_every, "syncs": syncs, "instances": []})
+    monkeypatch.setattr(grpo_trainer, "VLLMGeneration", engine)
+    return engine
+
+
+VLLM = {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_correction": True}
+
+
+def test_trl_vllm_mode_with_a_bf16_engine_matches_trls_own_sampling_metrics(model_dir, tmp_path, monkeypatch):
+    """TRL's vLLM server path as users run it (its own use_vllm branches, None -> NaN, its recomputed old
+    log-probs and token_truncate correction), with a bf16 engine that hands every 5th token back without a
+    log-prob. One generation (max_steps 2, generate_every 4 micro-steps): TRL's logged sampling/* values and the
+    exporter's readings of the same tensors agree, and the unscored tokens are counted as such, never as
+    non-finite values (GRPONonFiniteValues is a layer-1 critical that would mute every other page)."""
+    engine = _vllm_mode(monkeypatch, unscored_every=5)
+    trainer = train(model_dir, tmp_path, config={
+        **VLLM, "vllm_importance_sampling_mode": "token_truncate", "max_steps": 2,
+    }, monitor_settings={"port": None, "close_linger_s": 0, "strict": True})
+    [made] = engine.instances
+    assert made.synced == 1
+    assert made.unscored > 0
+    got = trainer.monitor.metrics()
+    assert trainer.monitor.config.rollout_logprob_nan == "unscored"
+    assert trainer.monitor.config.rollout_correction_cap == 3.0  # TRL's vllm_importance_sampling_clip_max
+    assert got['grpo_nonfinite_values_total{tensor="rollout_logprobs"}'] == 0
+    assert got["grpo_rollout_unscored_tokens_total"] == made.unscored
+    [gap_mean] = _logged(trainer, "sampling/sampling_logp_difference/mean")
+    [gap_max] = _logged(trainer, "sampling/sampling_logp_difference/max")
+    assert 1e-4 < gap_mean < 0.1  # a bf16 engine beside an fp32 trainer: noise, not zero
+    assert got["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(gap_mean, rel=1e-5)
+    assert got['grpo_engine_logprob_gap_nats{quantile="1"}'] == pytest.approx(gap_max, rel=1e-5)
+    # TRL's ratio is after its cap (3, not reached here), over the loss tokens, unscored ones counted as 1
+    [w_min] = _logged(trainer, "sampling/importance_sampling_ratio/min")
+    [w_max] = _logged(trainer, "sampling/importance_sampling_ratio/max")
+    [w_mean] = _logged(trainer, "sampling/importance_sampling_ratio/mean")
+    assert w_max < 3.0
+    assert got['grpo_rollout_correction_weight{quantile="0"}'] == pytest.approx(w_min, rel=1e-5)
+    assert got['grpo_rollout_correction_weight{quantile="1"}'] == pytest.approx(w_max, rel=1e-5)
+    total, scored = got["grpo_rollout_correction_weight_sum"], got["grpo_rollout_correction_weight_count"]
+    assert (total + made.unscored) / (scored + made.unscored) == pytest.approx(w_mean, rel=1e-5)
+    assert got["grpo_rollout_correction_capped_tokens_total"] == 0
+    assert got['grpo_mismatch_kl_nats{estimator="k3"}'] < 1e-2  # noise: far below the systematic faults
+
+
+def test_trl_vllm_mode_with_stale_engine_weights_reads_a_systematic_gap(model_dir, tmp_path, monkeypatch):
+    """The same path, TRL's default sequence_mask correction, with an engine that stops taking TRL's weight syncs
+    after the first (TRL #5312's stale weights): TRL trains at lr 1e-2, so the second generation's gap is many
+    times the first's, in TRL's own logged values and in the exporter's, which read the same tensors."""
+    engine = _vllm_mode(monkeypatch, syncs=1)
+    trainer = train(model_dir, tmp_path, config={**VLLM, "max_steps": 3},
+                    monitor_settings={"port": None, "close_linger_s": 0, "strict": True})
+    [made] = engine.instances
+    assert made.synced == 1
+    assert trainer.monitor.config.rollout_correction_cap is None  # sequence_mask caps exp(sum), not ours
+    first, second = _logged(trainer, "sampling/sampling_logp_difference/mean")
+    assert second > 5 * first
+    got = trainer.monitor.metrics()
+    assert got["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(second, rel=1e-5)
+    assert got["grpo_rollout_unscored_tokens_total"] == 0
+    assert got['grpo_nonfinite_values_total{tensor="rollout_logprobs"}'] == 0
 
 
 def test_an_error_reading_trl_objects_is_counted_and_training_goes_on(model_dir, tmp_path, caplog) -> None:
@@ -226,8 +297,6 @@ def test_unknown_verifier_is_refused_naming_the_reward_functions(model_dir, tmp_
 def test_every_series_the_trl_mapping_names_is_in_the_catalogue() -> None:
     """TRL_METRICS types our series names in PromQL: each must be a catalogue sample, so a rename cannot leave
     the mapping (and docs/integrations.md, which copies it) pointing at nothing."""
-    import re
-
     from grpo_exporter.catalog import family_of
 
     names = {n for expr, _ in TRL_METRICS.values() for n in re.findall(r"grpo_[a-z_]+", expr)}
@@ -255,8 +324,6 @@ def test_a_missing_framework_names_the_extra_to_install() -> None:
 def test_the_readme_two_lines_run_as_written(model_dir, tmp_path) -> None:
     """The README's TRL snippet (a ```py block: it needs TRL, so the core doc-example test leaves it to this
     file), run verbatim but for a free port, the tiny model's path and its tokenizer."""
-    import re
-
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     (code,) = [c for c in re.findall(r"```py\n(.*?)```", readme, flags=re.DOTALL) if "MonitoredGRPOTrainer" in c]
     path, tok = model_dir  # the word-level tokenizer is passed as trained: a reload would re-split words
@@ -350,8 +417,6 @@ def test_preflight_passes_on_a_healthy_trainer_and_leaves_it_as_found(model_dir,
 
 def test_the_checks_guide_trl_example_runs_as_written(model_dir, tmp_path, capsys) -> None:
     """docs/checks.md's one-call example, verbatim: `MonitoredGRPOTrainer(...)` stands for the tiny trainer."""
-    import re
-
     text = (Path(__file__).resolve().parents[1] / "docs" / "checks.md").read_text(encoding="utf-8")
     (code,) = [c for c in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL) if "preflight(trainer)" in c]
     names: dict[str, Any] = {"MonitoredGRPOTrainer": lambda *_: build(model_dir, tmp_path, monitor_settings=QUIET)}

@@ -54,6 +54,41 @@ def test_mismatch_readings_match_a_plain_reference(noise, shift, bad, seed):
     assert_matches({k: v for k, v in got.items() if parse_key(k)[0].startswith(MISMATCH)}, want)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_unscored_engine_tokens_leave_the_readings_without_counting_as_non_finite(seed):
+    """vLLM can hand a token back without a log-prob; TRL turns it into NaN and leaves it out of its own
+    sampling metrics. Under rollout_logprob_nan="unscored" such NaN loss tokens are counted as unscored, never
+    as non-finite (a layer-1 critical that mutes every other page); the gap and the mismatch equal the
+    reference on the scored tokens; +-inf is still non-finite. The default mode counts NaN as non-finite."""
+    x = _rollout(seed, noise="heavy")
+    mask = x["loss_mask"]
+    rng = np.random.default_rng(seed + 10)
+    holes = torch.tensor(rng.random(mask.shape) < 0.1) & mask
+    holes[2:4, :] = False
+    holes[2, 0] = mask[2, 0] = True  # one more NaN on a loss token, one +inf beside it
+    x["rollout_logprobs"] = x["rollout_logprobs"].masked_fill(holes, float("nan"))
+    x["rollout_logprobs"][3, 0], mask[3, 0] = float("inf"), True
+    x["rollout_logprobs"][0, 0] = float("nan")  # row 0 has no loss token: padding NaN is never counted
+    cfg = MetricsConfig(group_size=4, rollout_correction_cap=1.05, rollout_logprob_nan="unscored")
+    got = compute_step_carrying(StepInputs(**x), cfg, {}, blocks=ROLLOUT_BLOCKS).metrics
+    unscored = int(holes.sum())
+    assert unscored > 20
+    assert got["grpo_rollout_unscored_tokens_total"] == unscored
+    assert got['grpo_nonfinite_values_total{tensor="rollout_logprobs"}'] == 1  # the +inf
+    assert got['grpo_nonfinite_values_total{tensor="old_logprobs"}'] == 0
+    scored = mask & torch.isfinite(x["rollout_logprobs"])
+    gap = (x["rollout_logprobs"] - x["old_logprobs"]).abs()[scored].double()
+    assert got["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(float(gap.mean()), rel=1e-5)
+    assert got["grpo_engine_logprob_gap_nats_count"] == int(scored.sum())
+    want = mismatch_reference(x["old_logprobs"].double().numpy(), x["rollout_logprobs"].double().numpy(),
+                              mask.numpy(), cfg)
+    assert_matches({k: v for k, v in got.items() if parse_key(k)[0].startswith(MISMATCH)}, want)
+    default = compute_step_carrying(StepInputs(**x), cfg.model_copy(update={"rollout_logprob_nan": "nonfinite"}),
+                                    {}, blocks=ROLLOUT_BLOCKS).metrics
+    assert default['grpo_nonfinite_values_total{tensor="rollout_logprobs"}'] == unscored + 1
+    assert "grpo_rollout_unscored_tokens_total" not in default
+
+
 def test_top_p_renormalisation_reads_the_kept_mass_and_stops_from_the_first_step():
     """An engine reporting log-probs renormalised over a nucleus of mass 0.895 (top_p 0.8, TRL #6789): each
     kept token's weight p/q is the kept mass itself, so the mean weight is 0.895 and k1 = -log 0.895 = 0.111

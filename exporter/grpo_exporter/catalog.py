@@ -393,6 +393,13 @@ CATALOG: tuple[Metric, ...] = (
         G, "values", labels=(Label("tensor", NONFINITE_TENSORS),), inputs=(),
     ),
     Metric(
+        "grpo_rollout_unscored_tokens_total", C,
+        "Loss tokens the rollout engine handed back without a log-prob (NaN rollout_logprobs under "
+        "rollout_logprob_nan=unscored: vLLM's None, as TRL hands it); they are left out of the engine gap and "
+        "the mismatch readings, as TRL leaves them out of sampling/sampling_logp_difference. Only in that mode.",
+        G, "tokens", inputs=("rollout_logprobs", *_TOKEN),
+    ),
+    Metric(
         "grpo_loss_mask_length_mismatch_sequences_total", C,
         "Sequences with loss tokens whose loss-token count differs from completion_lengths (seed: assert "
         "loss_mask.sum() == completion tokens).",

@@ -52,6 +52,13 @@ class MetricsConfig(BaseModel):
         "pi_old / pi_rollout: TRL 3, verl 2, slime 2, AReaL 5): the tokens and sequences above it are counted; "
         "None = not counted",
     )
+    rollout_logprob_nan: Literal["nonfinite", "unscored"] = Field(
+        "nonfinite", description="what a NaN rollout log-prob on a loss token means: nonfinite (a numeric fault, "
+        "counted in grpo_nonfinite_values_total) or unscored (the engine handed the token back without a "
+        "log-prob: vLLM's None, which TRL turns into NaN and leaves out of its own sampling metrics); unscored "
+        "tokens leave the engine gap and the mismatch readings and are counted in "
+        "grpo_rollout_unscored_tokens_total; +-inf stays non-finite either way",
+    )
     max_reward_components: int = Field(8, ge=0, description="cap on distinct reward component labels")
 
     @field_validator("gap_quantiles", "ratio_quantiles", "length_quantiles")

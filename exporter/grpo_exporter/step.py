@@ -589,7 +589,8 @@ class _Context:
             out["logprobs"] = out["old_logprobs"] = self.tokens - self.finite_ratio_tokens
         if self.gap_difference is not None:
             out["rollout_logprobs"] = self.nonfinite(self.gap_difference)
-            out.setdefault("old_logprobs", out["rollout_logprobs"])
+            if self.cfg.rollout_logprob_nan == "nonfinite":  # unscored NaN would make it a witness of nothing
+                out.setdefault("old_logprobs", out["rollout_logprobs"])
         if self.kl_difference is not None:
             out["ref_logprobs"] = self.nonfinite(self.kl_difference)
             out.setdefault("logprobs", out["ref_logprobs"])
@@ -599,17 +600,23 @@ class _Context:
 # ---- layer 1 ----------------------------------------------------------------------------------------------
 
 
-@produces(nonfinite=("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "advantages",
+@produces("grpo_rollout_unscored_tokens_total",
+          nonfinite=("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "advantages",
                      "rewards", "reward_components", "loss"))
 def _nonfinite_inputs(g: _Gather, c: _Context) -> None:
     x, mask = c.x, c.x.loss_mask
     if mask is not None:
         witnesses = c.witnesses
         for name in ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy"):
-            if getattr(x, name) is not None:  # 0 off the mask: counted over the whole masked tensor
-                masked, witness = c.masked(name), witnesses.get(name)
-                count = c.nonfinite(masked) if witness is None else Witnessed(masked, witness)
-                g.add("grpo_nonfinite_values_total", count, tensor=name)
+            if getattr(x, name) is None:
+                continue
+            masked, witness = c.masked(name), witnesses.get(name)  # 0 off the mask: counted over the whole tensor
+            if name == "rollout_logprobs" and c.cfg.rollout_logprob_nan == "unscored":
+                g.add("grpo_nonfinite_values_total", count(torch.isinf(masked)), tensor=name)
+                g.add("grpo_rollout_unscored_tokens_total", count(torch.isnan(masked)))
+                continue
+            tally = c.nonfinite(masked) if witness is None else Witnessed(masked, witness)
+            g.add("grpo_nonfinite_values_total", tally, tensor=name)
     if x.advantages is not None and (x.advantages.dim() == 1 or mask is not None):
         adv_mask = None if x.advantages.dim() == 1 else mask
         g.add("grpo_nonfinite_values_total", gradient.nonfinite_count(x.advantages, adv_mask), tensor="advantages")

@@ -30,6 +30,7 @@ is counted and logged and training goes on (``strict=True`` raises).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ from grpo_exporter.integrations import IntegrationError, check_signature, requir
 from grpo_exporter.monitor import GRPOMonitor
 
 TESTED = "trl>=1.16,<1.17 with transformers>=5.24,<5.25"
+
+logger = logging.getLogger("grpo_exporter")
 
 trl = require("trl", "trl", TESTED)
 transformers = require("transformers", "trl", TESTED)
@@ -83,12 +86,28 @@ TRL_METRICS: Mapping[str, tuple[str, str]] = {
     "sampling/sampling_logp_difference/max": ('grpo_engine_logprob_gap_nats{quantile="1"}', "same"),
     "sampling/importance_sampling_ratio/mean": (
         "rate(grpo_rollout_correction_weight_sum[w]) / rate(grpo_rollout_correction_weight_count[w])",
-        "here before truncation; TRL's after vllm_importance_sampling_cap (TRL #5231)"),
+        "token_* modes: here before truncation, TRL's after its clip_max (TRL #5231), TRL counting unscored "
+        "tokens as 1; sequence_* modes: TRL's exp(sum log w) per sequence, not comparable"),
     "sampling/importance_sampling_ratio/min": (
-        'grpo_rollout_correction_weight{quantile="0"}', "here before truncation; TRL's after its cap"),
+        'grpo_rollout_correction_weight{quantile="0"}', "token_* modes: here before truncation; TRL's after its cap"),
     "sampling/importance_sampling_ratio/max": (
-        'grpo_rollout_correction_weight{quantile="1"}', "here before truncation; TRL's after its cap"),
+        'grpo_rollout_correction_weight{quantile="1"}', "token_* modes: here before truncation; TRL's after its cap"),
 }
+
+
+def _engine_settings(args: Any) -> dict[str, Any]:
+    """The monitor settings TRL's engine path implies. TRL turns a token its engine (vLLM or a ``rollout_func``)
+    returned without a log-prob into NaN and leaves it out of ``sampling/*``: here it is unscored, not a numeric
+    fault. With vLLM's token-level importance-sampling correction (``token_truncate`` / ``token_mask``), its
+    ``vllm_importance_sampling_clip_max`` is the rollout-correction cap whose truncated / masked share is counted;
+    TRL's sequence modes cap exp(sum_t log w), which is not this exporter's geometric sequence weight, so no cap
+    is set for them."""
+    settings: dict[str, Any] = {"rollout_logprob_nan": "unscored"}
+    cap = getattr(args, "vllm_importance_sampling_clip_max", None)
+    mode = str(getattr(args, "vllm_importance_sampling_mode", ""))
+    if args.use_vllm and args.vllm_importance_sampling_correction and mode.startswith("token_") and cap and cap > 1:
+        settings["rollout_correction_cap"] = float(cap)
+    return settings
 
 
 class _EndStep(TrainerCallback):  # type: ignore[misc]
@@ -137,11 +156,18 @@ class GRPOMonitorMixin:
             run = self.args.run_name or Path(self.args.output_dir or "trl").name
             settings = {
                 "run": run, "group_size": self.num_generations,
-                "clip_eps": (self.epsilon_low, self.epsilon_high), **(monitor_settings or {}),
+                "clip_eps": (self.epsilon_low, self.epsilon_high), **_engine_settings(self.args),
+                **(monitor_settings or {}),
             }
             tok = self.processing_class
             decode = (lambda ids: tok.decode(ids)) if hasattr(tok, "decode") else None  # the flight recorder's rows
             monitor = GRPOMonitor(**settings, decode=decode)
+        elif monitor.config.rollout_logprob_nan != "unscored" and (self.args.use_vllm or self.rollout_func):
+            logger.warning(
+                "grpo_exporter: TRL hands a token its engine returned without a log-prob as NaN; this monitor has "
+                "rollout_logprob_nan=%r and counts each such token as a non-finite value (GRPONonFiniteValues). "
+                "Make it with rollout_logprob_nan='unscored'.", monitor.config.rollout_logprob_nan,
+            )
         self.monitor = monitor
         self._grpo_preflight = False  # grpo_exporter.integrations.trl_preflight: observe nothing meanwhile
         self._grpo_rollout_step: int | None = None

@@ -133,11 +133,16 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   "none", thresholds=((c.mismatch_kl_stop_nats, "red"),)),
         PanelSpec("How are the rollout-correction weights spread, before truncation?",
                   "Quantiles of pi_old / pi_rollout per token (before any TIS/MIS cap; TRL logs its ratio only after), the "
-                  "sequence-geometric weight's p01/p99 over the window, and the share above rollout_correction_cap.",
+                  "sequence-geometric weight's p01/p99 over the window, the share above rollout_correction_cap, and the "
+                  "share of loss tokens the engine returned without a log-prob (rollout_logprob_nan=unscored; left out "
+                  "of every engine reading).",
                   (q(f'max by (run, quantile) (grpo_rollout_correction_weight{{quantile=~"0|0.5|0.99|1",{SEL}}})', "{{run}} q{{quantile}}"),
                    q(f"histogram_quantile(0.99, sum by (run, le) (rate(grpo_sequence_rollout_correction_weight_bucket{{{SEL}}}[{W}])))", "{{run}} sequence p99"),
                    q(f"histogram_quantile(0.99, sum by (run, le) (rate(grpo_token_rollout_correction_weight_bucket{{{SEL}}}[{W}])))", "{{run}} token p99 over the window"),
-                   q(f"max by (run, level) (grpo_rollout_correction_capped_ratio{{{SEL}}})", "{{run}} capped {{level}}")),
+                   q(f"max by (run, level) (grpo_rollout_correction_capped_ratio{{{SEL}}})", "{{run}} capped {{level}}"),
+                   q(f"sum by (run) (rate(grpo_rollout_unscored_tokens_total{{{SEL}}}[{W}])) / (sum by (run) "
+                     f"(rate(grpo_rollout_unscored_tokens_total{{{SEL}}}[{W}])) + sum by (run) "
+                     f"(rate(grpo_engine_logprob_gap_nats_count{{{SEL}}}[{W}])))", "{{run}} unscored share")),
                   "none"),
         PanelSpec("Which tokens disagree most? (gap quantiles)",
                   "p99, p99.9 and max of the engine gap in the last step: a few bad tokens can hit the clip while the mean looks fine.",
