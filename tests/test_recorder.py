@@ -148,7 +148,7 @@ def test_a_healthy_run_records_nothing_and_a_new_episode_opens_a_new_incident(tm
 def test_steps_that_cannot_judge_a_trigger_neither_end_nor_restart_its_episode(tmp_path):
     """One rollout per two optimizer steps (num_iterations=2): the update-only steps have no engine gap. A gap
     at the stop line from step 2 on is one episode; it ends at the first rollout without it (step 8), and
-    returns at step 12 as a new one."""
+    returns at step 12 as a new one (no cooldown: recorder_cooldown_steps=0)."""
     def gap(step: int) -> dict[str, torch.Tensor]:
         x = _inputs(step, bad=False)
         if 2 <= step < 8 or step >= 12:
@@ -157,7 +157,7 @@ def test_steps_that_cannot_judge_a_trigger_neither_end_nor_restart_its_episode(t
 
     model = torch.nn.Linear(3, 1)
     with GRPOMonitor(run="it", group_size=8, port=None, guard="off", recorder_dir=tmp_path,
-                     edit_distance_groups=0) as mon:
+                     edit_distance_groups=0, recorder_cooldown_steps=0) as mon:
         for step in range(16):
             if step % 2 == 0:
                 mon.observe_rollout(step, **gap(step))
@@ -223,13 +223,29 @@ def _inputs(step: int, bad: bool, n: int = 32, t: int = 64) -> dict[str, torch.T
 
 
 def _episodes(root: Path, count: int, t: int = 64, **settings: object) -> GRPOMonitor:
-    """``count`` one-step faults, each between normal steps (three steps per episode)."""
+    """``count`` one-step faults, each between normal steps (three steps per episode; no cooldown)."""
+    settings = {"recorder_cooldown_steps": 0} | settings
     with GRPOMonitor(run="rec", group_size=8, port=None, guard="off", recorder_dir=root, edit_distance_groups=0,
                      **settings) as mon:
         for step in range(3 * count + 1):
             mon.observe_rollout(step, **_inputs(step, bad=step % 3 == 1, t=t))
             mon.wait_for_workers()  # at most MAX_QUEUED incidents wait for the writer; more would be dropped
     return mon
+
+
+@pytest.mark.parametrize(("cooldown", "opened"), [(None, [1]), (4, [1, 7, 13, 19]), (0, list(range(1, 22, 2)))])
+def test_a_flapping_trigger_writes_one_incident_per_cooldown(tmp_path, cooldown, opened):
+    """A NaN on every other step (a fault on alternate batches, a gap hovering at its line): each odd step
+    used to open a new episode, an incident every two steps (39 MiB each at T=32768). It rejoins its episode
+    within recorder_cooldown_steps (default 50) of the step that opened the last incident; 0 is the old way."""
+    settings = {} if cooldown is None else {"recorder_cooldown_steps": cooldown}
+    with GRPOMonitor(run="rec", group_size=8, port=None, guard="off", recorder_dir=tmp_path, edit_distance_groups=0,
+                     **settings) as mon:
+        for step in range(22):
+            mon.observe_rollout(step, **_inputs(step, bad=step % 2 == 1, t=8))
+            mon.wait_for_workers()
+    assert [m["steps"]["first_anomalous"] for m in manifests(tmp_path)] == opened
+    assert mon.metrics()["grpo_recorder_incidents_total"] == len(opened)
 
 
 def test_the_disk_budget_removes_the_oldest_incidents_first(tmp_path):
@@ -253,7 +269,7 @@ def test_a_disk_that_cannot_keep_up_drops_incidents_counted_never_blocking(tmp_p
     counted as recorder errors, and training went on; once the disk answers, the four are written."""
     release = threading.Event()
     with GRPOMonitor(run="q", group_size=8, port=None, guard="off", recorder_dir=tmp_path,
-                     edit_distance_groups=0) as mon:
+                     edit_distance_groups=0, recorder_cooldown_steps=0) as mon:
         mon._recorder.between_files = lambda: release.wait(60)
         for step in range(3 * 6 + 2):  # rollouts only: step 19 seals 17, the last incident's next step
             mon.observe_rollout(step, **_inputs(step, bad=step % 3 == 1))
@@ -495,6 +511,41 @@ def test_an_exit_without_close_still_writes_the_pending_incident(tmp_path):
     [m] = manifests(root)
     assert m["steps"] == {"last_normal": 0, "first_anomalous": 1, "next": None}
     assert m["next_missing"] == "the process exited"
+
+
+TERMINATED = """
+import signal, sys, time, torch
+sys.path.insert(0, {tests!r})
+from test_recorder import _inputs
+from grpo_exporter import GRPOMonitor
+if {chained!r}:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))  # the launcher's own handler, installed first
+mon = GRPOMonitor(run="t", group_size=8, port=None, guard="off", recorder_dir={root!r}, edit_distance_groups=0)
+for step in range(2):
+    mon.observe_rollout(step, **_inputs(step, bad=step == 1))
+print("pending", flush=True)  # step 1's incident waits for its next state
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_sigterm_writes_the_pending_incident_and_ends_the_process_as_before(tmp_path, chained):
+    """A scheduler ends a job with SIGTERM, which skips atexit: the pending incident used to be lost. Now it is
+    written first; then the process ends as it would have: killed by SIGTERM (default), or by the handler that
+    was there before (here one that exits 7)."""
+    root = tmp_path / "rec"
+    code = textwrap.dedent(TERMINATED.format(tests=str(Path(__file__).parent), root=str(root), chained=chained))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "pending"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == (7 if chained else -signal.SIGTERM)
+    finally:
+        proc.kill()
+    [m] = manifests(root)
+    assert m["steps"] == {"last_normal": 0, "first_anomalous": 1, "next": None}
+    assert m["next_missing"] == "the process was sent SIGTERM"
 
 
 def test_hostile_recorder_inputs_are_counted_never_raised_unless_strict(tmp_path):

@@ -169,7 +169,8 @@ class GRPOMonitor:
                 config.recorder_dir, run=config.run, rank=self._rank, world=self._world, rows=config.recorder_rows,
                 history_steps=config.recorder_history_steps, budget_bytes=config.recorder_disk_budget_bytes,
                 triggers=config.recorder_triggers, lines=config.stop_lines,
-                flush_timeout_s=config.recorder_flush_timeout_s, publication=self._publication,
+                flush_timeout_s=config.recorder_flush_timeout_s, cooldown_steps=config.recorder_cooldown_steps,
+                publication=self._publication,
                 on_error=lambda exc: self._report.error("recorder", exc, "flight recorder"), decode=decode,
                 metrics=config,
             )

@@ -128,6 +128,11 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     recorder_triggers: tuple[str, ...] = Field(
         TRIGGERS, description=f"what opens an incident, any of {', '.join(TRIGGERS)} (the guard's lines)",
     )
+    recorder_cooldown_steps: int = Field(
+        50, ge=0, description="a trigger that fires again within this many steps of the step that opened its last "
+        "incident rejoins that episode (a flapping trigger writes one incident, not one every other step); 0 = every "
+        "new episode writes",
+    )
     recorder_flush_timeout_s: float = Field(
         30.0, ge=0, description="at close, when the guard raises and at exit: longest wait for pending incidents",
     )

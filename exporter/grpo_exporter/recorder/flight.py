@@ -9,8 +9,9 @@ active opens an incident; the next sealed step completes it and the incident goe
 trigger stays active, opening nothing more, until a step that judged it no longer fires it (a step without a
 rollout, e.g. the second update of ``num_iterations=2``, has no engine gap: it neither fires nor clears that
 trigger): the first anomalous step of each episode is the one to read.
-When the guard raises, at close and at interpreter exit, open steps are sealed and what is pending is written
-(``next`` absent when training ended there), waiting at most ``flush_timeout_s``.
+When the guard raises, at close, at interpreter exit and on SIGTERM (a handler installed from the main thread,
+chaining the one before it), open steps are sealed and what is pending is written (``next`` absent when training
+ended there), waiting at most ``flush_timeout_s``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import contextlib
 import io
 import json
 import logging
+import os
+import signal
 import sys
 import threading
 import time
@@ -115,14 +118,44 @@ _LIVE: set[FlightRecorder] = set()
 
 
 @atexit.register
-def _flush_all() -> None:
+def _flush_all(why: str = "the process exited") -> None:
     for recorder in list(_LIVE):
         with contextlib.suppress(Exception):
-            left = recorder.flush("the process exited")
+            left = recorder.flush(why)
             if left:  # the writer is stuck (a hung decode or filesystem): the exit does not wait for it
                 sys.stderr.write(f"grpo-exporter flight recorder: {left} incident(s) still being written after "
                                  f"{recorder.flush_timeout_s:g} s (recorder_flush_timeout_s); abandoned at exit "
                                  f"(a hung decode or a stuck filesystem under {recorder.root}?)\n")
+
+
+_SIGTERM_BEFORE: Any = None  # the SIGTERM handler ours replaced (None: ours is not installed)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM, the usual way a scheduler ends a job, skips atexit: write what is pending first (at most
+    ``flush_timeout_s`` per recorder), then end as the handler before ours would have (the default: the
+    process dies of SIGTERM, its exit status unchanged)."""
+    _flush_all("the process was sent SIGTERM")
+    before = _SIGTERM_BEFORE
+    if callable(before):
+        before(signum, frame)
+    elif before != signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _handle_sigterm() -> None:
+    """Install :func:`_on_sigterm` once, chaining the handler in place. Only from the main thread (Python's
+    rule) and only over a handler Python knows (a handler installed from C, ``getsignal`` None, is left)."""
+    global _SIGTERM_BEFORE
+    if _SIGTERM_BEFORE is not None or threading.current_thread() is not threading.main_thread():
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    if before is None or before is _on_sigterm:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _SIGTERM_BEFORE = before
 
 
 class FlightRecorder:
@@ -131,6 +164,7 @@ class FlightRecorder:
     def __init__(
         self, root: Path, *, run: str, rank: int, world: int, rows: int, history_steps: int, budget_bytes: int,
         triggers: tuple[str, ...], lines: StopLines, flush_timeout_s: float, publication: Publication,
+        cooldown_steps: int = 0,
         on_error: Callable[[BaseException], None], decode: Decode | None = None,
         metrics: MetricsConfig | None = None,
     ) -> None:
@@ -147,8 +181,10 @@ class FlightRecorder:
         self._last_normal: State | None = None
         self._pending: Incident | None = None
         self._active: set[str] = set()  # the triggers of the episodes in progress
+        self._cooldown = cooldown_steps
+        self._opened: dict[str, int] = {}  # trigger -> the step whose incident it last opened
         self._serial = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # SIGTERM's flush runs on the training thread, maybe inside observe
         self._queued: list[Future[None]] = []
         self._pool = DaemonExecutor("grpo-exporter-recorder", initializer=worker_thread)
         self.between_files: Callable[[], None] | None = None  # test hook: called after each file written
@@ -156,6 +192,7 @@ class FlightRecorder:
         publication.add({_INCIDENTS.key(): 0.0, _REMOVED.key(): 0.0})
         publication.merge({_USAGE.key(): float(sum(size_of(p) for p in incidents(self.root)))})
         _LIVE.add(self)
+        _handle_sigterm()
 
     # ---- called from observe (training thread) ------------------------------------------------------------
 
@@ -219,12 +256,15 @@ class FlightRecorder:
     # ---- sealing --------------------------------------------------------------------------------------------
 
     def _seal(self, due: Callable[[int], bool]) -> None:
-        """Seal the due open steps in order. A trigger not already active opens an incident (its episode);
-        a trigger stays active until a step that judged it (:func:`~.triggers.judged`) no longer fires it."""
+        """Seal the due open steps in order. A trigger not already active opens an incident (its episode),
+        unless it opened one within ``cooldown_steps`` (a flapping trigger: the same episode); a trigger stays
+        active until a step that judged it (:func:`~.triggers.judged`) no longer fires it."""
         for step in sorted(s for s in self._open if due(s)):
             state = self._open.pop(step)
             self._history.append(state.summary())
-            new = [t for t in state.triggers if t not in self._active]
+            new = [t for t in state.triggers if t not in self._active
+                   and step - self._opened.get(t, step - self._cooldown - 1) > self._cooldown]
+            self._opened |= dict.fromkeys(new, step)
             self._active = {t for t in self._active if t in state.triggers or not judged(t, state.metrics)}
             self._active |= set(state.triggers)
             if self._pending is not None:
