@@ -279,6 +279,70 @@ def test_a_disk_that_cannot_keep_up_drops_incidents_counted_never_blocking(tmp_p
     assert [load(p)["steps"]["first_anomalous"] for p in incidents(tmp_path)] == [1, 4, 7, 10]
 
 
+FULL_DISK = """
+import json, os, shutil, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_recorder import _inputs
+from grpo_exporter import GRPOMonitor
+from grpo_exporter.recorder.store import incidents
+mnt, floor = {mnt!r}, 1 << 20
+def free():
+    return shutil.disk_usage(mnt).free
+def fill(leave):  # a checkpoint sharing the filesystem, leaving `leave` bytes free
+    with open(os.path.join(mnt, "checkpoint.pt"), "ab") as f:
+        f.write(bytes(free() - leave))
+        f.flush()
+        os.fsync(f.fileno())
+def run(root, steps, seen):
+    with GRPOMonitor(run="f", group_size=8, port=None, guard="off", recorder_dir=root, edit_distance_groups=0,
+                     recorder_cooldown_steps=0, recorder_min_free_bytes=floor, recorder_min_free_ratio=0) as mon:
+        for step in range(steps):
+            mon.observe_rollout(step, **_inputs(step, bad=step % 3 == 1))
+            mon.wait_for_workers()
+            seen.append(free())
+    return mon.metrics()
+before = free()
+run(os.path.join(mnt, "probe"), 4, [])
+one = before - free()  # one incident's cost on this filesystem
+shutil.rmtree(os.path.join(mnt, "probe"))
+fill(floor + int(2.5 * one))
+seen = []
+m = run(os.path.join(mnt, "rec"), 19, seen)
+result = {{"one": one, "min_free": min(seen), "kept": len(incidents(Path(mnt, "rec"))),
+          "written": m["grpo_recorder_incidents_total"], "removed": m["grpo_recorder_removed_incidents_total"],
+          "errors": m.get('grpo_exporter_errors_total{{stage="recorder"}}', 0)}}
+fill(floor - 3 * one)  # the checkpoint grows: removing every incident would not leave room
+m = run(os.path.join(mnt, "rec"), 4, seen)
+result |= {{"full_kept": len(incidents(Path(mnt, "rec"))), "full_min_free": free(),
+           "full_errors": m.get('grpo_exporter_errors_total{{stage="recorder"}}', 0),
+           "partials": [p for p in os.listdir(os.path.join(mnt, "rec")) if p.startswith(".")]}}
+print(json.dumps(result))
+"""
+
+
+def test_an_incident_never_takes_the_free_space_a_checkpoint_needs(tmp_path):
+    """A 4 MiB tmpfs (its own mount namespace) shared with a checkpoint that leaves room for 2.5 incidents
+    above a 1 MiB floor: six episodes leave the floor free throughout; the oldest incidents are removed before
+    each write (two kept, four removed). When the checkpoint grows until even no incident leaves room, the
+    oldest go, nothing is written, each loss is a counted recorder error and no partial is left."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    code = textwrap.dedent(FULL_DISK.format(tests=str(Path(__file__).parent), mnt=str(mnt)))
+    script = tmp_path / "full_disk.py"
+    script.write_text(code)
+    done = subprocess.run(["unshare", "--mount", "sh", "-c", f"mount -t tmpfs -o size=4m tmpfs {mnt} && "
+                           f"exec {sys.executable} {script}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 16 << 10 < r["one"] < 300 << 10
+    assert r["min_free"] >= 1 << 20
+    assert (r["written"], r["kept"], r["removed"], r["errors"]) == (6, 2, 4, 0)
+    assert r["full_kept"] == 0  # both removed to make room, in vain
+    assert r["full_errors"] == 1  # one episode, not written
+    assert r["partials"] == []
+
+
 def test_an_incident_over_the_budget_keeps_its_summary_or_is_counted_as_an_error(tmp_path):
     one = tmp_path / "one"
     _episodes(one, 1, t=1024)

@@ -48,6 +48,7 @@ from grpo_exporter.monitor_config import MonitorConfig
 from grpo_exporter.param_sample import sample_parameters
 from grpo_exporter.publication import Publication, duration_increments
 from grpo_exporter.recorder import FlightRecorder
+from grpo_exporter.recorder.store import FreeFloor
 from grpo_exporter.reporting import Reporter
 from grpo_exporter.run_info import static_values
 from grpo_exporter.server import MetricsServer
@@ -170,6 +171,7 @@ class GRPOMonitor:
                 history_steps=config.recorder_history_steps, budget_bytes=config.recorder_disk_budget_bytes,
                 triggers=config.recorder_triggers, lines=config.stop_lines,
                 flush_timeout_s=config.recorder_flush_timeout_s, cooldown_steps=config.recorder_cooldown_steps,
+                floor=FreeFloor(config.recorder_min_free_bytes, config.recorder_min_free_ratio),
                 publication=self._publication,
                 on_error=lambda exc: self._report.error("recorder", exc, "flight recorder"), decode=decode,
                 metrics=config,

@@ -128,6 +128,14 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     recorder_triggers: tuple[str, ...] = Field(
         TRIGGERS, description=f"what opens an incident, any of {', '.join(TRIGGERS)} (the guard's lines)",
     )
+    recorder_min_free_bytes: int = Field(
+        1 << 30, ge=0, description="free bytes an incident must leave on recorder_dir's filesystem (often the "
+        "checkpoints'): the oldest incidents are removed first, and an incident that would still go below is not "
+        "written (a counted recorder error)",
+    )
+    recorder_min_free_ratio: float = Field(
+        0.05, ge=0, lt=1, description="the same floor as a share of the filesystem's size; the larger one holds",
+    )
     recorder_cooldown_steps: int = Field(
         50, ge=0, description="a trigger that fires again within this many steps of the step that opened its last "
         "incident rejoins that episode (a flapping trigger writes one incident, not one every other step); 0 = every "

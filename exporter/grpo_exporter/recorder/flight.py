@@ -45,6 +45,7 @@ from grpo_exporter.publication import Publication
 from grpo_exporter.recorder.rows import Decode, describe_rows, json_number, select_rows, take_rows
 from grpo_exporter.recorder.store import (
     INCIDENT_PREFIX,
+    FreeFloor,
     RecorderError,
     ensure_root,
     incidents,
@@ -164,7 +165,7 @@ class FlightRecorder:
     def __init__(
         self, root: Path, *, run: str, rank: int, world: int, rows: int, history_steps: int, budget_bytes: int,
         triggers: tuple[str, ...], lines: StopLines, flush_timeout_s: float, publication: Publication,
-        cooldown_steps: int = 0,
+        cooldown_steps: int = 0, floor: FreeFloor | None = None,
         on_error: Callable[[BaseException], None], decode: Decode | None = None,
         metrics: MetricsConfig | None = None,
     ) -> None:
@@ -181,7 +182,7 @@ class FlightRecorder:
         self._last_normal: State | None = None
         self._pending: Incident | None = None
         self._active: set[str] = set()  # the triggers of the episodes in progress
-        self._cooldown = cooldown_steps
+        self._cooldown, self._floor = cooldown_steps, floor
         self._opened: dict[str, int] = {}  # trigger -> the step whose incident it last opened
         self._serial = 0
         self._lock = threading.RLock()  # SIGTERM's flush runs on the training thread, maybe inside observe
@@ -293,7 +294,7 @@ class FlightRecorder:
     def _write(self, incident: Incident, serial: int) -> None:
         try:
             name, files = self._serialise(incident)
-            written = write_incident(self.root, name, files, self._budget, serial, self.between_files)
+            written = write_incident(self.root, name, files, self._budget, serial, self.between_files, self._floor)
             with self._publication.writing:
                 self._publication.add({_INCIDENTS.key(): 1.0})
                 if written.removed:

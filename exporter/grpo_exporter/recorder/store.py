@@ -173,14 +173,51 @@ def size_of(path: Path) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class FreeFloor:
+    """The free space an incident must leave on its filesystem: the larger of ``min_bytes`` and ``min_ratio``
+    of the filesystem's size (recorder_min_free_bytes, recorder_min_free_ratio). A recorder directory often
+    shares its filesystem with checkpoints: an incident must never be the write that makes a checkpoint fail."""
+
+    min_bytes: int = 0
+    min_ratio: float = 0.0
+
+    def bytes_on(self, root: Path) -> tuple[int, int]:
+        """(free bytes, floor in bytes) of ``root``'s filesystem now."""
+        usage = shutil.disk_usage(root)
+        return usage.free, max(self.min_bytes, int(self.min_ratio * usage.total))
+
+
+def _make_room(root: Path, name: str, need: int, floor: FreeFloor) -> list[str]:
+    """Remove the oldest incidents until writing ``need`` bytes leaves the floor free; the names removed. Raises
+    :class:`RecorderError` (nothing written) when even that is not enough."""
+    free, line = floor.bytes_on(root)
+    removed: list[str] = []
+    for path in incidents(root):
+        if free - need >= line:
+            break
+        if _remove(root, path):
+            removed.append(path.name)
+            free, line = floor.bytes_on(root)
+    if free - need < line:
+        raise RecorderError(
+            f"incident {name} not written: {need} bytes would leave {max(free - need, 0)} of {free} free bytes on the "
+            f"filesystem of {root}, below the floor of {line} (recorder_min_free_bytes={floor.min_bytes}, "
+            f"recorder_min_free_ratio={floor.min_ratio:g}); {len(removed)} older incident(s) removed first"
+        )
+    return removed
+
+
 def write_incident(root: Path, name: str, files: Mapping[str, bytes], budget_bytes: int, serial: int,
-                   between_files: object = None) -> Written:
+                   between_files: object = None, floor: FreeFloor | None = None) -> Written:
     """Write ``files`` as incident ``name`` atomically, then remove the oldest other incidents until every
-    complete incident fits in ``budget_bytes``. ``between_files``: a test hook called after each file (to
-    kill the process mid-write)."""
+    complete incident fits in ``budget_bytes``. Before the write, the oldest incidents are removed until it
+    leaves ``floor`` free (:class:`FreeFloor`). ``between_files``: a test hook called after each file (to kill
+    the process mid-write)."""
     total = sum(len(b) for b in files.values())
     if total > budget_bytes:
         raise RecorderError(f"incident {name}: {total} bytes exceed recorder_disk_budget_bytes={budget_bytes}")
+    made_room = _make_room(root, name, total, floor) if floor is not None else []
     # random: two recorders of one process on one directory never share a name
     partial = root / f"{PARTIAL_PREFIX}{socket.gethostname()}--{os.getpid()}-{serial}-{uuid.uuid4().hex[:12]}"
     partial.mkdir(mode=0o700)
@@ -205,12 +242,12 @@ def write_incident(root: Path, name: str, files: Mapping[str, bytes], budget_byt
     finally:
         if lock >= 0:
             os.close(lock)
-    return Written(final, *_prune(root, final, budget_bytes))
+    pruned, usage = _prune(root, final, budget_bytes)
+    return Written(final, made_room + pruned, usage)
 
 
 def _prune(root: Path, keep: Path, budget_bytes: int) -> tuple[list[str], int]:
-    """Remove the oldest incidents (never ``keep``) until all fit in the budget; each is renamed away first, so
-    a kill mid-removal leaves no partial incident behind."""
+    """Remove the oldest incidents (never ``keep``) until all fit in the budget (:func:`_remove`)."""
     found = incidents(root)
     sizes = {p: size_of(p) for p in found}
     usage = sum(sizes.values())
@@ -218,17 +255,23 @@ def _prune(root: Path, keep: Path, budget_bytes: int) -> tuple[list[str], int]:
     for path in found:
         if usage <= budget_bytes:
             break
-        if path == keep:
+        if path == keep or not _remove(root, path):
             continue
-        doomed = root / f"{REMOVING_PREFIX}{socket.gethostname()}--{os.getpid()}-{path.name}"
-        try:
-            os.rename(path, doomed)
-        except OSError:
-            continue  # removed meanwhile by another rank sharing the directory
-        lock = _hold(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-        if lock >= 0:
-            os.close(lock)
         usage -= sizes[path]
         removed.append(path.name)
     return removed, usage
+
+
+def _remove(root: Path, path: Path) -> bool:
+    """Remove incident ``path``, renamed away first so that a kill mid-removal leaves no partial incident; False
+    when another rank sharing the directory removed it meanwhile."""
+    doomed = root / f"{REMOVING_PREFIX}{socket.gethostname()}--{os.getpid()}-{path.name}"
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return False
+    lock = _hold(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+    if lock >= 0:
+        os.close(lock)
+    return True
