@@ -248,6 +248,25 @@ def test_a_flapping_trigger_writes_one_incident_per_cooldown(tmp_path, cooldown,
     assert mon.metrics()["grpo_recorder_incidents_total"] == len(opened)
 
 
+def test_held_rows_stay_within_the_state_byte_bound(tmp_path):
+    """recorder_rows=4096 at 512 x 4096 used to keep the whole batch per state (52 MiB); the rows one state holds
+    stay within recorder_max_state_bytes (here 4 MiB: 512 x 4096 x 6 inputs would be 50 MiB), at least one."""
+    bound = 4 << 20
+    with GRPOMonitor(run="m", group_size=8, port=None, guard="off", recorder_dir=tmp_path, edit_distance_groups=0,
+                     recorder_rows=4096, recorder_max_state_bytes=bound) as mon:
+        for step in range(3):
+            mon.observe_rollout(step, **_inputs(step, bad=step == 1, n=512, t=4096))
+            held = [sum(t.numel() * t.element_size() for rows in state.rows.values() for t in rows.values())
+                    for state in mon._recorder._open.values()]
+            assert held
+            assert max(held) <= bound
+    [m] = manifests(tmp_path)
+    kept = torch.load(incidents(tmp_path)[0] / "first_anomalous.pt", weights_only=True)["rollout"]
+    assert 1 <= len(kept["row"]) < 512
+    assert sum(t.numel() * t.element_size() for t in kept.values()) <= bound
+    assert m["states"]["first_anomalous"]["rows"]["rollout"][0]["driver"] == "nonfinite"  # the offending row kept
+
+
 def test_the_disk_budget_removes_the_oldest_incidents_first(tmp_path):
     one = tmp_path / "one"
     _episodes(one, 1)

@@ -172,6 +172,7 @@ class GRPOMonitor:
                 triggers=config.recorder_triggers, lines=config.stop_lines,
                 flush_timeout_s=config.recorder_flush_timeout_s, cooldown_steps=config.recorder_cooldown_steps,
                 floor=FreeFloor(config.recorder_min_free_bytes, config.recorder_min_free_ratio),
+                state_bytes=config.recorder_max_state_bytes,
                 publication=self._publication,
                 on_error=lambda exc: self._report.error("recorder", exc, "flight recorder"), decode=decode,
                 metrics=config,

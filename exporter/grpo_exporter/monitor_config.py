@@ -119,6 +119,11 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         16, ge=1, le=4096, description="rows kept per step and stage; on an anomalous step up to half are the rows "
         "that drove the trigger",
     )
+    recorder_max_state_bytes: int = Field(
+        32 << 20, ge=1 << 10, description="bytes the rows of one step and stage may hold on the tensors' device: "
+        "fewer than recorder_rows are kept where the rows are long (at least one); the recorder holds a few such "
+        "states (the open steps, the last normal one, a pending incident)",
+    )
     recorder_history_steps: int = Field(
         32, ge=1, le=100_000, description="steps whose key metrics an incident carries (the ring before it)",
     )

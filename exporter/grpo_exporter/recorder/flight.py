@@ -42,7 +42,7 @@ from grpo_exporter.background import DaemonExecutor, worker_thread
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.publication import Publication
-from grpo_exporter.recorder.rows import Decode, describe_rows, json_number, select_rows, take_rows
+from grpo_exporter.recorder.rows import Decode, describe_rows, json_number, row_bytes, select_rows, take_rows
 from grpo_exporter.recorder.store import (
     INCIDENT_PREFIX,
     FreeFloor,
@@ -165,7 +165,7 @@ class FlightRecorder:
     def __init__(
         self, root: Path, *, run: str, rank: int, world: int, rows: int, history_steps: int, budget_bytes: int,
         triggers: tuple[str, ...], lines: StopLines, flush_timeout_s: float, publication: Publication,
-        cooldown_steps: int = 0, floor: FreeFloor | None = None,
+        cooldown_steps: int = 0, floor: FreeFloor | None = None, state_bytes: int = 1 << 62,
         on_error: Callable[[BaseException], None], decode: Decode | None = None,
         metrics: MetricsConfig | None = None,
     ) -> None:
@@ -182,7 +182,7 @@ class FlightRecorder:
         self._last_normal: State | None = None
         self._pending: Incident | None = None
         self._active: set[str] = set()  # the triggers of the episodes in progress
-        self._cooldown, self._floor = cooldown_steps, floor
+        self._cooldown, self._floor, self._state_bytes = cooldown_steps, floor, state_bytes
         self._opened: dict[str, int] = {}  # trigger -> the step whose incident it last opened
         self._serial = 0
         self._lock = threading.RLock()  # SIGTERM's flush runs on the training thread, maybe inside observe
@@ -211,7 +211,8 @@ class FlightRecorder:
                 if inputs is not None and getattr(inputs, name) is not None:
                     state.versions[name] = int(getattr(inputs, name))
             if inputs is not None and inputs.n:
-                index, drivers = select_rows(inputs, fired, self._rows, self._metrics)
+                rows = min(self._rows, max(1, self._state_bytes // row_bytes(inputs, extra)))
+                index, drivers = select_rows(inputs, fired, rows, self._metrics)
                 state.rows[stage] = take_rows(inputs, index, extra)
                 state.drivers[stage] = drivers
                 if index.is_cuda:

@@ -156,19 +156,33 @@ def select_rows(x: StepInputs, triggers: Sequence[str], rows: int,
     return torch.tensor(chosen, dtype=torch.long, device=x.device), drivers
 
 
-def take_rows(x: StepInputs, index: Tensor, extra: Mapping[str, Tensor | None] | None = None) -> dict[str, Tensor]:
-    """The inputs' rows at ``index`` (new tensors, detached), plus ``extra`` (N, ...) tensors, ``row`` the index."""
-    taken: dict[str, Tensor] = {"row": index}
+def _row_tensors(x: StepInputs, extra: Mapping[str, Tensor | None] | None) -> dict[str, Tensor]:
+    """The (N, ...) tensors a kept row is taken from, by the name it is kept under."""
     n = x.n
+    found: dict[str, Tensor] = {}
     for name in ROW_FIELDS:
         t = getattr(x, name)
         if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == n:
-            taken[name] = t.detach().index_select(0, index)
+            found[name] = t
     for name, t in x.reward_components.items():
-        taken[f"reward_components.{name}"] = t.detach().index_select(0, index)
+        found[f"reward_components.{name}"] = t
     for name, t in (extra or {}).items():
         if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == n:
-            taken[name] = t.detach().index_select(0, index)
+            found[name] = t
+    return found
+
+
+def row_bytes(x: StepInputs, extra: Mapping[str, Tensor | None] | None = None) -> int:
+    """Bytes one kept row takes (every field's row, on its device), from the shapes alone: no host read."""
+    per_row = sum(t.numel() // t.shape[0] * t.element_size() for t in _row_tensors(x, extra).values() if t.shape[0])
+    return per_row + 8  # the row's index
+
+
+def take_rows(x: StepInputs, index: Tensor, extra: Mapping[str, Tensor | None] | None = None) -> dict[str, Tensor]:
+    """The inputs' rows at ``index`` (new tensors, detached), plus ``extra`` (N, ...) tensors, ``row`` the index."""
+    taken: dict[str, Tensor] = {"row": index}
+    for name, t in _row_tensors(x, extra).items():
+        taken[name] = t.detach().index_select(0, index)
     return taken
 
 
