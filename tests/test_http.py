@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
 import shutil
 import socket
@@ -128,6 +129,7 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
     baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.61\n')
     mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=1,
                       max_pending_micro_steps=1, gap_baseline_steps=1, anchor_steps=1, rollout_correction_cap=1.002,
+                      rollout_logprob_nan="unscored",
                       recorder_dir=tmp_path / "incidents", **BASE)
     model = torch.nn.Linear(4, 3)
     for step in range(3):
@@ -230,6 +232,76 @@ def test_idle_plain_connections_time_out_and_many_scrapers_are_served():
         served = sorted(x for x in latencies if math.isfinite(x))
         assert len(served) >= 100  # most of the 200 scrapes were answered
         assert served[len(served) // 2] < 0.5  # median latency
+
+
+def _trickle(port: int, stop: threading.Event, lifetimes: list[float], every_s: float) -> None:
+    """A slowloris client without credentials: one byte of a request every ``every_s`` (under the per-read
+    timeout), reconnecting at once whenever the server lets it go."""
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: y\r\n" * 1000
+    while not stop.is_set():
+        start = time.monotonic()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                s.settimeout(every_s)
+                for byte in request:
+                    s.sendall(bytes([byte]))
+                    with contextlib.suppress(TimeoutError):
+                        if s.recv(1) == b"":  # let go by the server: seen at once, not at the next byte
+                            break
+                    if stop.is_set():
+                        return
+        except OSError:
+            pass
+        lifetimes.append(time.monotonic() - start)
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_slowloris_trickle_blocks_no_scrape(certificate, tls):
+    """WORKERS reconnecting tricklers, one byte every 3 s (each read within the 5 s idle timeout), used to hold
+    every worker for ever, so every scrape was dropped, plain and TLS. A new connection now evicts the oldest one
+    still sending its request after EVICT_AFTER_S: a scraper scraping every 0.5 s is answered, and no trickler
+    keeps a worker past REQUEST_DEADLINE_S."""
+    from grpo_exporter.server import REQUEST_DEADLINE_S, WORKERS
+
+    cert, key = certificate
+    settings = {"tls_cert": cert, "tls_key": key} if tls else {}
+    context = ssl.create_default_context(cafile=str(cert)) if tls else None
+    with GRPOMonitor(run="slow", port=0, **settings, **BASE) as mon:
+        stop, lifetimes = threading.Event(), []
+        tricklers = [threading.Thread(target=_trickle, args=(mon.port, stop, lifetimes, 3.0)) for _ in range(WORKERS)]
+        for t in tricklers:
+            t.start()
+        time.sleep(1.5)  # every worker held by a trickler
+        answered = 0
+        try:
+            for _ in range(12):
+                start = time.monotonic()
+                with contextlib.suppress(OSError):
+                    answered += "grpo_build_info" in scrape(mon.url, context=context)
+                time.sleep(max(0.0, 0.5 - (time.monotonic() - start)))
+        finally:
+            stop.set()
+            for t in tricklers:
+                t.join(timeout=10)
+    assert answered >= 10
+    assert lifetimes
+    assert max(lifetimes) <= REQUEST_DEADLINE_S + 1.0
+
+
+def test_a_request_past_its_deadline_is_cut(monkeypatch):
+    """One trickler alone (nothing to evict it): one byte a second keeps every read within the idle timeout,
+    and the connection used to live for as long as it trickled; it ends at REQUEST_DEADLINE_S."""
+    from grpo_exporter import server
+
+    monkeypatch.setattr(server, "REQUEST_DEADLINE_S", 2.0)
+    with GRPOMonitor(run="deadline", port=0, **BASE) as mon:
+        stop, lifetimes = threading.Event(), []
+        trickler = threading.Thread(target=_trickle, args=(mon.port, stop, lifetimes, 1.0))
+        trickler.start()
+        time.sleep(4.5)
+        stop.set()
+        trickler.join(timeout=10)
+    assert 2.0 <= lifetimes[0] <= 3.5
 
 
 def test_ipv6_host():

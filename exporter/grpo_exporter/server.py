@@ -6,8 +6,13 @@ Binds 127.0.0.1 by default (0.0.0.0 or ``::`` is an explicit choice for containe
 
 * the accept loop only accepts: TLS handshakes and request parsing run in a bounded pool of worker threads
   (``WORKERS``); a connection beyond it is closed at once; the listen backlog is 128;
-* every connection has a read timeout (``IDLE_TIMEOUT_S``), TLS handshake included, so an idle or silent
-  client ties up a worker for seconds, never for ever;
+* every connection has a read timeout (``IDLE_TIMEOUT_S``), TLS handshake included, and a deadline for the
+  whole exchange (``REQUEST_DEADLINE_S``: handshake, headers, body and answer), so neither an idle client nor
+  one that trickles a byte every few seconds (slowloris) ties up a worker for more than seconds;
+* when every worker is busy, a new connection that sends its whole request head at once (plain: request line
+  and headers; TLS: the first handshake record) within ``PROMPT_S``, as a scraper does, evicts the oldest
+  connection still sending its request after ``EVICT_AFTER_S``; a new connection that trickles is dropped, so
+  reconnecting tricklers never evict each other and scrapes are answered;
 * :meth:`MetricsServer.close` returns within 2 s whatever the clients do (it closes their sockets);
 * basic auth (exporter-toolkit's scheme): the hash format is validated at configuration time; an unknown
   user is checked against a dummy hash of the same cost, so timing does not reveal user names; verified
@@ -27,12 +32,14 @@ import contextlib
 import errno
 import hashlib
 import hmac
+import select
 import socket
 import ssl
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from socketserver import BaseServer
 from typing import Any
@@ -46,6 +53,11 @@ from grpo_exporter.monitor_config import hash_password, parse_password_hash, ver
 WORKERS = 8
 BACKLOG = 128
 IDLE_TIMEOUT_S = 5.0
+REQUEST_DEADLINE_S = 10.0  # a connection's whole exchange; Prometheus' own scrape_timeout defaults to 10 s
+PROMPT_S = 0.05  # every worker busy: a new connection whose request head is in within this may evict a slow one
+EVICT_AFTER_S = 0.25  # a connection still sending its request this long may be evicted by a prompt one
+EVICT_WAIT_S = 0.5  # how long a new connection waits for the evicted one's worker
+TLS_RECORD_HEADER = 5  # content type, version, length (2 bytes)
 CLOSE_WITHIN_S = 2.0
 FAILED_AUTH_PER_S = 1.0  # refill of the failed-attempt bucket: slow hashes a second a wrong-password flood gets
 FAILED_AUTH_BURST = 5
@@ -61,9 +73,30 @@ class PortInUseError(OSError):
 
 class _Handler(WSGIRequestHandler):
     timeout = IDLE_TIMEOUT_S  # socket timeout of every read: an idle client is dropped after it
+    server: _Server
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self.server.headed()  # the request line and headers are in: no longer a candidate for eviction
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not news; stay silent."""
+
+
+@dataclass(eq=False)
+class _Connection:
+    """One served connection: its socket (the TLS one once wrapped), when it was accepted, and whether its
+    request's headers are in."""
+
+    sock: socket.socket
+    accepted: float
+    headed: bool = False
+
+    def cut(self) -> None:
+        """End it from another thread: the worker's pending read returns and the worker lets it go."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
 
 class BasicAuth:
@@ -133,6 +166,28 @@ class _TokenBucket:
         self.tokens = min(self.burst, self.tokens + 1.0)
 
 
+def _prompt(sock: socket.socket, tls: bool) -> bool:
+    """Whether a new connection's request head is in within ``PROMPT_S`` (read with MSG_PEEK: the worker reads it
+    again): the request line and headers, or for TLS the whole first record (the ClientHello)."""
+    deadline = time.monotonic() + PROMPT_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            if not select.select([sock], [], [], left)[0]:
+                return False
+            head = sock.recv(1 << 14, socket.MSG_PEEK)
+        except (OSError, ValueError):
+            return False
+        if not head:
+            return False
+        if tls:
+            if len(head) >= TLS_RECORD_HEADER and len(head) >= TLS_RECORD_HEADER + int.from_bytes(head[3:5], "big"):
+                return True
+        elif b"\r\n\r\n" in head or len(head) == 1 << 14:
+            return True
+        time.sleep(0.005)  # more of it may be on its way; the bytes already there keep select() answering
+    return False
+
+
 class _Server(WSGIServer):
     """A WSGI server whose accept loop only accepts; each connection is served (TLS handshake included) by
     one of ``WORKERS`` threads, or closed at once when all are busy."""
@@ -145,8 +200,9 @@ class _Server(WSGIServer):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.tls = tls
         self.slots = threading.BoundedSemaphore(WORKERS)
-        self.open_connections: set[socket.socket] = set()
+        self.open_connections: set[_Connection] = set()
         self.connections_lock = threading.Lock()
+        self.current = threading.local()  # the worker thread's connection
         self.closing = False
         self.accepting = _TokenBucket(CONNECTIONS_PER_S, CONNECTIONS_BURST)
         self.auth: BasicAuth | None = None
@@ -159,32 +215,64 @@ class _Server(WSGIServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         shedding = self.auth is not None and self.auth.failures.tokens < 1.0 and not self.accepting.take()
-        if self.closing or shedding or not self.slots.acquire(blocking=False):
+        served = not self.closing and not shedding and (
+            self.slots.acquire(blocking=False)
+            or (_prompt(request, self.tls is not None) and self._evict_slowest()
+                and self.slots.acquire(timeout=EVICT_WAIT_S))
+        )
+        if not served:
             self.shutdown_request(request)  # shed, or every worker busy: drop it; a scraper retries next interval
             if not self.closing:  # a client that reconnects at once would keep this loop (and a core) busy
                 time.sleep(SHED_PAUSE_S)
             return
+        connection = _Connection(request, time.monotonic())
         with self.connections_lock:
-            self.open_connections.add(request)
-        threading.Thread(target=self._serve, args=(request, client_address), daemon=True,
+            self.open_connections.add(connection)
+        threading.Thread(target=self._serve, args=(connection, client_address), daemon=True,
                          name="grpo-exporter-http-worker").start()
 
-    def _serve(self, request: socket.socket, client_address: Any) -> None:
-        conn: socket.socket = request
+    def _evict_slowest(self) -> bool:
+        """Cut the oldest connection still sending its request after ``EVICT_AFTER_S``; whether there was one."""
+        now = time.monotonic()
+        with self.connections_lock:
+            slow = [c for c in self.open_connections if not c.headed and now - c.accepted >= EVICT_AFTER_S]
+            if not slow:
+                return False
+            min(slow, key=lambda c: c.accepted).cut()
+        return True
+
+    def service_actions(self) -> None:
+        """Each turn of the accept loop (at most ``poll_interval`` apart): cut the connections past their
+        deadline, whatever they are doing."""
+        now = time.monotonic()
+        with self.connections_lock:
+            for connection in self.open_connections:
+                if now - connection.accepted > REQUEST_DEADLINE_S:
+                    connection.cut()
+
+    def headed(self) -> None:
+        """Called by the worker once its request's headers are in."""
+        connection = getattr(self.current, "connection", None)
+        if connection is not None:
+            connection.headed = True
+
+    def _serve(self, connection: _Connection, client_address: Any) -> None:
+        conn = connection.sock
+        self.current.connection = connection
         try:
-            request.settimeout(IDLE_TIMEOUT_S)
+            conn.settimeout(IDLE_TIMEOUT_S)
             if self.tls is not None:
-                conn = self.tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
-                with self.connections_lock:
-                    self.open_connections.add(conn)
-                conn.do_handshake()  # bounded by the socket timeout
+                with self.connections_lock:  # wrapping takes the socket's descriptor over
+                    conn = connection.sock = self.tls.wrap_socket(conn, server_side=True,
+                                                                  do_handshake_on_connect=False)
+                conn.do_handshake()  # bounded by the socket timeout and the deadline
             self.finish_request(conn, client_address)
         except Exception:
             pass
         finally:
+            self.current.connection = None
             with self.connections_lock:
-                self.open_connections.discard(request)
-                self.open_connections.discard(conn)
+                self.open_connections.discard(connection)
             self.shutdown_request(conn)
             self.slots.release()
 
@@ -194,11 +282,10 @@ class _Server(WSGIServer):
     def drop_connections(self) -> None:
         with self.connections_lock:
             connections, self.open_connections = list(self.open_connections), set()
-        for conn in connections:
+        for connection in connections:
+            connection.cut()
             with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                conn.close()
+                connection.sock.close()
 
 
 class MetricsServer:
