@@ -8,6 +8,7 @@ import asyncio
 import fcntl
 import functools
 import json
+import logging
 import math
 import os
 import shlex
@@ -265,6 +266,54 @@ def test_held_rows_stay_within_the_state_byte_bound(tmp_path):
     assert 1 <= len(kept["row"]) < 512
     assert sum(t.numel() * t.element_size() for t in kept.values()) <= bound
     assert m["states"]["first_anomalous"]["rows"]["rollout"][0]["driver"] == "nonfinite"  # the offending row kept
+
+
+def test_prompt_tokens_on_another_device_never_cost_the_incident(tmp_path, caplog):
+    """prompt_tokens on a device other than the step's tensors: taking its rows there used to raise inside the
+    recorder and lose the whole incident. Tokens that can move are moved (a CPU-to-GPU copy of a few ids; this
+    machine has no second device to show it); tokens that cannot (here the meta device) are left out with a
+    counted error naming the field, and the incident keeps every other row field."""
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    with GRPOMonitor(run="d", group_size=8, port=None, guard="off", recorder_dir=tmp_path,
+                     edit_distance_groups=0) as mon:
+        for step in range(3):
+            mon.observe_rollout(step, **_inputs(step, bad=step == 1),
+                                prompt_tokens=torch.zeros(32, 5, dtype=torch.long, device="meta"))
+    [m] = manifests(tmp_path)
+    assert m["steps"] == {"last_normal": 0, "first_anomalous": 1, "next": 2}
+    kept = torch.load(incidents(tmp_path)[0] / "first_anomalous.pt", weights_only=True)["rollout"]
+    assert "prompt_tokens" not in kept
+    assert kept["rollout_logprobs"].shape == (16, 64)
+    assert mon.metrics()['grpo_exporter_errors_total{stage="recorder"}'] == 3
+    assert any("`prompt_tokens`: expected a tensor that can move to the inputs' device cpu" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_monitor_starts_while_another_job_prunes_the_directory(tmp_path):
+    """Another job removing incidents while a monitor is made: the constructor lists them and sums their sizes,
+    and a directory or manifest gone in between used to raise FileNotFoundError from it (training never
+    started). 300 incidents, a pruner in another process removing them, monitors made meanwhile."""
+    for i in range(300):
+        folder = tmp_path / f"incident-s{i:09d}-20261201T000000Z-r0"
+        (folder / "sub").mkdir(parents=True)
+        (folder / "incident.json").write_text("{}")
+        for name in ("a.pt", "b.pt", "sub/c.pt"):
+            (folder / name).write_bytes(b"x" * 100)
+    pruner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import shutil, pathlib
+        for p in sorted(pathlib.Path({str(tmp_path)!r}).glob("incident-*")):
+            shutil.rmtree(p, ignore_errors=True)
+        """)])
+    made = 0
+    try:
+        while pruner.poll() is None or made == 0:
+            GRPOMonitor(run="p", group_size=8, port=None, guard="off", recorder_dir=tmp_path,
+                        edit_distance_groups=0).close()
+            made += 1
+    finally:
+        pruner.wait(timeout=60)
+    assert made >= 1
+    assert incidents(tmp_path) == []
 
 
 def test_the_disk_budget_removes_the_oldest_incidents_first(tmp_path):

@@ -84,7 +84,8 @@ def _key(name: str, **labels: str) -> catalog.SampleKey:
 
 
 def _prompt_tokens(tokens: Tensor | None, inputs: StepInputs | None) -> Tensor | None:
-    """``prompt_tokens`` checked for the recorder: (N, S) integers on the inputs' device."""
+    """``prompt_tokens`` checked for the recorder: (N, S) integers, moved to the inputs' device when they are on
+    another (a copy of a few ids, without waiting for the device: the recorder takes its rows there)."""
     if tokens is None:
         return None
     n = inputs.n if inputs is not None else None
@@ -92,6 +93,12 @@ def _prompt_tokens(tokens: Tensor | None, inputs: StepInputs | None) -> Tensor |
         n is not None and tokens.shape[0] != n
     ):
         raise InputError("prompt_tokens", f"an (N, S) integer tensor with N = {n}", describe(tokens))
+    if inputs is not None and tokens.device != inputs.device:
+        try:
+            return tokens.to(inputs.device, non_blocking=True)
+        except (RuntimeError, NotImplementedError) as exc:
+            raise InputError("prompt_tokens", f"a tensor that can move to the inputs' device {inputs.device}",
+                             f"one on {tokens.device} ({exc})") from exc
     return tokens
 
 
