@@ -28,13 +28,16 @@ from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.render import rules_outputs
 
 SCRAPE_S = 30
+# rule evaluation every minute: Prometheus' default evaluation_interval (ours in deploy/ is 15 s); every replay's
+# promtool time is its evaluations x its rules, and at twice the scrape interval it is half that at 30 s
+EVAL_S = 60
 JOB, INSTANCE = "grpo", "trainer:9887"
 # separate firing episodes per alert and run: a test-only recording rule marks each evaluation where an alert
 # fires and did not one evaluation before (a subquery over every ALERTS series would exceed promtool's limit)
 EPISODE_RULES = {"groups": [{"name": "replay-episodes", "rules": [{
     "record": "replay:alert_starts",
     "expr": 'label_join(group by (alertname, run) (ALERTS{alertstate="firing"}) unless on(alertname, run) '
-            f'group by (alertname, run) (ALERTS{{alertstate="firing"}} offset {SCRAPE_S}s), '
+            f'group by (alertname, run) (ALERTS{{alertstate="firing"}} offset {EVAL_S}s), '
             '"pair", "/", "alertname", "run")',
 }]}]}
 
@@ -305,7 +308,7 @@ def promtool_test(mixin: MixinConfig, timeline: Timeline, expect: Iterable[Expec
     }]
     for e in expect:
         firing = f'ALERTS{{alertname="{e.alert}",alertstate="firing"' + (f',run="{e.run}"}}' if e.run else "}")
-        first = f"min(min_over_time(timestamp({firing})[{end}s:{SCRAPE_S}s]))"
+        first = f"min(min_over_time(timestamp({firing})[{end}s:{EVAL_S}s]))"
         low, high = e.onset_s + fors[e.alert], e.onset_s + e.within_s
         tests.append({
             "expr": f"({first} >= {low:g} and {first} <= {high:g}) * 0 + 1",
@@ -314,7 +317,7 @@ def promtool_test(mixin: MixinConfig, timeline: Timeline, expect: Iterable[Expec
         })
     doc = {
         "rule_files": [*sorted(rules_outputs(mixin)), "replay-episodes.rules.yml"],
-        "evaluation_interval": f"{SCRAPE_S}s",
+        "evaluation_interval": f"{EVAL_S}s",
         "group_eval_order": ["grpo-recording", "grpo-alerts", "replay-episodes"],
         "tests": [{
             "name": name,

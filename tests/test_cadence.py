@@ -1,5 +1,6 @@
 """The production rules at production cadence: a real exporter replayed through promtool at steps of 20 s,
-2 min and 10 min with 30 s scrapes (tests/replay.py), the rules generated for that cadence (``step_seconds``).
+2 min and 10 min with 30 s scrapes and the rules evaluated every minute (tests/replay.py), the rules generated for
+that cadence (``step_seconds``).
 
 Every scenario asserts the exact set of alerts that fired over the whole replay, each in exactly one
 episode (no flapping), each first firing no earlier than its ``for`` after the fault's onset and within a

@@ -34,7 +34,7 @@ from grpo_exporter.demo.trainer import Trainer
 from grpo_exporter.demo.worlds import CADENCES, COLLAPSE_INDEX, Trajectory, World, collapse_world, world
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.render import rules_outputs
-from replay import EPISODE_RULES, JOB, SCRAPE_S, Timeline, _encode, _exposed, rule_metric_names
+from replay import EPISODE_RULES, EVAL_S, JOB, SCRAPE_S, Timeline, _encode, _exposed, rule_metric_names
 
 TAIL_S = 1800  # scrapes after the run's end (its target down): a normal end pages nothing
 PROMTOOL_WORLDS = 12  # worlds of one cadence judged by one promtool run (a larger sweep runs several)
@@ -114,7 +114,7 @@ def _fired(mixin: MixinConfig, timeline: Timeline, folder: Path) -> dict[str, di
     end = timeline.scrapes * SCRAPE_S
     doc = {
         "rule_files": [*sorted(rules_outputs(mixin)), "replay-episodes.rules.yml"],
-        "evaluation_interval": f"{SCRAPE_S}s",
+        "evaluation_interval": f"{EVAL_S}s",
         "group_eval_order": ["grpo-recording", "grpo-alerts", "replay-episodes"],
         "tests": [{
             "name": "worlds",

@@ -147,7 +147,8 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         "new episode writes",
     )
     recorder_flush_timeout_s: float = Field(
-        30.0, ge=0, description="at close, when the guard raises and at exit: longest wait for pending incidents",
+        30.0, ge=0, description="at close, when the guard raises, at exit and on SIGTERM: longest wait for pending "
+        "incidents",
     )
 
     @field_validator("recorder_dir", mode="before")
