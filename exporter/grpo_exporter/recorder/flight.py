@@ -252,7 +252,7 @@ class FlightRecorder:
             log.warning("grpo-exporter flight recorder: %d incident(s) still being written after %g s "
                         "(recorder_flush_timeout_s): close() returns without them (a hung decode or a stuck "
                         "filesystem under %s?)", left, self._flush_timeout_s, self.root)
-        self._pool.shutdown()
+        self._pool.shutdown(0.0 if left else self._flush_timeout_s)  # a stuck writer is abandoned, an idle one ends
         _LIVE.discard(self)
 
     # ---- sealing --------------------------------------------------------------------------------------------
