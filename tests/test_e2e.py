@@ -12,7 +12,7 @@ receiver; each run has its own ``run`` label and exporter port.
   steps, deliver no page at all (nothing even fires in Prometheus), and no exporter is ever seen down.
 
 Runs go through a pool of CONCURRENT trainers (one process: the tiny steps are bound by the GIL, ~10 steps/s
-in all), longest first; the whole suite takes ~4-6 min on 2 cores.
+in all), longest first; the whole suite takes ~7 min on 2 cores.
 """
 
 from __future__ import annotations
