@@ -32,13 +32,14 @@ SCRAPE_S = 30
 # promtool time is its evaluations x its rules, and at twice the scrape interval it is half that at 30 s
 EVAL_S = 60
 JOB, INSTANCE = "grpo", "trainer:9887"
-# separate firing episodes per alert and run: a test-only recording rule marks each evaluation where an alert
-# fires and did not one evaluation before (a subquery over every ALERTS series would exceed promtool's limit)
+# separate firing episodes per alert and run (per target for the alerts of a target, which carry no run): a
+# test-only recording rule marks each evaluation where an alert fires and did not one evaluation before (a
+# subquery over every ALERTS series would exceed promtool's limit)
 EPISODE_RULES = {"groups": [{"name": "replay-episodes", "rules": [{
     "record": "replay:alert_starts",
-    "expr": 'label_join(group by (alertname, run) (ALERTS{alertstate="firing"}) unless on(alertname, run) '
-            f'group by (alertname, run) (ALERTS{{alertstate="firing"}} offset {EVAL_S}s), '
-            '"pair", "/", "alertname", "run")',
+    "expr": 'label_join(group by (alertname, run, instance) (ALERTS{alertstate="firing"}) unless '
+            'on(alertname, run, instance) group by (alertname, run, instance) '
+            f'(ALERTS{{alertstate="firing"}} offset {EVAL_S}s), "pair", "/", "alertname", "run")',
 }]}]}
 
 
@@ -288,26 +289,70 @@ def promtool_test(mixin: MixinConfig, timeline: Timeline, expect: Iterable[Expec
     later than ``within_s`` after it. ``may_fire``: (alert, run) pairs that are true signals of a fault but
     depend on timing (they are neither required nor counted)."""
     expect = list(expect)
-    for file, text in rules_outputs(mixin).items():
-        (folder / file).write_text(text)
+    by = "alertname, run" if any(e.run for e in expect) else "alertname"
+    pairs = "|".join(f"{alert}/{run}" for alert, run in may_fire)
+    selector = f'pair!~"{pairs}"' if pairs else ""
+    return _promtool(mixin, timeline, _expect_tests(mixin, timeline, expect, by, [selector]), folder, name)
+
+
+CASE = re.compile(r"[a-z0-9][a-z0-9-]*")
+
+
+def case_run(case: str, run: str) -> str:
+    """The run label of ``run`` of ``case`` when several cases share one replay."""
+    return f"{case}/{run}"
+
+
+def promtool_cases(mixin: MixinConfig, timeline: Timeline, cases: dict[str, list[Expect]], folder: Path,
+                   name: str) -> subprocess.CompletedProcess[str]:
+    """:func:`promtool_test` for several cases replayed side by side in one timeline (their runs labelled
+    :func:`case_run`): each case's expectations are read from its own runs only, so one promtool run judges
+    them all (its cost is mostly evaluations x rules, shared by the cases); :func:`failed_cases` says which
+    failed."""
+    tests = []
+    for case, expect in cases.items():
+        assert CASE.fullmatch(case), case
+        # a run's alerts, or its target's (GRPOExporterDown carries the instance, no run)
+        selectors = [f'run=~"{case_run(case, ".*")}"', f'run="",instance=~"{case_run(case, ".*")}"']
+        tests += _expect_tests(mixin, timeline, [replace(e, run=None) for e in expect], "alertname", selectors)
+    return _promtool(mixin, timeline, tests, folder, name)
+
+
+def failed_cases(done: subprocess.CompletedProcess[str], cases: Iterable[str]) -> dict[str, list[str]]:
+    """case -> the expressions promtool reports as failed for it; every case, with the whole output, when
+    promtool failed without naming an expression of any (a rule file that does not load, a crash)."""
+    text = done.stdout + done.stderr
+    blocks = re.split(r"\n(?=\s*expr: )", text)
+    found: dict[str, list[str]] = {}
+    for case in cases:
+        marker = f'run=~\\"{case_run(case, ".*")}\\"'
+        found[case] = [b.strip() for b in blocks if b.lstrip().startswith("expr: ") and marker in b]
+    if done.returncode != 0 and not any(found.values()):
+        return {case: [text[-4000:]] for case in cases}
+    return {case: failed for case, failed in found.items() if failed}
+
+
+def _expect_tests(mixin: MixinConfig, timeline: Timeline, expect: list[Expect], by: str,
+                  selectors: list[str]) -> list[dict[str, object]]:
+    """The promtool expressions of :func:`promtool_test` for ``expect``, over the ALERTS of the series that
+    any of ``selectors`` (label matchers, "" for all) picks."""
     end = timeline.scrapes * SCRAPE_S
     fors = {r["alert"]: _seconds(r["for"]) for doc in rules_outputs(mixin).values()
             for g in yaml.safe_load(doc)["groups"] for r in g["rules"] if "alert" in r}
-    by = "alertname, run" if any(e.run for e in expect) else "alertname"
-    (folder / "replay-episodes.rules.yml").write_text(yaml.safe_dump(EPISODE_RULES, sort_keys=False))
-    pairs = "|".join(f"{alert}/{run}" for alert, run in may_fire)
-    excluded = f'{{pair!~"{pairs}"}}' if pairs else ""
 
     def labels(e: Expect) -> str:
         return f'{{alertname="{e.alert}"' + (f',run="{e.run}"}}' if e.run else "}")
 
+    starts = " or ".join(f"sum_over_time(replay:alert_starts{{{s}}}[{end}s])" for s in selectors)
     tests: list[dict[str, object]] = [{
-        "expr": f"sum by ({by}) (sum_over_time(replay:alert_starts{excluded}[{end}s]))",
+        "expr": f"sum by ({by}) ({starts})",
         "eval_time": f"{end}s",
         "exp_samples": [{"labels": labels(e), "value": 1} for e in expect],
     }]
     for e in expect:
-        firing = f'ALERTS{{alertname="{e.alert}",alertstate="firing"' + (f',run="{e.run}"}}' if e.run else "}")
+        run = f',run="{e.run}"' if e.run else ""
+        firing = " or ".join(f'ALERTS{{alertname="{e.alert}",alertstate="firing"{run}{"," + s if s else ""}}}'
+                             for s in selectors)
         first = f"min(min_over_time(timestamp({firing})[{end}s:{EVAL_S}s]))"
         low, high = e.onset_s + fors[e.alert], e.onset_s + e.within_s
         tests.append({
@@ -315,6 +360,15 @@ def promtool_test(mixin: MixinConfig, timeline: Timeline, expect: Iterable[Expec
             "eval_time": f"{end}s",
             "exp_samples": [{"labels": "{}", "value": 1}],
         })
+    return tests
+
+
+def _promtool(mixin: MixinConfig, timeline: Timeline, tests: list[dict[str, object]], folder: Path,
+              name: str) -> subprocess.CompletedProcess[str]:
+    """Write the rules, the episode rule and one promtool test of ``tests`` over the timeline; run it."""
+    for file, text in rules_outputs(mixin).items():
+        (folder / file).write_text(text)
+    (folder / "replay-episodes.rules.yml").write_text(yaml.safe_dump(EPISODE_RULES, sort_keys=False))
     doc = {
         "rule_files": [*sorted(rules_outputs(mixin)), "replay-episodes.rules.yml"],
         "evaluation_interval": f"{EVAL_S}s",

@@ -8,8 +8,10 @@ bound after it. Healthy runs, a normal end, the gap between two runs and one noi
 At 2 min and 10 min steps a fleet of seventeen runs, one fault each, makes every alert fire for its run
 (rules/tests/*.test.yml checks every alert just before and after its `for` at 1-minute steps).
 
-The replays the selected tests read run first, two at a time (the ``outcomes`` fixture); each test asserts its
-own replay's promtool result.
+The replays the selected tests read run first, two at a time (the ``outcomes`` fixture). The scenarios of one
+cadence are replayed side by side, CASES_PER_REPLAY to a promtool run, each on its own runs and targets (the
+rules are per run; promtool's cost is mostly evaluations x rules); each test asserts the expectations of its
+own scenario, read from its own runs.
 """
 
 from __future__ import annotations
@@ -19,12 +21,27 @@ import subprocess
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from grpo_exporter.mixin.config import MixinConfig
-from replay import Expect, Knobs, Scenario, Segment, after, healthy, promtool_test, replay
+from replay import (
+    SCRAPE_S,
+    Expect,
+    Knobs,
+    Scenario,
+    Segment,
+    Timeline,
+    after,
+    case_run,
+    failed_cases,
+    healthy,
+    promtool_cases,
+    promtool_test,
+    replay,
+)
 
 CADENCES = {"20s": 20.0, "2min": 120.0, "10min": 600.0}
 # a fault's alert must first fire within an hour plus this many typical steps of its onset (at least 2 h)
@@ -172,20 +189,65 @@ def _params() -> list[tuple[str, str]]:
             for scenario, case in cases(cadence_s).items() if not (cadence_s < 60 and case.hours > 12)]
 
 
-def _case(folder: Path, cadence: str, scenario: str) -> subprocess.CompletedProcess[str]:
+# cases of one cadence replayed side by side in one promtool run (each on its own runs and targets): promtool's
+# cost is mostly evaluations x rules, so six cases cost about two alone
+CASES_PER_REPLAY = 6
+
+
+def _batches() -> dict[str, tuple[str, ...]]:
+    """key -> the scenarios it replays together: per cadence, the longest first, CASES_PER_REPLAY at a time."""
+    out = {}
+    for cadence, cadence_s in CADENCES.items():
+        found = cases(cadence_s)
+        names = sorted((s for c, s in _params() if c == cadence), key=lambda s: -found[s].hours)
+        for i in range(0, len(names), CASES_PER_REPLAY):
+            out[f"cases/{cadence}/{i // CASES_PER_REPLAY}"] = tuple(names[i : i + CASES_PER_REPLAY])
+    return out
+
+
+def _cases(folder: Path, cadence: str, scenarios: tuple[str, ...]) -> dict[str, list[str]]:
+    """Replay ``scenarios`` side by side, each on its own runs and targets, in a timeline as long as the
+    longest: a case's target is gone after its own end (stale, as a finished job's target leaves discovery).
+    Returns scenario -> what promtool reports as failed for it."""
     cadence_s = CADENCES[cadence]
-    case = cases(cadence_s)[scenario]
     mixin = MixinConfig(step_seconds=cadence_s)
-    timeline = replay(mixin, cadence_s, list(case.segments), case.hours)
     within = max(3600.0, LATENCY_STEPS * cadence_s) + 3600
-    expect = [Expect(e[0], e[1] * 3600, e[2] * 3600 if len(e) > 2 else within) for e in case.expect]
-    return promtool_test(mixin, timeline, expect, folder, f"{scenario}-{cadence}")
+    found = cases(cadence_s)
+    timeline = Timeline(int(max(found[s].hours for s in scenarios) * 3600 // SCRAPE_S))
+    expect: dict[str, list[Expect]] = {}
+    for scenario in scenarios:
+        case = found[scenario]
+        segments = [replace(seg, run=case_run(scenario, seg.run), instance=case_run(scenario, seg.instance))
+                    for seg in case.segments]
+        for key, values in replay(mixin, cadence_s, segments, case.hours).series.items():
+            timeline.series[key] = values + [None] * (timeline.scrapes - len(values))
+        expect[scenario] = [Expect(e[0], e[1] * 3600, e[2] * 3600 if len(e) > 2 else within) for e in case.expect]
+    done = promtool_cases(mixin, timeline, expect, folder, f"cases-{cadence}")
+    return failed_cases(done, scenarios)
 
 
 @pytest.mark.parametrize(("cadence", "scenario"), _params())
 def test_rules_at_production_cadence(cadence, scenario, outcomes):
-    done = outcomes[f"case/{cadence}/{scenario}"].result()
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    key = next(k for k, names in _batches().items() if k.split("/")[1] == cadence and scenario in names)
+    failed = outcomes[key].result().get(scenario, [])
+    assert failed == [], "\n".join(failed)
+
+
+def test_a_case_that_fails_fails_alone():
+    """Several cases share a promtool run: each reads only the failures of its own runs' expressions, and a
+    promtool failure that names no expression fails every case of the run."""
+    expr = ('expr: "sum by (alertname) (sum_over_time(replay:alert_starts{run=~\\"{case}/.*\\"}[9h]) or '
+            'sum_over_time(replay:alert_starts{run=\\"\\",instance=~\\"{case}/.*\\"}[9h]))", time: 9h,\n'
+            '        exp: {alertname="GRPOClipFractionHigh"} 1E+00\n        got: nil\n')
+    out = "Unit Testing:  cases-2min.test.yml\n  FAILED:\n    " + expr.replace("{case}", "clip-storm")
+    done = subprocess.CompletedProcess([], 1, out, "")
+    failed = failed_cases(done, ["clip-storm", "stale-rollouts", "storm"])
+    assert list(failed) == ["clip-storm"]
+    assert "got: nil" in failed["clip-storm"][0]
+    assert failed_cases(subprocess.CompletedProcess([], 0, "  SUCCESS\n", ""), ["clip-storm"]) == {}
+    broken = failed_cases(subprocess.CompletedProcess([], 1, "", "error loading rules"), ["a", "b"])
+    assert set(broken) == {"a", "b"}
+    assert "error loading rules" in broken["a"][0]
 
 
 def _shorter_step(folder: Path) -> subprocess.CompletedProcess[str]:
@@ -270,7 +332,8 @@ def _key(item: pytest.Item) -> str | None:
     params = getattr(item, "callspec", None)
     name = getattr(item, "originalname", item.name)
     if name == "test_rules_at_production_cadence" and params is not None:
-        return f"case/{params.params['cadence']}/{params.params['scenario']}"
+        cadence, scenario = params.params["cadence"], params.params["scenario"]
+        return next(k for k, names in _batches().items() if k.split("/")[1] == cadence and scenario in names)
     if name == "test_every_fault_pages_once_at_production_cadence" and params is not None:
         return f"fleet/{params.params['cadence']}"
     return {"test_a_day_of_ten_minute_steps_pages_each_fault_once": "day",
@@ -280,21 +343,21 @@ def _key(item: pytest.Item) -> str | None:
 def _cost(key: str) -> float:
     """Replayed steps x runs, to start the longest replays first."""
     kind, *rest = key.split("/")
-    if kind == "case":
-        cadence, scenario = rest
-        return cases(CADENCES[cadence])[scenario].hours * 3600 / CADENCES[cadence]
+    if kind == "cases":
+        found = cases(CADENCES[rest[0]])
+        return sum(found[s].hours * 3600 / CADENCES[rest[0]] for s in _batches()[key])
     if kind == "fleet":
         return len(FAULT_RUNS) * 9 * phase_hours(CADENCES[rest[0]]) * 3600 / CADENCES[rest[0]]
     return 150.0
 
 
-def _run(key: str, folder: str) -> subprocess.CompletedProcess[str]:
+def _run(key: str, folder: str) -> subprocess.CompletedProcess[str] | dict[str, list[str]]:
     """One replay and its promtool run, in a worker process."""
     torch.set_num_threads(1)
     kind, *rest = key.split("/")
     path = Path(folder)
-    if kind == "case":
-        return _case(path, *rest)
+    if kind == "cases":
+        return _cases(path, rest[0], _batches()[key])
     if kind == "fleet":
         return _fleet(path, *rest)
     return _a_day(path) if kind == "day" else _shorter_step(path)
@@ -302,7 +365,7 @@ def _run(key: str, folder: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def outcomes(request: pytest.FixtureRequest,
-             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[subprocess.CompletedProcess[str]]]:
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Any]]:
     """Every replay the selected tests of this module read, run two at a time (one per core of the CI machine:
     a replay is one Python process, then promtool), the longest first; all done when it returns (an error in
     one replay is raised by its own test)."""

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from grpo_exporter import GRPOMonitor
+from grpo_exporter.demo import model
+from grpo_exporter.demo.model import bf16_linear
 from grpo_exporter.demo.scenarios import SCENARIOS
 from grpo_exporter.demo.task import EOS, FIRST_SYMBOL, Task
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
@@ -78,6 +80,42 @@ def test_the_engines_own_kv_cached_path_matches_the_trainer_in_fp32():
         old, _ = trainer._logprobs(rollout)
     mask = torch.arange(old.shape[1]) < rollout.lengths.unsqueeze(1)
     assert (rollout.rollout_logprobs - old)[mask].abs().max() < 1e-4
+
+
+def test_the_engines_bf16_gemm_is_pytorchs_bf16_linear():
+    """The engine's GEMMs (model.bf16_linear: bf16 operands, fp32 accumulation, a bf16 result) give PyTorch's own
+    bf16 ``linear`` (on a CPU without bf16 instructions the same bits, ~7x faster), so the demo's engine gap
+    is the bf16 one: the engine's logits are those of its decode through ``linear`` in bf16."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    for rows, width, out in ((72, 48, 144), (8, 48, 192), (64, 192, 48), (8, 48, 18)):
+        x = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+        w = (torch.randn(out, width, generator=gen) / width**0.5).to(torch.bfloat16)
+        b = torch.randn(out, generator=gen).to(torch.bfloat16)
+        ours, native = bf16_linear(x, w, b), torch.nn.functional.linear(x, w, b)
+        assert ours.dtype == torch.bfloat16
+        # one bf16 rounding step at most (8 significant bits), if a CPU's own kernel sums in another order
+        torch.testing.assert_close(ours.float(), native.float(), rtol=2**-7, atol=2**-7)
+    cfg = DemoConfig(seed=3)
+    trainer = Trainer(cfg, monitor=None)  # type: ignore[arg-type]
+    trainer.restore(warm(cfg.seed))
+    prompts, _ = trainer.task.prompts(8, trainer.generator)
+    tokens = torch.randint(0, trainer.task.vocab, (8, 4), generator=gen)
+
+    def decode(linear: object) -> list[torch.Tensor]:
+        """The engine's logits for the prompt and then four given tokens, through its KV cache."""
+        with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+            patch.setattr(model, "bf16_linear", linear)
+            logits, cache = trainer.engine.model.decode_step(prompts, None)
+            found = [logits]
+            for i in range(tokens.shape[1]):
+                logits, cache = trainer.engine.model.decode_step(tokens[:, i : i + 1], cache)
+                found.append(logits)
+        return found
+
+    for ours, native in zip(decode(bf16_linear), decode(torch.nn.functional.linear), strict=True):
+        assert ours.dtype == native.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.float(), native.float(), rtol=2**-6, atol=2**-6)
 
 
 def test_a_bf16_trainer_recomputing_one_sequence_a_pass_is_batch_variant_inside_the_clip_band():

@@ -8,6 +8,17 @@ from torch import Tensor, nn
 KVCache = list[tuple[Tensor, Tensor]]  # per layer: keys and values (B, heads, positions, head width)
 
 
+def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` as a bf16 GEMM computes it: bf16 operands, fp32 accumulation, the result rounded
+    to bf16 (as cuBLAS with 32-bit compute, and PyTorch's own CPU kernel). On CPUs without bf16 instructions
+    PyTorch's bf16 ``linear`` gives the same bits ~7x slower than this (tests/test_demo.py); other dtypes go
+    through ``linear`` unchanged."""
+    if x.dtype != torch.bfloat16:
+        return nn.functional.linear(x, weight, bias)
+    out = nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(torch.bfloat16)
+
+
 class TinyLM(nn.Module):
     def __init__(self, vocab: int, context: int = 16, width: int = 48, layers: int = 2, heads: int = 4) -> None:
         super().__init__()
@@ -38,14 +49,16 @@ class TinyLM(nn.Module):
         for i, layer in enumerate(self.blocks.layers):
             attn = layer.self_attn
             heads, width = attn.num_heads, h.shape[-1]
-            q, k, v = nn.functional.linear(layer.norm1(h), attn.in_proj_weight, attn.in_proj_bias).split(width, -1)
+            q, k, v = bf16_linear(layer.norm1(h), attn.in_proj_weight, attn.in_proj_bias).split(width, -1)
             q, k, v = (x.view(x.shape[0], t, heads, width // heads).transpose(1, 2) for x in (q, k, v))
             if cache is not None:
                 k, v = torch.cat([cache[i][0], k], dim=2), torch.cat([cache[i][1], v], dim=2)
             out.append((k, v))
             mixed = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cache is None)
-            h = h + attn.out_proj(mixed.transpose(1, 2).reshape(h.shape[0], t, width))
-            h = h + layer.linear2(layer.activation(layer.linear1(layer.norm2(h))))
+            h = h + bf16_linear(mixed.transpose(1, 2).reshape(h.shape[0], t, width), attn.out_proj.weight,
+                                attn.out_proj.bias)
+            hidden = layer.activation(bf16_linear(layer.norm2(h), layer.linear1.weight, layer.linear1.bias))
+            h = h + bf16_linear(hidden, layer.linear2.weight, layer.linear2.bias)
         h = self.norm(h[:, -1])
-        return h @ self.embed.weight.T, out
+        return bf16_linear(h, self.embed.weight), out
 
