@@ -9,7 +9,9 @@ import logging
 import math
 import os
 import re
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -24,8 +26,8 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig
 
 from grpo_exporter import GRPOMonitor
-from grpo_exporter.integrations import IntegrationError, check_signature, require
-from grpo_exporter.integrations.trl import TRL_METRICS, MonitoredGRPOTrainer
+from grpo_exporter.integrations import ALLOW_UNTESTED_ENV, IntegrationError, check_signature, require
+from grpo_exporter.integrations.trl import TESTED, TRL_METRICS, MonitoredGRPOTrainer
 from grpo_exporter.integrations.trl_preflight import preflight
 from grpo_exporter.recorder.store import incidents
 from monitor_helpers import parse_exposition, scrape
@@ -284,6 +286,34 @@ def test_an_error_reading_trl_objects_is_counted_and_training_goes_on(model_dir,
     monitor.close()
 
 
+def test_the_grad_norm_without_clipping_and_when_the_trainer_returns_none(model_dir, tmp_path, caplog) -> None:
+    """``max_grad_norm=0`` (no clipping): TRL still logs ``grad_norm`` and so does the monitor, with no clip line
+    (Trainer skipped the clip hook the adapter wrapped: no norm at all before). A trainer that returns no norm
+    (DeepSpeed's ``get_global_grad_norm()`` before its first step; accelerate hands it on) leaves the reading
+    absent and counts no error (``float(None)`` was an error every step before)."""
+    monitor = GRPOMonitor(run="trl-test", group_size=G, port=None, close_linger_s=0)
+    trainer = train(model_dir, tmp_path, monitor=monitor, config={"max_grad_norm": 0.0, "max_steps": 2})
+    found = monitor.metrics()
+    monitor.close()
+    assert found["grpo_grad_norm_pre_clip"] == pytest.approx(_logged(trainer, "grad_norm")[-1], rel=1e-5)
+    assert found["grpo_optimizer_steps_total"] == 2
+    assert "grpo_grad_norm_post_clip" not in found
+    assert found.get("grpo_grad_clip_active_steps_total", 0.0) == 0.0
+    assert sum(v for k, v in found.items() if k.startswith("grpo_exporter_errors_total")) == 0
+
+    monitor = GRPOMonitor(run="trl-test", group_size=G, port=None, close_linger_s=0)
+    trainer = build(model_dir, tmp_path / "none", monitor=monitor, config={"max_steps": 2})
+    trainer.accelerator.clip_grad_norm_ = lambda *args, **kwargs: None
+    with caplog.at_level(logging.INFO, logger="grpo_exporter"):
+        trainer.train()
+    found = monitor.metrics()
+    monitor.close()
+    assert trainer.state.global_step == 2
+    assert "grpo_grad_norm_pre_clip" not in found
+    assert sum(v for k, v in found.items() if k.startswith("grpo_exporter_errors_total")) == 0
+    assert len([r for r in caplog.records if "returned no grad norm" in r.getMessage()]) == 1
+
+
 def test_unknown_verifier_is_refused_naming_the_reward_functions(model_dir, tmp_path) -> None:
     path, tok = model_dir
     args = GRPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=8, num_generations=G,
@@ -319,6 +349,35 @@ def test_a_moved_private_method_fails_at_import_naming_it() -> None:
 def test_a_missing_framework_names_the_extra_to_install() -> None:
     with pytest.raises(IntegrationError, match=r"pip install 'grpo-exporter\[verl\]'"):
         require("verl_is_not_installed_here", "verl", "verl>=0.9,<0.10")
+
+
+def test_an_untested_framework_release_fails_at_import_naming_the_range(monkeypatch, caplog) -> None:
+    """The tested range is enforced (a release outside it moves the private methods an adapter wraps), the
+    error names the version, the range and the override; the override lets it through with one warning."""
+    fake = ModuleType("grpo_fake_framework")
+    fake.__version__ = "2.1.0"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "grpo_fake_framework", fake)
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    tested = "grpo_fake_framework>=1.4,<2 with other>=3"
+    found = r"grpo_fake_framework 2.1.0 is installed, outside the tested range grpo_fake_framework>=1.4,<2 \("
+    with pytest.raises(IntegrationError, match=found) as raised:
+        require("grpo_fake_framework", "fake", tested)
+    assert f"{ALLOW_UNTESTED_ENV}=grpo_fake_framework" in str(raised.value)
+    for untested in ("1.3.9", "2.0.0rc1", "2"):
+        fake.__version__ = untested  # type: ignore[attr-defined]
+        with pytest.raises(IntegrationError):
+            require("grpo_fake_framework", "fake", tested)
+    for version in ("1.4", "1.4.0", "1.9.3+cpu"):
+        fake.__version__ = version  # type: ignore[attr-defined]
+        assert require("grpo_fake_framework", "fake", tested) is fake
+    fake.__version__ = "2.1.0"  # type: ignore[attr-defined]
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "verl, grpo_fake_framework")
+    with caplog.at_level(logging.WARNING, logger="grpo_exporter"):
+        assert require("grpo_fake_framework", "fake", tested) is fake
+    assert [r.getMessage() for r in caplog.records if "outside the tested range" in r.getMessage()]
+    # the installed TRL and transformers are in the adapter's own range (it imported above)
+    assert require("trl", "trl", TESTED) is not None
+    assert require("transformers", "trl", TESTED) is not None
 
 
 def test_the_readme_two_lines_run_as_written(model_dir, tmp_path) -> None:

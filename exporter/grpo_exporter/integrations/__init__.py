@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import os
+import re
+import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -23,15 +28,78 @@ class IntegrationError(ImportError):
     """The framework is missing, or lacks a method or signature the adapter wraps."""
 
 
+#: comma-separated distributions (or "all") whose installed version may lie outside an adapter's tested range
+ALLOW_UNTESTED_ENV = "GRPO_EXPORTER_ALLOW_UNTESTED"
+_RANGE = re.compile(r"([A-Za-z][A-Za-z0-9_.-]*?)((?:(?:>=|<=|==|!=|<|>)[0-9][0-9A-Za-z.+-]*,?)+)(?=\s|$)")
+_COMPARE: dict[str, Callable[[tuple[int, ...], tuple[int, ...]], bool]] = {
+    ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+    "<": lambda a, b: a < b, ">": lambda a, b: a > b,
+}
+
+
+def tested_ranges(tested: str) -> dict[str, str]:
+    """distribution -> its version specifier in an adapter's ``TESTED`` text ("trl>=1.16,<1.17 with ...")."""
+    return {name.lower(): spec.rstrip(",") for name, spec in _RANGE.findall(tested)}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers of a PEP 440 version ("1.16.0rc1+cpu" -> (1, 16, 0)); trailing zeros dropped so
+    that 1.16 == 1.16.0."""
+    found = re.match(r"\d+(?:\.\d+)*", version.strip())
+    numbers = [int(n) for n in found.group(0).split(".")] if found else [0]
+    while len(numbers) > 1 and numbers[-1] == 0:
+        numbers.pop()
+    return tuple(numbers)
+
+
+def in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` satisfies every clause of ``spec`` (">=1.16,<1.17"; release numbers only)."""
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        op = next(o for o in (">=", "<=", "==", "!=", "<", ">") if clause.startswith(o))
+        if not _COMPARE[op](_release(version), _release(clause[len(op):])):
+            return False
+    return True
+
+
+def check_version(distribution: str, version: str, extra: str, tested: str) -> None:
+    """Raise :class:`IntegrationError` when ``version`` of ``distribution`` lies outside the range ``tested``
+    names for it, unless :data:`ALLOW_UNTESTED_ENV` lists it (then one warning is logged). The adapters wrap
+    private methods that move between releases: an untested release fails at import, not mid-training."""
+    spec = tested_ranges(tested).get(distribution.lower())
+    if spec is None or in_range(version, spec):
+        return
+    allowed = {a.strip().lower() for a in os.environ.get(ALLOW_UNTESTED_ENV, "").split(",") if a.strip()}
+    if allowed & {"all", "1", "true", distribution.lower()}:
+        logging.getLogger("grpo_exporter").warning(
+            "%s %s is outside the tested range %s (%s); %s allows it: the wrapped signatures are still checked",
+            distribution, version, spec, tested, ALLOW_UNTESTED_ENV)
+        return
+    raise IntegrationError(
+        f"grpo_exporter.integrations.{extra}: {distribution} {version} is installed, outside the tested range "
+        f"{distribution}{spec} ({tested}). The adapter wraps private methods that move between releases. Install "
+        f"a tested version (pip install 'grpo-exporter[{extra}]'), or set {ALLOW_UNTESTED_ENV}={distribution} to "
+        "try this one (the signatures it wraps are still checked at import)."
+    )
+
+
 def require(module: str, extra: str, tested: str) -> ModuleType:
-    """Import ``module`` or raise :class:`IntegrationError` with the install command for the extra."""
+    """Import ``module`` or raise :class:`IntegrationError` with the install command for the extra; its
+    distribution's installed version must lie in the range ``tested`` names for it (:func:`check_version`)."""
     try:
-        return importlib.import_module(module)
+        found = importlib.import_module(module)
     except ImportError as exc:
         raise IntegrationError(
             f"grpo_exporter.integrations.{extra} needs {module!r} ({tested} is the tested range), which is not "
             f"importable here: {exc}. Install it with: pip install 'grpo-exporter[{extra}]'"
         ) from exc
+    distribution = module.split(".")[0]
+    try:
+        version = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        version = str(getattr(sys.modules.get(distribution), "__version__", ""))
+    if version:
+        check_version(distribution, version, extra, tested)
+    return found
 
 
 def check_signature(

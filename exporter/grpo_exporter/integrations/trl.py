@@ -20,7 +20,8 @@ range, :data:`TESTED`):
   ``ref_per_token_logps`` (``beta != 0``): one :meth:`~GRPOMonitor.observe_rollout` per generation batch;
 * ``_get_per_token_logps_and_entropies`` inside ``_compute_loss(model, inputs)``: the current log-probs and
   entropies of each micro-batch, with its advantages and masks: one :meth:`~GRPOMonitor.observe_update`;
-* ``Trainer._clip_grad_norm(model)``: the pre-clip norm TRL clips with ``max_grad_norm``.
+* ``Trainer._get_grad_norm(model, grad_norm)``: the pre-clip norm TRL clips with ``max_grad_norm`` (computed
+  without clipping when ``max_grad_norm`` is 0; DeepSpeed's own norm under DeepSpeed).
 
 The monitor's step is TRL's ``state.global_step`` (one per optimizer step); a step ends at ``on_step_end``.
 A micro-batch is on-policy when no optimizer step happened since its rollout (TRL's own step counter), which
@@ -64,7 +65,7 @@ check_signature(
     ("self", "model", "input_ids", "attention_mask", "logits_to_keep"), "trl", TESTED,
 )
 check_signature(GRPOTrainer, "_compute_loss", ("self", "model", "inputs"), "trl", TESTED)
-check_signature(Trainer, "_clip_grad_norm", ("self", "model"), "transformers", TESTED)
+check_signature(Trainer, "_get_grad_norm", ("self", "model", "grad_norm"), "transformers", TESTED)
 
 #: TRL's logged metric → the series that means the same thing here (PromQL), and how they differ, if at all.
 TRL_METRICS: Mapping[str, tuple[str, str]] = {
@@ -174,6 +175,7 @@ class GRPOMonitorMixin:
         self._grpo_generated: tuple[list[bool], list[int]] | None = None
         self._grpo_rewards: Tensor | None = None
         self._grpo_capture: list[tuple[Tensor, Tensor | None]] | None = None
+        self._grpo_warned_no_grad_norm = False
         self.add_callback(_EndStep(self))
 
     # ---- rollout -----------------------------------------------------------------------------------------
@@ -286,15 +288,23 @@ class GRPOMonitorMixin:
             **({"policy_version": step, "rollout_policy_version": rollout_step} if rollout_step is not None else {}),
         )
 
-    def _clip_grad_norm(self, model: Any) -> Any:
-        pre_clip = super()._clip_grad_norm(model)
-        with self.monitor.contained("grad", "trl _clip_grad_norm"):
-            norm = pre_clip if isinstance(pre_clip, Tensor) else torch.tensor(float(pre_clip))
-            self.monitor.observe_update(
-                int(self.state.global_step), grad_norm_pre_clip=norm.detach(),
-                max_grad_norm=float(self.args.max_grad_norm),
-            )
-        return pre_clip
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        """The norm Trainer logs as ``grad_norm``: the pre-clip norm with ``max_grad_norm > 0``, computed
+        without clipping at ``max_grad_norm = 0`` (then no clip line is published). Under DeepSpeed it is
+        the engine's ``get_global_grad_norm()``, None before its first step: no reading, not an error."""
+        found = super()._get_grad_norm(model, grad_norm=grad_norm)
+        with self.monitor.contained("grad", "trl _get_grad_norm"):
+            if found is None:
+                if not self._grpo_warned_no_grad_norm:
+                    self._grpo_warned_no_grad_norm = True
+                    logger.info("grpo_exporter: the trainer returned no grad norm (DeepSpeed before its first "
+                                "step?): grpo_grad_norm_pre_clip is absent until it does")
+                return found
+            norm = found.detach() if isinstance(found, Tensor) else torch.tensor(float(found))
+            limit = float(self.args.max_grad_norm)
+            self.monitor.observe_update(int(self.state.global_step), grad_norm_pre_clip=norm,
+                                        **({"max_grad_norm": limit} if limit > 0 else {}))
+        return found
 
 
 class MonitoredGRPOTrainer(GRPOMonitorMixin, GRPOTrainer):  # type: ignore[misc]
