@@ -314,6 +314,22 @@ def test_the_grad_norm_without_clipping_and_when_the_trainer_returns_none(model_
     assert len([r for r in caplog.records if "returned no grad norm" in r.getMessage()]) == 1
 
 
+def test_trls_reward_scaling_sets_the_advantage_check_and_a_mismatch_is_reported(model_dir, tmp_path, caplog):
+    """scale_rewards "group" (TRL's default, unbiased nanstd), "batch" and "none" (or False) give the monitor
+    the matching advantage_norm; a monitor made with another one is reported at start-up (its bound would be
+    the wrong one: a false GRPOAdvantageAboveBound under "batch")."""
+    for scale, norm in (("group", "unbiased"), ("batch", "batch"), ("none", "none"), (False, "none")):
+        trainer = build(model_dir, tmp_path / str(scale), config={"scale_rewards": scale})
+        assert trainer.monitor.config.advantage_norm == norm, scale
+        trainer.monitor.close()
+    monitor = GRPOMonitor(run="trl-test", group_size=G, port=None, close_linger_s=0)
+    with caplog.at_level(logging.WARNING, logger="grpo_exporter"):
+        build(model_dir, tmp_path / "mine", monitor=monitor, config={"scale_rewards": "batch"})
+    monitor.close()
+    assert [r for r in caplog.records if "scale_rewards='batch'" in r.getMessage()
+            and "advantage_norm='batch'" in r.getMessage()]
+
+
 def test_unknown_verifier_is_refused_naming_the_reward_functions(model_dir, tmp_path) -> None:
     path, tok = model_dir
     args = GRPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=8, num_generations=G,

@@ -94,6 +94,28 @@ def test_advantage_above_bound_is_counted():
     assert metrics["grpo_advantage_abs_max"] == 5.0
 
 
+def test_batch_scaled_advantages_exceed_the_group_bound_legitimately_and_are_not_judged_by_it():
+    """TRL's scale_rewards="batch" divides group-centred rewards by the whole batch's std, which can be far below
+    one group's: here one group's lone 10 gets |A| 4.24, above (G-1)/sqrt(G) = 1.5 for G=4, with nothing wrong.
+    Checked as group-normalised (the default) it counts as over the bound (a critical page); as ``batch`` it has
+    no per-group bound: grpo_advantage_bound is absent and nothing counts."""
+    g, prompts = 4, 8
+    rewards = torch.zeros(g * prompts)
+    rewards[0] = 10.0
+    groups = contiguous_groups(g * prompts, g)
+    adv = group_normalized_advantages(rewards, groups, "batch", eps=1e-4)
+    centred = 10.0 - 2.5
+    assert adv[0].item() == pytest.approx(centred / (rewards.std().item() + 1e-4), rel=1e-5)
+    assert adv.abs().max().item() > 2.8 * advantage_bound(g, "unbiased")
+    wrong = compute_step(StepInputs(rewards=rewards, advantages=adv), MetricsConfig(group_size=g))
+    assert wrong["grpo_advantage_over_bound_sequences_total"] == 1  # the lone 10 (its group mates: -1.41)
+    right = compute_step(StepInputs(rewards=rewards, advantages=adv),
+                         MetricsConfig(group_size=g, advantage_norm="batch"))
+    assert right["grpo_advantage_over_bound_sequences_total"] == 0
+    assert "grpo_advantage_bound" not in right
+    assert right["grpo_advantage_abs_max"] == pytest.approx(adv.abs().max().item())
+
+
 @pytest.mark.parametrize(
     ("advantage", "ratio", "truncated", "bound"),
     [

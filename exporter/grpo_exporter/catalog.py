@@ -779,7 +779,7 @@ CATALOG: tuple[Metric, ...] = (
             Label("group_size", bound="config (one value per run)"),
             Label("clip_eps_low", bound="config (one value per run)"),
             Label("clip_eps_high", bound="config (one value per run)"),
-            Label("advantage_norm", ("unbiased", "population", "none")),
+            Label("advantage_norm", ("unbiased", "population", "none", "batch")),
         ),
         inputs=("group_size", "clip_eps_low", "clip_eps_high", "advantage_norm"), source=Source.MONITOR,
     ),

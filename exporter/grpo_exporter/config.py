@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from grpo_exporter.catalog import GAP_QUANTILES, LENGTH_QUANTILES, RATIO_QUANTILES, SOLVE_RATE_BUCKETS
 
-AdvantageNorm = Literal["unbiased", "population", "none"]
+AdvantageNorm = Literal["unbiased", "population", "none", "batch"]
 
 
 class MetricsConfig(BaseModel):
@@ -27,7 +27,9 @@ class MetricsConfig(BaseModel):
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip lower side: ratio < 1 - eps_low")
     clip_eps_high: float = Field(0.2, gt=0.0, description="PPO clip upper side: ratio > 1 + eps_high")
     advantage_norm: AdvantageNorm = Field(
-        "unbiased", description="group std normalisation: unbiased (torch.std), population, or none (Dr. GRPO)"
+        "unbiased", description="group std normalisation: unbiased (torch.std), population, none (Dr. GRPO), or "
+        "batch (group-centred rewards over the whole batch's std, TRL scale_rewards='batch': no per-group |A| "
+        "bound, so grpo_advantage_bound is absent and nothing counts as over it)"
     )
     log_ratio_clamp: float | None = Field(
         None, gt=0.0, description="numerical |log ratio| clamp before exp (the fuse); None = not used"

@@ -150,7 +150,9 @@ def _group_stats(values: Tensor, groups: Groups) -> GroupStats:
 def group_normalized_advantages(
     rewards: Tensor, groups: Groups, norm: AdvantageNorm = "unbiased", eps: float = 1e-4
 ) -> Tensor:
-    """GRPO advantages A_i = (r_i - mean_g) / (std_g + eps), or r_i - mean_g for ``norm="none"`` (Dr. GRPO).
+    """GRPO advantages A_i = (r_i - mean_g) / (std_g + eps), r_i - mean_g for ``norm="none"`` (Dr. GRPO), or
+    (r_i - mean_g) / (std_batch + eps) for ``norm="batch"`` (unbiased std of every reward, TRL's
+    ``scale_rewards="batch"``).
 
     Zero-variance groups get A = 0. Seed §二: binary rewards at p = 0.9 with population std give +0.33 for
     the correct majority and -3.00 for the lone incorrect answer.
@@ -159,6 +161,9 @@ def group_normalized_advantages(
     centred = rewards.double() - stats.mean[groups.index]
     if norm == "none":
         return centred.float()
+    if norm == "batch":
+        batch_std = rewards.double().std() if rewards.numel() > 1 else rewards.double().new_zeros(())
+        return torch.where(batch_std > 0, centred / (batch_std + eps), 0.0).float()
     std = (stats.unbiased_std if norm == "unbiased" else stats.population_std)[groups.index]
     return torch.where(std > 0, centred / (std + eps), 0.0).float()
 
@@ -170,8 +175,8 @@ def advantage_bound(group_size: int | Tensor, norm: AdvantageNorm) -> float | Te
     population std gives sqrt(G-1). Without std the bound is (G-1)/G x the group's reward range, see
     :func:`advantage_bounds`. Accepts an int (float out) or a tensor of group sizes.
     """
-    if norm == "none":
-        raise ValueError("advantage_bound: norm='none' has a per-group bound; use advantage_bounds()")
+    if norm in ("none", "batch"):
+        raise ValueError(f"advantage_bound: norm={norm!r} has no bound per group size; use advantage_bounds()")
     if isinstance(group_size, Tensor):
         g = group_size.double()
         return (g - 1) / g.sqrt() if norm == "unbiased" else (g - 1).clamp(min=0).sqrt()
@@ -186,6 +191,8 @@ def advantage_bounds(rewards: Tensor | None, groups: Groups, norm: AdvantageNorm
     whose bound needs the whole group's reward range, not at all (bound +inf). Never the bound of a fragment.
     """
     sizes = groups.sizes()
+    if norm == "batch":  # the batch's std can be far below a group's: no bound from the group alone
+        return torch.full((groups.bins,), math.inf, dtype=torch.float64, device=sizes.device)
     if norm != "none":
         return advantage_bound(sizes.clamp(min=group_size), norm)
     if rewards is None:

@@ -111,6 +111,19 @@ def _engine_settings(args: Any) -> dict[str, Any]:
     return settings
 
 
+#: TRL's ``scale_rewards`` (after GRPOConfig turns True/False into "group"/"none") -> the monitor's advantage_norm
+SCALE_REWARDS = {"group": "unbiased", "batch": "batch", "none": "none"}
+
+
+def _advantage_norm(args: Any) -> str | None:
+    """The normalisation TRL's advantages have (its std is ``nanstd``, unbiased), or None when this adapter
+    cannot say (``multi_objective_aggregation="normalize_then_sum"`` normalises each reward function first)."""
+    if str(getattr(args, "multi_objective_aggregation", "sum_then_normalize")) != "sum_then_normalize":
+        return None
+    scale = getattr(args, "scale_rewards", "group")
+    return SCALE_REWARDS.get({True: "group", False: "none"}.get(scale, scale))  # type: ignore[call-overload]
+
+
 class _EndStep(TrainerCallback):  # type: ignore[misc]
     """Ends the monitor's step after ``optimizer.step()``; closes a monitor the trainer made at train end."""
 
@@ -155,15 +168,25 @@ class GRPOMonitorMixin:
         self._grpo_owns_monitor = monitor is None
         if monitor is None:
             run = self.args.run_name or Path(self.args.output_dir or "trl").name
+            norm = _advantage_norm(self.args)
             settings = {
                 "run": run, "group_size": self.num_generations,
                 "clip_eps": (self.epsilon_low, self.epsilon_high), **_engine_settings(self.args),
-                **(monitor_settings or {}),
+                **({"advantage_norm": norm} if norm else {}), **(monitor_settings or {}),
             }
             tok = self.processing_class
             decode = (lambda ids: tok.decode(ids)) if hasattr(tok, "decode") else None  # the flight recorder's rows
             monitor = GRPOMonitor(**settings, decode=decode)
-        elif monitor.config.rollout_logprob_nan != "unscored" and (self.args.use_vllm or self.rollout_func):
+        norm = _advantage_norm(self.args)
+        if norm is not None and monitor.config.advantage_norm != norm:
+            logger.warning(
+                "grpo_exporter: TRL's scale_rewards=%r gives advantages normalised %r, the monitor checks them as "
+                "%r: GRPOAdvantageAboveBound judges them against the wrong bound. Make the monitor with "
+                "advantage_norm=%r (MonitoredGRPOTrainer does when it makes the monitor).",
+                self.args.scale_rewards, norm, monitor.config.advantage_norm, norm,
+            )
+        engine = self.args.use_vllm or self.rollout_func
+        if not self._grpo_owns_monitor and engine and monitor.config.rollout_logprob_nan != "unscored":
             logger.warning(
                 "grpo_exporter: TRL hands a token its engine returned without a log-prob as NaN; this monitor has "
                 "rollout_logprob_nan=%r and counts each such token as a non-finite value (GRPONonFiniteValues). "
