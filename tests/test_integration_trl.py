@@ -330,6 +330,22 @@ def test_trls_reward_scaling_sets_the_advantage_check_and_a_mismatch_is_reported
             and "advantage_norm='batch'" in r.getMessage()]
 
 
+def test_the_verifier_is_the_component_the_reward_hack_alert_reads(model_dir, tmp_path, caplog):
+    """The README's own example names components after the reward functions (accuracy, brevity here): the
+    monitor the adapter makes names the verifier's as the correctness component (grpo_reward_component_role,
+    which GRPORewardHackSuspected reads; before, it read component="correctness", which never existed, so it
+    could not fire); a monitor handed in without it is reported at start."""
+    trainer = build(model_dir, tmp_path / "made")
+    found = trainer.monitor.metrics()
+    trainer.monitor.close()
+    assert found['grpo_reward_component_role{component="accuracy",role="correctness"}'] == 1.0
+    monitor = GRPOMonitor(run="trl-test", group_size=G, port=None, close_linger_s=0)
+    with caplog.at_level(logging.WARNING, logger="grpo_exporter"):
+        build(model_dir, tmp_path / "mine", monitor=monitor)
+    monitor.close()
+    assert [r for r in caplog.records if "correctness_component='accuracy'" in r.getMessage()]
+
+
 def test_unknown_verifier_is_refused_naming_the_reward_functions(model_dir, tmp_path) -> None:
     path, tok = model_dir
     args = GRPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=8, num_generations=G,

@@ -64,6 +64,9 @@ class Source(StrEnum):
     MONITOR = "monitor"
 
 
+ONE_PER_RUN = "config (one value per run)"  # a Label bound: one value for the whole run
+
+
 @dataclass(frozen=True)
 class Label:
     """A label and its bounded value set.
@@ -776,12 +779,19 @@ CATALOG: tuple[Metric, ...] = (
         "Constant 1 labelled with the run's group size, clip range and advantage normalisation, so rules and "
         "dashboards can read the model predictions' parameters (e.g. the (G-1)/sqrt(G) bound).",
         L, labels=(
-            Label("group_size", bound="config (one value per run)"),
-            Label("clip_eps_low", bound="config (one value per run)"),
-            Label("clip_eps_high", bound="config (one value per run)"),
+            Label("group_size", bound=ONE_PER_RUN),
+            Label("clip_eps_low", bound=ONE_PER_RUN),
+            Label("clip_eps_high", bound=ONE_PER_RUN),
             Label("advantage_norm", ("unbiased", "population", "none", "batch")),
         ),
         inputs=("group_size", "clip_eps_low", "clip_eps_high", "advantage_norm"), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_reward_component_role", GA,
+        "Constant 1 naming the reward component that measures correctness (correctness_component config, e.g. "
+        "the verifier's reward function), so the reward-hack alert reads it whatever it is called.",
+        L, labels=(Label("component", bound=ONE_PER_RUN), Label("role", ("correctness",))),
+        inputs=("correctness_component",), source=Source.MONITOR,
     ),
     Metric(
         "grpo_build_info", GA,

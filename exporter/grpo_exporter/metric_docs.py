@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from grpo_exporter.anchors import ANCHORED_FAMILIES
-from grpo_exporter.catalog import CATALOG, Layer, Metric, MetricType
+from grpo_exporter.catalog import CATALOG, ONE_PER_RUN, Layer, Metric, MetricType
 from grpo_exporter.monitor_config import MonitorConfig
 
 _LAYER_TITLES = {
@@ -51,7 +51,8 @@ def series_per_run(cfg: MonitorConfig) -> dict[str, int]:
     for m in CATALOG:
         combos = 1
         for label in m.labels:
-            combos *= len(label.values) if label.values else bounded[label.name]
+            one = label.bound == ONE_PER_RUN  # e.g. the correctness component's name: one, not a component each
+            combos *= len(label.values) if label.values else 1 if one else bounded[label.name]
         if m.type is MetricType.SUMMARY:
             per = len(cfg.quantiles_of(m.name)) + 2
         elif m.type is MetricType.HISTOGRAM:

@@ -81,6 +81,11 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     reference_baseline: dict[str, float] = Field(
         default_factory=dict, description="sample key -> value of a known-good run, published as baselines"
     )
+    correctness_component: str | None = Field(
+        None, min_length=1, max_length=128, description="the reward component that measures correctness (the "
+        "verifier's name, e.g. 'accuracy'), published as grpo_reward_component_role{role=\"correctness\"}: "
+        "GRPORewardHackSuspected reads it, whatever the rules' correctness_component default"
+    )
     solve_rate_slots: int = Field(
         1 << 20, ge=1, description="slots of the device-side solve-rate table, indexed by prompt_id modulo its size"
     )

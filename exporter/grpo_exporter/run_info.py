@@ -9,8 +9,9 @@ from grpo_exporter.monitor_config import MonitorConfig
 
 
 def static_values(config: MonitorConfig) -> dict[str, float]:
-    """``grpo_build_info``, ``grpo_run_info``, ``grpo_run_finished`` 0 (live), the event counters at 0
-    and one ``grpo_reference_baseline`` per configured key."""
+    """``grpo_build_info``, ``grpo_run_info``, ``grpo_run_finished`` 0 (live), the event counters at 0,
+    ``grpo_reward_component_role`` when a correctness component is configured and one
+    ``grpo_reference_baseline`` per configured key."""
     values = {
         catalog.metric("grpo_run_finished").key(): 0.0,
         # a counter exists from the start, so that its first increment is an increase Prometheus can see
@@ -22,6 +23,9 @@ def static_values(config: MonitorConfig) -> dict[str, float]:
             clip_eps_high=repr(config.clip_eps_high), advantage_norm=config.advantage_norm,
         ): 1.0,
     }
+    if config.correctness_component is not None:
+        role = catalog.metric("grpo_reward_component_role")
+        values[role.key(component=config.correctness_component, role="correctness")] = 1.0
     baseline = catalog.metric("grpo_reference_baseline")
     for key, value in config.reference_baseline.items():
         name, labels = catalog.parse_key(key)

@@ -144,10 +144,12 @@ class GRPOMonitorMixin:
 
     ``monitor``: a monitor you made (you close it), else one is made with ``run`` = TRL's ``run_name`` (or the
     output directory's name), ``group_size`` = ``num_generations``, ``clip_eps`` = (``epsilon``,
-    ``epsilon_high``), and ``monitor_settings`` on top (any :class:`~grpo_exporter.monitor_config.MonitorConfig`
-    field, e.g. ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward
-    function whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates,
-    length by outcome); without it those metrics are absent.
+    ``epsilon_high``), ``advantage_norm`` from ``scale_rewards``, ``correctness_component`` = ``verifier``, and
+    ``monitor_settings`` on top (any :class:`~grpo_exporter.monitor_config.MonitorConfig` field, e.g.
+    ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward function
+    whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates, length by
+    outcome; the component GRPORewardHackSuspected reads); without it those metrics are absent. A monitor you
+    hand in that disagrees with TRL's config on these is reported at start.
     """
 
     def __init__(
@@ -172,7 +174,8 @@ class GRPOMonitorMixin:
             settings = {
                 "run": run, "group_size": self.num_generations,
                 "clip_eps": (self.epsilon_low, self.epsilon_high), **_engine_settings(self.args),
-                **({"advantage_norm": norm} if norm else {}), **(monitor_settings or {}),
+                **({"advantage_norm": norm} if norm else {}),
+                **({"correctness_component": verifier} if verifier else {}), **(monitor_settings or {}),
             }
             tok = self.processing_class
             decode = (lambda ids: tok.decode(ids)) if hasattr(tok, "decode") else None  # the flight recorder's rows
@@ -184,6 +187,13 @@ class GRPOMonitorMixin:
                 "%r: GRPOAdvantageAboveBound judges them against the wrong bound. Make the monitor with "
                 "advantage_norm=%r (MonitoredGRPOTrainer does when it makes the monitor).",
                 self.args.scale_rewards, norm, monitor.config.advantage_norm, norm,
+            )
+        if verifier is not None and monitor.config.correctness_component != verifier:
+            logger.warning(
+                "grpo_exporter: the verifier %r measures correctness, the monitor names %r: GRPORewardHackSuspected "
+                "reads the component the monitor names (else the rules' correctness_component). Make the monitor "
+                "with correctness_component=%r (MonitoredGRPOTrainer does when it makes the monitor).",
+                verifier, monitor.config.correctness_component, verifier,
             )
         engine = self.args.use_vllm or self.rollout_func
         if not self._grpo_owns_monitor and engine and monitor.config.rollout_logprob_nan != "unscored":

@@ -137,7 +137,8 @@ class MixinConfig(StopLines, EventLines):
     )
     correctness_component: str = Field(
         "correctness", min_length=1, description="GRPORewardHackSuspected: the reward component that measures the "
-        "task itself (the `component` label your training passes to reward_components)"
+        "task itself (the `component` label your training passes to reward_components), for runs that do not "
+        "name theirs (a monitor's correctness_component, which the TRL adapter sets to the verifier, wins)"
     )
     correctness_drop_ratio: float = Field(
         0.7, gt=0, lt=1, description="GRPORewardHackSuspected: correctness below this share of its baseline ..."

@@ -360,6 +360,8 @@ NOT_SHOWN: dict[str, str] = {
     "grpo_completions_total": "denominator of the truncation share",
     "grpo_groups_total": "denominator of the zero-variance share",
     "grpo_run_info": "joins pass@k with the group size (pass@G recording rule)",
+    "grpo_reward_component_role": "picks the correctness component for GRPORewardHackSuspected; the reward "
+    "panel shows every component by name",
     "grpo_engine_logprob_gap_mean_nats": "the panels show the windowed mean recorded from _sum/_count",
     "grpo_onpolicy_outside_clip_ratio": "the panels show the windowed share recorded from the counters",
     "grpo_log_ratio_clamp_hit_ratio": "the panels show the windowed share recorded from the counters",

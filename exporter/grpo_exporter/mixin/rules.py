@@ -154,6 +154,15 @@ def _mean(c: MixinConfig, metric: str, by: str = BY, steps: int | None = None, o
 MEDIAN = "quantile_over_time(0.5, "
 
 
+def _correctness(c: MixinConfig, series: str) -> str:
+    """``series`` (by job, run, component) of the component that measures correctness: the one the run names
+    (``grpo_reward_component_role{role="correctness"}``, e.g. the verifier's reward function), else the one
+    called ``correctness_component``."""
+    role = f'max by (job, run, component) (grpo_reward_component_role{c.matchers(role="correctness")})'
+    return (f"max by ({BY}) ({series} * on(job, run, component) group_left() {role}) "
+            f'or on(job, run) max by ({BY}) ({series}{{component="{c.correctness_component}"}})')
+
+
 def _baseline(c: MixinConfig, expr: str, by: str = BY, op: str = MEDIAN) -> str:
     """A rolling baseline over the window ending ``baseline_offset`` ago, once that window holds
     ``min_baseline_steps`` steps (counted by grpo_steps_total, not by scrapes)."""
@@ -303,6 +312,10 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
          "expr": _baseline(c, f"grpo_ess_ratio{c.matchers()}", by="job, run, level")},
         {"record": "run:grpo_reward_mean:baseline_median",
          "expr": _baseline(c, f"grpo_reward_mean{c.matchers()}", by="job, run, component")},
+        {"record": "run:grpo_reward_correctness:window_mean",
+         "expr": _correctness(c, "run:grpo_reward_mean:window_mean")},
+        {"record": "run:grpo_reward_correctness:baseline_median",
+         "expr": _correctness(c, "run:grpo_reward_mean:baseline_median")},
         {"record": "run:grpo_truncated_completions:baseline_ratio",
          "expr": _baseline(c, "run:grpo_truncated_completions:window_ratio")},
         {"record": "run:grpo_completion_length_tokens:baseline_mean",
@@ -524,14 +537,17 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         Alert(
             "GRPORewardHackSuspected", g2, "reward_hack", "warning",
             # window means, not the last batch: a hack is a trend, and one batch's correctness is a noisy share
-            f'max by ({BY}) (run:grpo_reward_mean:window_mean{{component="{c.correctness_component}"}}) < on(job, run) '
-            f'({c.correctness_drop_ratio:g} * run:grpo_reward_mean:baseline_median{{component="{c.correctness_component}"}}) '
+            "run:grpo_reward_correctness:window_mean < on(job, run) "
+            f"({c.correctness_drop_ratio:g} * run:grpo_reward_correctness:baseline_median) "
             f'and on(job, run) max by ({BY}) (run:grpo_reward_mean:window_mean{{component="total"}}) '
             f'>= on(job, run) run:grpo_reward_mean:baseline_median{{component="total"}}', 300,
             "Correctness falls while the total reward holds: another reward component is being gamed.",
-            f"Mean {c.correctness_component} reward of run {{{{ $labels.run }}}} over {w} is " + _value("%.3g") + f", below "
+            f"Mean correctness reward of run {{{{ $labels.run }}}} over {w} (component "
+            + '{{ with printf "max by (component) (grpo_reward_component_role{run=%q,role=\\"correctness\\"})" '
+            + '$labels.run | query }}{{ . | first | label "component" }}{{ else }}'
+            + c.correctness_component + "{{ end }}) is " + _value("%.3g") + ", below "
             f"{c.correctness_drop_ratio:g}x its baseline "
-            + _query(f'max(run:grpo_reward_mean:baseline_median{{run=%q,component=\\"{c.correctness_component}\\"}})')
+            + _query("max(run:grpo_reward_correctness:baseline_median{run=%q})")
             + " while the total reward holds at "
             + _query('max(run:grpo_reward_mean:window_mean{run=%q,component=\\"total\\"})') + ".",
             trend=True,
