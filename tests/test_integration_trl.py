@@ -26,8 +26,9 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig
 
 from grpo_exporter import GRPOMonitor
+from grpo_exporter.ids import id_tensor
 from grpo_exporter.integrations import ALLOW_UNTESTED_ENV, IntegrationError, check_signature, require
-from grpo_exporter.integrations.trl import TESTED, TRL_METRICS, MonitoredGRPOTrainer
+from grpo_exporter.integrations.trl import TESTED, TRL_METRICS, MonitoredGRPOTrainer, prompt_key
 from grpo_exporter.integrations.trl_preflight import preflight
 from grpo_exporter.recorder.store import incidents
 from monitor_helpers import parse_exposition, scrape
@@ -344,6 +345,24 @@ def test_the_verifier_is_the_component_the_reward_hack_alert_reads(model_dir, tm
         build(model_dir, tmp_path / "mine", monitor=monitor)
     monitor.close()
     assert [r for r in caplog.records if "correctness_component='accuracy'" in r.getMessage()]
+
+
+def test_environment_only_examples_keep_their_prompts_apart() -> None:
+    """TRL's environment datasets carry no "prompt" (the environment makes it): their examples are told apart
+    by their other fields, and examples with none by their group, never all merged into one prompt id."""
+    text, chat = {"prompt": "add one plus two"}, {"prompt": [{"role": "user", "content": "add one"}]}
+    assert prompt_key(text, 3, 0) == "add one plus two"  # the id a text prompt always had
+    assert prompt_key(chat, 3, 0) == chat["prompt"]
+    env = [{"task": "maze", "seed": 1}, {"task": "maze", "seed": 2}, {"task": "maze", "seed": 1}]
+    ids = id_tensor("prompt_ids", [prompt_key(x, 3, i) for i, x in enumerate(env)], None)
+    assert ids is not None
+    assert ids[0] != ids[1]
+    assert ids[0] == ids[2]  # the same environment example is the same prompt, in any group
+    empty = id_tensor("prompt_ids", [prompt_key({}, 3, g) for g in (0, 0, 1)] + [prompt_key({"prompt": ""}, 4, 0)],
+                      None)
+    assert empty is not None
+    assert empty[0] == empty[1]
+    assert len({int(v) for v in empty}) == 3
 
 
 def test_unknown_verifier_is_refused_naming_the_reward_functions(model_dir, tmp_path) -> None:

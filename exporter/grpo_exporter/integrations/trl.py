@@ -124,6 +124,18 @@ def _advantage_norm(args: Any) -> str | None:
     return SCALE_REWARDS.get({True: "group", False: "none"}.get(scale, scale))  # type: ignore[call-overload]
 
 
+def prompt_key(example: Mapping[str, Any], step: int, group: int) -> Any:
+    """What identifies an example's prompt (hashed into its prompt id): its ``prompt`` (text or chat). An
+    environment-only example (no prompt: the environment makes it) is identified by its other fields, and one
+    with none by its group of this step: a prompt of its own, never merged with the batch's other prompts (with
+    ``x.get("prompt", "")`` every such example was one prompt, one solve-rate slot)."""
+    prompt = example.get("prompt")
+    if prompt is not None and len(prompt) > 0:
+        return prompt
+    rest = {k: v for k, v in example.items() if k != "prompt"}
+    return rest if rest else f"grpo_exporter/unnamed/{step}/{group}"
+
+
 class _EndStep(TrainerCallback):  # type: ignore[misc]
     """Ends the monitor's step after ``optimizer.step()``; closes a monitor the trainer made at train end."""
 
@@ -250,7 +262,7 @@ class GRPOMonitorMixin:
         first = self.accelerator.process_index * n
         rollout: dict[str, Any] = {
             "group_ids": torch.arange(first, first + n, device=device) // self.num_generations,
-            "prompt_ids": [x.get("prompt", "") for x in inputs],
+            "prompt_ids": [prompt_key(x, step, (first + i) // self.num_generations) for i, x in enumerate(inputs)],
             "loss_mask": loss_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
