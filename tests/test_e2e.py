@@ -13,7 +13,7 @@ receiver; each run has its own ``run`` label and exporter port.
   steps, deliver no page at all (nothing even fires in Prometheus), and no exporter is ever seen down.
 
 Runs go through a pool of CONCURRENT trainers (one process: the tiny steps are bound by the GIL, ~10 steps/s
-in all), longest first; the whole suite takes ~7 min on 2 cores.
+in all), longest first; the whole suite takes ~7.5 min on 2 cores.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ HEALTHY_SEEDS = (0, 1, 2)
 HEALTHY_STEPS = {"healthy": 150, "healthy-reverse": 300}
 PAGE_WITHIN_S = 60.0  # after injection, for every fault (50 min at production time scale)
 # or within the steps the demo's pace makes in that time, when the machine trains slower than the pace (a
-# slow disease such as the entropy collapse develops over steps, not seconds: on a loaded 2-core machine the
-# six trainers make ~1.4 steps/s each, not 2)
+# slow disease such as the entropy collapse develops over steps, not seconds)
 PAGE_WITHIN_STEPS = int(PAGE_WITHIN_S * STEPS_PER_SECOND)
 QUIET_AFTER_S = 8.0  # training goes on after the page: an inhibited page would have arrived by then
-# ~10 steps/s in all (the GIL): six at once keep each run near its 2 steps/s, well inside
-# GRPOStepCadenceSlowerThanConfigured's tolerance (half the pace), also on a loaded machine
-CONCURRENT = 6
+# ~10 steps/s in all (the GIL): five at once keep each run at its 2 steps/s. GRPOStepCadenceSlowerThanConfigured
+# (info) fires below half the pace: with six, each run made ~1.4-1.7 steps/s, and a CI machine 30% slower than
+# usual paged it on five healthy runs
+CONCURRENT = 5
 DOWNSTREAM = ("2-reward", "3-samples", "4-diversity", "1-optimizer")
 # a layer-1 fault injected together with a downstream one, in one run: (gate, downstream scenario) -> the gate's
 # alert, the downstream alert that fires in Prometheus and must reach nobody, its layer, seconds to train on
