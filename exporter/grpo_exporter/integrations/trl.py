@@ -130,7 +130,7 @@ def prompt_key(example: Mapping[str, Any], step: int, group: int) -> Any:
     with none by its group of this step: a prompt of its own, never merged with the batch's other prompts (with
     ``x.get("prompt", "")`` every such example was one prompt, one solve-rate slot)."""
     prompt = example.get("prompt")
-    if prompt is not None and len(prompt) > 0:
+    if prompt is not None and prompt != "" and prompt != []:
         return prompt
     rest = {k: v for k, v in example.items() if k != "prompt"}
     return rest if rest else f"grpo_exporter/unnamed/{step}/{group}"
