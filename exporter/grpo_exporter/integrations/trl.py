@@ -180,9 +180,9 @@ class GRPOMonitorMixin:
         self._grpo_verifier = verifier
         self._grpo_threshold = float(verifier_threshold)
         self._grpo_owns_monitor = monitor is None
+        norm = _advantage_norm(self.args)
         if monitor is None:
             run = self.args.run_name or Path(self.args.output_dir or "trl").name
-            norm = _advantage_norm(self.args)
             settings = {
                 "run": run, "group_size": self.num_generations,
                 "clip_eps": (self.epsilon_low, self.epsilon_high), **_engine_settings(self.args),
@@ -192,7 +192,6 @@ class GRPOMonitorMixin:
             tok = self.processing_class
             decode = (lambda ids: tok.decode(ids)) if hasattr(tok, "decode") else None  # the flight recorder's rows
             monitor = GRPOMonitor(**settings, decode=decode)
-        norm = _advantage_norm(self.args)
         if norm is not None and monitor.config.advantage_norm != norm:
             logger.warning(
                 "grpo_exporter: TRL's scale_rewards=%r gives advantages normalised %r, the monitor checks them as "
