@@ -112,6 +112,27 @@ def test_kill_stops_the_demo_like_ctrl_c():
     assert _closed_within(urls, 5), urls
 
 
+def test_ctrl_c_stops_a_demo_started_where_sigint_is_ignored():
+    """A shell's background job (`cmd &`, and every command a non-interactive script starts that way, as CI runners
+    do) starts with SIGINT ignored, and Python then installs no KeyboardInterrupt handler: Ctrl-C reached the demo
+    and training went on (found when the README command's test ran under a backgrounded suite). The demo installs
+    its own handler."""
+    process = subprocess.Popen([str(ROOT / ".venv/bin/grpo-exporter"), "demo", "--steps", "1000", "--no-stack"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env=os.environ | {"PYTHONUNBUFFERED": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        lines = _read_until(process, lambda line: line.startswith("step    2 "), 60)
+        assert (lines[-1] if lines else "").startswith("step    2 "), "\n".join(lines)
+        os.killpg(process.pid, signal.SIGINT)
+        out, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, out[-2000:]
+    assert "stopped" in out
+
+
 def test_the_stack_dies_with_its_parent_even_on_sigkill():
     script = ("from grpo_exporter.demo.stack import Stack\nimport time\n"
               "s = Stack()\nprint(s.prometheus_url, s.alertmanager_url, 'ready', flush=True)\ntime.sleep(120)\n")

@@ -77,6 +77,9 @@ def _demo(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt  # `kill` stops the demo like Ctrl-C: everything it started is shut down
 
     previous = signal.signal(signal.SIGTERM, terminate)
+    # Ctrl-C always stops the demo, also when it was started where SIGINT is ignored (a shell's background job,
+    # `cmd &`): Python installs its KeyboardInterrupt handler only when SIGINT is not ignored at start-up
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run_demo(args.scenario, args.inject_at, args.steps, not args.no_stack, args.seed, args.steps_per_second,
                  record=args.record)
@@ -88,6 +91,7 @@ def _demo(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     return 0
 
 
