@@ -592,3 +592,142 @@ def test_preflight_finds_padding_in_the_loss_mask(model_dir, tmp_path) -> None:
     assert not result.mask.passed
     assert "padding" in result.mask.diagnosis
     assert not result.passed
+
+
+def test_trls_loss_variant_sets_what_the_clip_metrics_measure(model_dir, tmp_path, caplog):
+    """GSPO (importance_sampling_level="sequence") weights by one ratio per sequence; CISPO's epsilon_high is a ratio
+    cap (5 in TRL's docs), not an epsilon; SAPO and VESPO have no hard clip. The monitor the adapter makes measures
+    that loss (ratio_level, clip, ratio_cap: published on grpo_run_info); a monitor handed in that measures
+    another loss is reported at start-up, naming both."""
+    cases = {
+        "gspo": ({"importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
+                 {"ratio_level": "sequence", "clip": "ppo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4}),
+        "cispo": ({"loss_type": "cispo", "epsilon_high": 5.0}, {"clip": "cap", "ratio_cap": 5.0}),
+        "sapo": ({"loss_type": "sapo"}, {"clip": "none", "ratio_level": "token"}),
+        "vespo": ({"loss_type": "vespo"}, {"clip": "none"}),
+        "dapo": ({"loss_type": "dapo", "epsilon_high": 0.28}, {"clip": "ppo", "clip_eps_high": 0.28}),
+    }
+    for name, (config, expected) in cases.items():
+        trainer = build(model_dir, tmp_path / name, config=config)
+        found = {k: getattr(trainer.monitor.config, k) for k in expected}
+        info = [k for k in trainer.monitor.metrics() if k.startswith("grpo_run_info")]
+        trainer.monitor.close()
+        assert found == pytest.approx(expected), name
+        assert f'ratio_level="{found.get("ratio_level", "token")}"' in info[0], name
+    monitor = GRPOMonitor(run="trl-test", group_size=G, port=None, close_linger_s=0)
+    with caplog.at_level(logging.WARNING, logger="grpo_exporter"):
+        build(model_dir, tmp_path / "mine", monitor=monitor, config={"loss_type": "cispo", "epsilon_high": 5.0})
+    monitor.close()
+    said = [r.getMessage() for r in caplog.records if "loss_type='cispo'" in r.getMessage()]
+    assert said
+    assert "clip='cap'" in said[0]
+    assert "ratio_cap=5.0" in said[0]
+
+
+def test_trls_clip_metric_names_are_in_its_source() -> None:
+    """The TRL names the mapping and LOSS_CLIP rely on are the ones TRL 1.16 logs and accepts: a renamed metric or
+    a new loss type fails here, not silently in a user's dashboard."""
+    import inspect
+
+    from trl.trainer import grpo_trainer
+
+    from grpo_exporter.integrations.trl import LOSS_CLIP
+
+    source = inspect.getsource(grpo_trainer)
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "cispo_clip_ratio",
+                 "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
+        assert f'"{name}"' in source or f'"{name.rsplit("/", 1)[0]}/' in source, name
+    groups = re.findall(r"self\.loss_type in \[([^\]]+)\]", source)
+    known = set(re.findall(r'self\.loss_type == "([a-z_]+)"', source)) | {
+        t for group in groups for t in re.findall(r'"([a-z_]+)"', group)}
+    assert known == set(LOSS_CLIP)
+
+
+def test_several_generation_batches_of_one_optimizer_step_are_read_together(model_dir, tmp_path) -> None:
+    """steps_per_generation=2 below gradient_accumulation_steps=4: TRL generates twice per optimizer step. Each
+    generation batch observed alone overwrote the one before (a step's reward, pass@k and zero-variance readings
+    were those of its last half); joined, they are the step's, as TRL logs them (its `reward` is the mean of the
+    two generations' means, equal-sized: the pooled mean)."""
+    monitor = GRPOMonitor(run="trl-test", group_size=G, port=None, strict=True, close_linger_s=0)
+    try:
+        trainer = train(model_dir, tmp_path, monitor=monitor, config={
+            "steps_per_generation": 2, "gradient_accumulation_steps": 4, "num_iterations": 1, "max_steps": 2})
+        found = monitor.metrics()
+    finally:
+        monitor.close()
+    assert trainer.state.global_step == 2
+    assert found["grpo_groups_total"] == 2 * 2 * 16 // G  # 2 steps x 2 generations of 16 completions
+    assert found["grpo_completions_total"] == 2 * 2 * 16
+    assert found['grpo_reward_mean{component="total"}'] == pytest.approx(_logged(trainer, "reward")[-1], abs=1e-6)
+    assert found["grpo_zero_variance_groups_ratio"] == pytest.approx(_logged(trainer, "frac_reward_zero_std")[-1])
+
+
+REPLAY_STEP_S = 20  # the replay's cadence: one optimizer step every 20 s, scraped every 30 s
+REPLAY_STEPS = 40
+
+
+def _replayed(model_dir: tuple[str, PreTrainedTokenizerFast], tmp_path: Path, config: dict[str, Any],
+              monitor: GRPOMonitor | None = None) -> tuple[MonitoredGRPOTrainer, dict[str, dict[str, int]]]:
+    """Train with TRL for REPLAY_STEPS optimizer steps, scraping the monitor after each at a REPLAY_STEP_S cadence,
+    and judge the scrapes with the production rules for that cadence in promtool (tests/worlds.py); returns the
+    trainer and run -> alert -> firing episodes."""
+    from transformers import TrainerCallback
+
+    from grpo_exporter.mixin.config import MixinConfig
+    from replay import JOB, SCRAPE_S, Timeline, _exposed, rule_metric_names
+    from worlds import TAIL_S, _fired
+
+    mixin = MixinConfig(step_seconds=REPLAY_STEP_S)
+    keep = rule_metric_names(mixin)
+    scrapes = (REPLAY_STEPS * REPLAY_STEP_S + TAIL_S) // SCRAPE_S
+    timeline, instance = Timeline(scrapes), "trl:9887"
+    up = f'up{{instance="{instance}",job="{JOB}"}}'
+
+    class Scrape(TrainerCallback):  # type: ignore[misc]
+        """After the adapter's own on_step_end (added after it): the state a scrape sees until the next step."""
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step = state.global_step - 1
+            mon.wait_for_workers()
+            seen = _exposed(mon, keep, step * REPLAY_STEP_S, instance) | {up: 1.0}
+            for i in range(-(-step * REPLAY_STEP_S // SCRAPE_S), -(-(step + 1) * REPLAY_STEP_S // SCRAPE_S)):
+                timeline.put(i, seen)
+
+    settings = {"port": None, "guard": "off", "close_linger_s": 0.0}
+    trainer = build(model_dir, tmp_path, monitor=monitor, monitor_settings=None if monitor else settings,
+                    config={"max_steps": REPLAY_STEPS, "learning_rate": 1e-3, **config})
+    mon = trainer.monitor
+    trainer.add_callback(Scrape())
+    try:
+        trainer.train()
+    finally:
+        mon.close()
+    end = -(-REPLAY_STEPS * REPLAY_STEP_S // SCRAPE_S)
+    timeline.put(end, _exposed(mon, keep, (REPLAY_STEPS - 1) * REPLAY_STEP_S, instance) | {up: 1.0})
+    for i in range(end + 1, scrapes):
+        timeline.series[up][i] = 0.0
+    folder = tmp_path / "promtool"
+    folder.mkdir()
+    return trainer, _fired(mixin, timeline, folder)
+
+
+# lr 1e-4: TRL's own clip_ratio/* read ~0.1 of sequences clipped on the off-policy steps, GSPO's published regime
+# (~15% of tokens); at 1e-3 they read ~0.5 and GRPOClipFractionHigh (the seed's 20%) fires, rightly: updates too large
+GSPO_BATCH = {"importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "scale_rewards": "batch",
+              "steps_per_generation": 4, "gradient_accumulation_steps": 2, "num_iterations": 1, "learning_rate": 1e-4}
+
+
+def test_a_healthy_gspo_run_with_batch_scaling_pages_nothing_through_the_production_rules(model_dir, tmp_path):
+    """TRL's second configuration, replayed: GSPO (sequence-level ratio, epsilon 3e-4 / 4e-4), scale_rewards="batch",
+    steps_per_generation=4 over gradient_accumulation_steps=2 (old log-probs computed; each generation batch
+    trains two optimizer steps, the second off-policy). 40 steps at 20 s, the production rules for that cadence:
+    nothing fires. The same run watched by a monitor that reads per-token ratios and group-normalised advantages
+    (the reading before TRL's loss settings reached the monitor) pages, so the replay can fail."""
+    trainer, fired = _replayed(model_dir, tmp_path / "made", GSPO_BATCH)
+    assert trainer.monitor.config.ratio_level == "sequence"
+    assert trainer.monitor.config.advantage_norm == "batch"
+    assert fired == {}
+    naive = GRPOMonitor(run="trl-test", group_size=G, clip_eps=(3e-4, 4e-4), port=None, guard="off",
+                        close_linger_s=0.0)
+    _, fired = _replayed(model_dir, tmp_path / "naive", GSPO_BATCH, monitor=naive)
+    assert fired.get("trl-test"), fired

@@ -776,15 +776,20 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_run_info", GA,
-        "Constant 1 labelled with the run's group size, clip range and advantage normalisation, so rules and "
-        "dashboards can read the model predictions' parameters (e.g. the (G-1)/sqrt(G) bound).",
+        "Constant 1 labelled with the run's group size, clip range, advantage normalisation, the ratio the loss "
+        "weights by (token, or sequence for GSPO) and its clip (ppo, cap for CISPO, none for SAPO/VESPO), so rules "
+        "and dashboards can read the model predictions' parameters (e.g. the (G-1)/sqrt(G) bound) and what the "
+        "clip metrics measure.",
         L, labels=(
             Label("group_size", bound=ONE_PER_RUN),
             Label("clip_eps_low", bound=ONE_PER_RUN),
             Label("clip_eps_high", bound=ONE_PER_RUN),
-            Label("advantage_norm", ("unbiased", "population", "none", "batch")),
+            Label("advantage_norm", ("unbiased", "population", "none", "batch"), bound=ONE_PER_RUN),
+            Label("ratio_level", ("token", "sequence"), bound=ONE_PER_RUN),
+            Label("clip", ("ppo", "cap", "none"), bound=ONE_PER_RUN),
         ),
-        inputs=("group_size", "clip_eps_low", "clip_eps_high", "advantage_norm"), source=Source.MONITOR,
+        inputs=("group_size", "clip_eps_low", "clip_eps_high", "advantage_norm", "ratio_level", "clip"),
+        source=Source.MONITOR,
     ),
     Metric(
         "grpo_reward_component_role", GA,

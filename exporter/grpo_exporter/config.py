@@ -16,6 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from grpo_exporter.catalog import GAP_QUANTILES, LENGTH_QUANTILES, RATIO_QUANTILES, SOLVE_RATE_BUCKETS
 
 AdvantageNorm = Literal["unbiased", "population", "none", "batch"]
+RatioLevel = Literal["token", "sequence"]
+ClipKind = Literal["ppo", "cap", "none"]
+
+#: the band the on-policy check judges each token with when the loss has no per-token PPO band (a sequence-level
+#: ratio, a ratio cap or no hard clip): the seed's default [0.8, 1.2] (第 1 篇 1.1)
+DEFAULT_ONPOLICY_EPS = (0.2, 0.2)
 
 
 class MetricsConfig(BaseModel):
@@ -26,6 +32,22 @@ class MetricsConfig(BaseModel):
     group_size: int = Field(ge=1, description="G: completions per prompt; contiguous groups unless group_ids")
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip lower side: ratio < 1 - eps_low")
     clip_eps_high: float = Field(0.2, gt=0.0, description="PPO clip upper side: ratio > 1 + eps_high")
+    ratio_level: RatioLevel = Field(
+        "token", description="the importance ratio the loss weights by: token (PPO, GRPO, DAPO: r_t per token) or "
+        "sequence (GSPO, TRL importance_sampling_level='sequence': s_i = exp(mean_t log r_it), one per sequence, "
+        "which then carries each of its tokens): the clip counts, the importance-weight distribution and the ESS "
+        "read that ratio; the on-policy check still reads every token's",
+    )
+    clip: ClipKind = Field(
+        "ppo", description="how the loss bounds the ratio: ppo (the min() of PPO with [1-eps_low, 1+eps_high]), "
+        "cap (CISPO: the weight min(r, ratio_cap) with its gradient stopped, so no token's gradient is cut; "
+        "the tokens above the cap are counted as the upper bound, there is no lower one), or none (SAPO's soft "
+        "gate, VESPO's gamma weights: no hard clip, so no clipped-token metric is published)",
+    )
+    ratio_cap: float | None = Field(
+        None, gt=1.0, description="clip='cap': the ratio above which the weight is capped (TRL's epsilon_high for "
+        "loss_type='cispo', e.g. 5.0); required with it, unused otherwise",
+    )
     advantage_norm: AdvantageNorm = Field(
         "unbiased", description="group std normalisation: unbiased (torch.std), population, none (Dr. GRPO), or "
         "batch (group-centred rewards over the whole batch's std, TRL scale_rewards='batch': no per-group |A| "
@@ -83,6 +105,21 @@ class MetricsConfig(BaseModel):
         if bad:
             raise ValueError(f"pass_k: expected every k in [1, group_size={self.group_size}], got {bad}")
         return self
+
+    @model_validator(mode="after")
+    def _cap_with_cap_clip(self) -> MetricsConfig:
+        if self.clip == "cap" and self.ratio_cap is None:
+            raise ValueError("ratio_cap: expected a ratio > 1 with clip='cap' (CISPO's cap), got None")
+        return self
+
+    @property
+    def onpolicy_eps(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the band the on-policy check judges each token with: the PPO clip band of a
+        token-level loss, else :data:`DEFAULT_ONPOLICY_EPS` (a sequence-level ratio's band, GSPO's 3e-4, lies
+        within the per-token noise of a bf16 recomputation; a cap or a soft clip has no band)."""
+        if self.clip == "ppo" and self.ratio_level == "token":
+            return self.clip_eps_low, self.clip_eps_high
+        return DEFAULT_ONPOLICY_EPS
 
     @property
     def zero_advantage_atol(self) -> float:

@@ -52,7 +52,7 @@ def series_per_run(cfg: MonitorConfig) -> dict[str, int]:
         combos = 1
         for label in m.labels:
             one = label.bound == ONE_PER_RUN  # e.g. the correctness component's name: one, not a component each
-            combos *= len(label.values) if label.values else 1 if one else bounded[label.name]
+            combos *= 1 if one else len(label.values) if label.values else bounded[label.name]
         if m.type is MetricType.SUMMARY:
             per = len(cfg.quantiles_of(m.name)) + 2
         elif m.type is MetricType.HISTOGRAM:

@@ -21,6 +21,7 @@ def static_values(config: MonitorConfig) -> dict[str, float]:
         catalog.metric("grpo_run_info").key(
             group_size=str(config.group_size), clip_eps_low=repr(config.clip_eps_low),
             clip_eps_high=repr(config.clip_eps_high), advantage_norm=config.advantage_norm,
+            ratio_level=config.ratio_level, clip=config.clip,
         ): 1.0,
     }
     if config.correctness_component is not None:

@@ -533,6 +533,20 @@ class _Context:
         return count(self.lr.valid)
 
     @functools.cached_property
+    def weights_lr(self) -> gradient.LogRatio:
+        """The log ratio the loss weights by: the token log ratio, or GSPO's sequence-level one on each loss
+        token (``ratio_level="sequence"``); the importance weights, the ESS and the clip counts read it."""
+        assert self.lr is not None
+        if self.cfg.ratio_level == "sequence":
+            return gradient.sequence_log_ratio(self.lr, self.row_tokens)
+        return self.lr
+
+    @functools.cached_property
+    def weight_tokens(self) -> Tensor:
+        """The loss tokens with a finite weight (0-d int64): :attr:`finite_ratio_tokens` at token level."""
+        return self.finite_ratio_tokens if self.weights_lr is self.lr else count(self.weights_lr.valid)
+
+    @functools.cached_property
     def signs(self) -> samples.SignedRows:
         """The loss tokens (or rows) with a finite advantage, by sign: the token counts and the clip counts
         both read them. Only where ``advantages`` and ``loss_mask`` were given."""
@@ -693,7 +707,7 @@ def _log_ratio_checks(g: _Gather, c: _Context) -> None:
     g.add("grpo_nonfinite_values_total", c.nonfinite(lr.ratio), tensor="ratio")
     rows = c.x.on_policy
     if rows is True or isinstance(rows, Tensor):
-        check = gradient.onpolicy_check(lr, cfg.clip_eps_low, cfg.clip_eps_high, None if rows is True else rows)
+        check = gradient.onpolicy_check(lr, *cfg.onpolicy_eps, None if rows is True else rows)
         g.add("grpo_onpolicy_outside_clip_tokens_total", check.outside)
         g.add("grpo_onpolicy_checked_tokens_total", check.checked)
         g.add("grpo_onpolicy_outside_clip_ratio", check.outside_ratio)
@@ -834,12 +848,11 @@ def _advantage_signs(g: _Gather, c: _Context) -> None:
 
 @produces("grpo_ess_ratio", "grpo_importance_weight", "grpo_token_importance_weight")
 def _importance_weights(g: _Gather, c: _Context) -> None:
-    lr, qs = c.lr, c.cfg.ratio_quantiles
-    if lr is None:
+    if c.lr is None:
         return
-    tokens = c.finite_ratio_tokens
+    lr, qs, tokens = c.weights_lr, c.cfg.ratio_quantiles, c.weight_tokens
     weights = samples.importance_weights(lr, qs, tokens)
-    ess = samples.ess_ratio(lr, tokens, weights.quantiles.stack.maximum)
+    ess = samples.ess_ratio(lr, tokens, weights.quantiles.stack.maximum, geometric=c.cfg.ratio_level == "sequence")
     g.add("grpo_ess_ratio", ess.token, level="token")
     g.add("grpo_ess_ratio", ess.sequence, level="sequence")
     g.summary("grpo_importance_weight", weights.total, weights.count, weights.quantiles, qs)
@@ -853,17 +866,27 @@ def _importance_weights(g: _Gather, c: _Context) -> None:
     "grpo_upper_clip_reachable_tokens_total",
 )
 def _clipping(g: _Gather, c: _Context) -> None:
-    if c.lr is None or c.x.advantages is None or c.x.old_logprobs is None:
+    """The clip counts of the loss's own clip: PPO's two bounds, a cap's upper one only (CISPO), none without a
+    hard clip (SAPO, VESPO); of the sequence-level ratio under GSPO, whose reach is judged by each row's mean
+    old log-prob."""
+    cfg = c.cfg
+    if c.lr is None or c.x.advantages is None or c.x.old_logprobs is None or cfg.clip == "none":
         return
-    clip = samples.clip_counts(c.lr, c.x.advantages, c.masked("old_logprobs"), c.cfg.clip_eps_low,
-                               c.cfg.clip_eps_high, c.row_tokens, old_masked=True, signs=c.signs)
+    old = c.masked("old_logprobs")
+    if cfg.ratio_level == "sequence":
+        mean_old = old.sum(1) / c.row_tokens.clamp(min=1)
+        old = zeroed(mean_old.unsqueeze(1).expand_as(old), c.keep)
+    cap = cfg.ratio_cap if cfg.clip == "cap" else None
+    clip = samples.clip_counts(c.weights_lr, c.x.advantages, old, cfg.clip_eps_low, cfg.clip_eps_high,
+                               c.row_tokens, old_masked=True, signs=c.signs, cap=cap)
     g.add("grpo_upper_clip_reachable_tokens_total", clip.reachable)
     g.add("grpo_clipped_tokens_total", clip.upper, bound="upper")
-    g.add("grpo_clipped_tokens_total", clip.lower, bound="lower")
     g.add("grpo_out_of_range_unclipped_tokens_total", clip.upper_unclipped, bound="upper")
-    g.add("grpo_out_of_range_unclipped_tokens_total", clip.lower_unclipped, bound="lower")
     g.add("grpo_clipped_tokens_ratio", clip.upper_ratio, bound="upper")
-    g.add("grpo_clipped_tokens_ratio", clip.lower_ratio, bound="lower")
+    if cap is None:
+        g.add("grpo_clipped_tokens_total", clip.lower, bound="lower")
+        g.add("grpo_out_of_range_unclipped_tokens_total", clip.lower_unclipped, bound="lower")
+        g.add("grpo_clipped_tokens_ratio", clip.lower_ratio, bound="lower")
 
 
 @produces(

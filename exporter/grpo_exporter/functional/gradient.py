@@ -68,6 +68,22 @@ def log_ratio_of(value: Tensor, loss_mask: Tensor, clamp: float | None = None) -
     return LogRatio(value, valid, loss_mask, torch.exp(exponent), exponent, keep_bits(valid))
 
 
+def sequence_log_ratio(lr: LogRatio, row_tokens: Tensor) -> LogRatio:
+    """The sequence-level log ratio of GSPO, mean_t log r_it over each row's loss tokens, on every one of them:
+    the ratio s_i = exp(mean) the loss clips and weights each of the sequence's tokens by (TRL
+    ``importance_sampling_level="sequence"``). A row with a non-finite loss token has no ratio (its mean is not
+    finite in the loss either): none of its tokens is valid. ``row_tokens``: (N,) loss tokens per row."""
+    whole = count(lr.valid, 1) == row_tokens
+    rows = row_tokens.clamp(min=1)
+    value = zeroed(lr.value, lr.keep).sum(1) / rows
+    exponent = zeroed(lr.exponent, lr.keep).sum(1) / rows
+    valid = lr.loss_mask & whole.unsqueeze(1)
+    bits = keep_bits(valid)
+    value_t = zeroed(value.unsqueeze(1).expand_as(lr.value), bits)
+    exponent_t = zeroed(exponent.unsqueeze(1).expand_as(lr.value), bits)
+    return LogRatio(value_t, valid, lr.loss_mask, torch.exp(exponent_t), exponent_t, bits)
+
+
 class EngineGap(NamedTuple):
     total: Tensor
     count: Tensor
@@ -107,7 +123,8 @@ def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float, rows: Tensor |
 
     Counts loss tokens whose ratio already lies outside [1-eps_low, 1+eps_high] whatever the advantage
     sign (seed 1.1: "未训先大面积撞 clip" = stop training and fix the probability path), and max |log ratio|;
-    ``rows`` (N,) bool limits the check to the on-policy sequences.
+    ``rows`` (N,) bool limits the check to the on-policy sequences. Always per token, whatever ratio the loss
+    weights by: the probability path is a per-token property (``MetricsConfig.onpolicy_eps`` gives the band).
     """
     valid = lr.valid if rows is None else lr.valid & rows.unsqueeze(1)
     outside = valid & ((lr.ratio > 1.0 + eps_high) | (lr.ratio < 1.0 - eps_low))

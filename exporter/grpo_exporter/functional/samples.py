@@ -126,10 +126,12 @@ class ESS(NamedTuple):
     sequence: Effective
 
 
-def ess_ratio(lr: LogRatio, tokens: Tensor | None = None, largest_ratio: Tensor | None = None) -> ESS:
+def ess_ratio(lr: LogRatio, tokens: Tensor | None = None, largest_ratio: Tensor | None = None,
+              geometric: bool = False) -> ESS:
     """ESS ratio of the importance weights of loss tokens, and of sequences with w_i = exp(sum_t log r_it)
     (the sequence-level importance weight) over sequences with at least one finite loss token (``tokens``: the
-    finite loss tokens, when the caller has them).
+    finite loss tokens, when the caller has them). ``geometric``: the sequence weight is exp(mean_t log r_it)
+    instead, the ratio a sequence-level loss (GSPO) weights by.
 
     ``largest_ratio``: the largest ratio over the finite loss tokens (the ratio histogram's exact max), when the
     caller has it: the token weights are then shifted by its log, which costs no pass over the tokens. Where it
@@ -139,6 +141,8 @@ def ess_ratio(lr: LogRatio, tokens: Tensor | None = None, largest_ratio: Tensor 
     for subnormal ratios), enough to keep every weight <= ~1 and the largest ~1."""
     kept = zeroed(lr.exponent, lr.keep)
     seq_log_w = kept.sum(dim=1)
+    if geometric:
+        seq_log_w = seq_log_w / count(lr.valid, 1).clamp(min=1)
     shift = None
     if largest_ratio is not None:  # log(+inf) and log(0) are not finite: the fallback
         log_largest = largest_ratio.log()  # the histogram maximum: fp32
@@ -174,8 +178,9 @@ class ClipCounts(NamedTuple):
 
 
 def clip_counts(
-    lr: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float,
+    lr: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float | None, eps_high: float,
     row_tokens: Tensor | None = None, old_masked: bool = False, signs: SignedRows | None = None,
+    cap: float | None = None,
 ) -> ClipCounts:
     """Truly clipped tokens by bound, the opposite-sign out-of-range tokens apart, and per-step fractions
     normalised by the tokens of the gating sign (upper / positive-advantage, lower / negative-advantage).
@@ -189,12 +194,19 @@ def clip_counts(
     row sum per token mask). ``old_logprobs`` may hold anything off the loss mask (padding), unless
     ``old_masked`` (it is 0 there); ``row_tokens``: the loss tokens per row, ``signs``: :func:`advantage_signs`,
     when the caller has them.
+
+    ``cap``: a ratio cap instead of the PPO band (CISPO's min(r, cap) weight): the upper line is the cap, a
+    token at p_old < 1/cap can reach it, and there is no lower line (``eps_low`` None: the lower counts read 0
+    and the caller leaves them out). A sequence-level ratio (:func:`~grpo_exporter.functional.gradient.
+    sequence_log_ratio`, GSPO) is counted the same way: each loss token of a sequence beyond a line is cut,
+    and ``old_logprobs`` then holds each row's mean old log-prob on its loss tokens.
     """
     signs = advantage_signs(advantages, lr.loss_mask) if signs is None else signs
-    above = lr.valid & (lr.ratio > 1.0 + eps_high)
-    below = lr.valid & (lr.ratio < 1.0 - eps_low)
+    upper_line = 1.0 + eps_high if cap is None else cap
+    above = lr.valid & (lr.ratio > upper_line)
+    below = lr.valid & (lr.ratio < 1.0 - eps_low) if eps_low is not None and cap is None else torch.zeros_like(above)
     old = old_logprobs.float() if old_masked else zeroed(old_logprobs, lr.loss_mask)
-    room = old < -math.log1p(eps_high)  # 0 off the mask: never below
+    room = old < -math.log(upper_line)  # 0 off the mask: never below
     if signs.per_row:
         pos, neg = signs.positive.squeeze(1), signs.negative.squeeze(1)
         above_rows, below_rows, room_rows = count(above, 1), count(below, 1), count(room, 1)

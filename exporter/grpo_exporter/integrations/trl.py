@@ -17,7 +17,9 @@ range, :data:`TESTED`):
 * ``_generate_and_score_completions(inputs)``: padded ids and masks, ``old_per_token_logps`` (TRL computes them
   when generation and optimisation are misaligned, e.g. ``num_iterations > 1``, or with vLLM importance
   sampling), ``sampling_per_token_logps`` (the engine's log-probs: vLLM or a ``rollout_func``), and
-  ``ref_per_token_logps`` (``beta != 0``): one :meth:`~GRPOMonitor.observe_rollout` per generation batch;
+  ``ref_per_token_logps`` (``beta != 0``): one :meth:`~GRPOMonitor.observe_rollout` per optimizer step, of
+  its generation batches joined (several when ``steps_per_generation * num_iterations`` is below
+  ``gradient_accumulation_steps``);
 * ``_get_per_token_logps_and_entropies`` inside ``_compute_loss(model, inputs)``: the current log-probs and
   entropies of each micro-batch, with its advantages and masks: one :meth:`~GRPOMonitor.observe_update`;
 * ``Trainer._get_grad_norm(model, grad_norm)``: the pre-clip norm TRL clips with ``max_grad_norm`` (computed
@@ -75,9 +77,14 @@ TRL_METRICS: Mapping[str, tuple[str, str]] = {
     "entropy": ("grpo_entropy_mean_nats", "TRL averages micro-batch means; here token-weighted over the step"),
     "kl": ("grpo_kl_ref_nats", "same k3 estimator; TRL averages micro-batch means"),
     "clip_ratio/high_mean": (
-        'grpo_clipped_tokens_ratio{bound="upper"}', "TRL divides by all loss tokens, here by A>0 tokens"),
+        'grpo_clipped_tokens_ratio{bound="upper"}', "TRL divides by all loss tokens, here by A>0 tokens; with "
+        "importance_sampling_level='sequence' TRL counts sequences, here their loss tokens"),
     "clip_ratio/low_mean": (
-        'grpo_clipped_tokens_ratio{bound="lower"}', "TRL divides by all loss tokens, here by A<0 tokens"),
+        'grpo_clipped_tokens_ratio{bound="lower"}', "TRL divides by all loss tokens, here by A<0 tokens; with "
+        "importance_sampling_level='sequence' TRL counts sequences, here their loss tokens"),
+    "cispo_clip_ratio": (
+        'grpo_clipped_tokens_ratio{bound="upper"}', "loss_type='cispo': A>0 tokens whose weight the cap "
+        "truncates; TRL divides by all loss tokens, here by A>0 tokens"),
     "completions/clipped_ratio": (
         "increase(grpo_truncated_completions_total[w]) / increase(grpo_completions_total[w])", "same"),
     "completions/mean_length": (
@@ -111,6 +118,31 @@ def _engine_settings(args: Any) -> dict[str, Any]:
     return settings
 
 
+#: TRL's ``loss_type`` -> how its loss bounds the ratio (the monitor's ``clip``): the PPO min() with
+#: [1 - epsilon, 1 + epsilon_high]; CISPO's weight min(r, epsilon_high) with its gradient stopped; SAPO's soft
+#: sigmoid gate and VESPO's gamma weights, no hard clip
+LOSS_CLIP = {"grpo": "ppo", "bnpo": "ppo", "dr_grpo": "ppo", "dapo": "ppo", "luspo": "ppo", "cispo": "cap",
+             "sapo": "none", "vespo": "none"}
+
+
+def _loss_settings(args: Any, epsilon_low: float, epsilon_high: float) -> dict[str, Any]:
+    """The monitor settings TRL's loss implies: ``clip_eps`` (``epsilon``, ``epsilon_high``), ``ratio_level``
+    from ``importance_sampling_level`` (GSPO: "sequence") and ``clip`` from ``loss_type`` (:data:`LOSS_CLIP`;
+    CISPO's cap is its ``epsilon_high``, a ratio such as 5, not an epsilon). A loss type this adapter does not
+    know is monitored without clip metrics (``clip="none"``) and said once at start."""
+    level = "sequence" if str(getattr(args, "importance_sampling_level", "token")) == "sequence" else "token"
+    loss = str(getattr(args, "loss_type", "grpo"))
+    clip = LOSS_CLIP.get(loss)
+    if clip is None:
+        logger.warning("grpo_exporter: TRL loss_type=%r is not one this adapter knows (%s): its clip is unknown, "
+                       "so no clipped-token metric is published", loss, ", ".join(LOSS_CLIP))
+        clip = "none"
+    settings: dict[str, Any] = {"clip_eps": (epsilon_low, epsilon_high), "ratio_level": level, "clip": clip}
+    if clip == "cap":
+        settings["ratio_cap"] = float(epsilon_high)
+    return settings
+
+
 #: TRL's ``scale_rewards`` (after GRPOConfig turns True/False into "group"/"none") -> the monitor's advantage_norm
 SCALE_REWARDS = {"group": "unbiased", "batch": "batch", "none": "none"}
 
@@ -122,6 +154,47 @@ def _advantage_norm(args: Any) -> str | None:
         return None
     scale = getattr(args, "scale_rewards", "group")
     return SCALE_REWARDS.get({True: "group", False: "none"}.get(scale, scale))  # type: ignore[call-overload]
+
+
+def _generations_per_step(args: Any) -> int:
+    """Generation batches per optimizer step: TRL generates every ``steps_per_generation * num_iterations``
+    micro-steps, so ``gradient_accumulation_steps`` over that when it divides it (else 1: each generation batch
+    is observed as it comes, and the batches of a step are joined at its end)."""
+    every = int(args.steps_per_generation) * int(getattr(args, "num_iterations", 1))
+    accumulation = int(args.gradient_accumulation_steps)
+    return accumulation // every if every < accumulation and accumulation % every == 0 else 1
+
+
+_PAD_ROLLOUT = {"loss_mask": False, "completion_mask": False, "completion_ids": 0, "old_logprobs": 0.0,
+                "rollout_logprobs": 0.0}
+
+
+def concatenate_rollouts(batches: Sequence[Mapping[str, Any]], prompt_pad: int = 0) -> dict[str, Any]:
+    """Several generation batches' ``observe_rollout`` keywords as one: tensors joined along the batch, the
+    (N, T) ones right-padded to the widest (off every mask), prompt tokens left-padded with ``prompt_pad`` as TRL
+    pads prompts, lists joined, reward components kept where every batch has them."""
+    if len(batches) == 1:
+        return dict(batches[0])
+    out: dict[str, Any] = {}
+    for key in batches[0]:
+        values = [b.get(key) for b in batches]
+        if any(v is None for v in values):
+            out[key] = None
+        elif key == "reward_components":
+            names = set.intersection(*(set(v) for v in values))
+            out[key] = {name: torch.cat([v[name] for v in values]) for name in values[0] if name in names}
+        elif isinstance(values[0], list):
+            out[key] = [item for v in values for item in v]
+        elif values[0].dim() == 2:
+            width = max(v.shape[1] for v in values)
+            left = key == "prompt_tokens"
+            pad = prompt_pad if left else _PAD_ROLLOUT.get(key, 0)
+            out[key] = torch.cat([
+                torch.nn.functional.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]), value=pad)
+                for v in values])
+        else:
+            out[key] = torch.cat(values)
+    return out
 
 
 def prompt_key(example: Mapping[str, Any], step: int, group: int) -> Any:
@@ -143,10 +216,14 @@ class _EndStep(TrainerCallback):  # type: ignore[misc]
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        with self.trainer.monitor.contained("rollout", "trl on_step_end: the step's rollouts"):
+            self.trainer._flush_rollouts()
         with self.trainer.monitor.contained("update", "trl on_step_end"):
             self.trainer.monitor.end_step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        with self.trainer.monitor.contained("rollout", "trl on_train_end: the step's rollouts"):
+            self.trainer._flush_rollouts()
         if self.trainer._grpo_owns_monitor:
             self.trainer.monitor.close()
 
@@ -156,7 +233,9 @@ class GRPOMonitorMixin:
 
     ``monitor``: a monitor you made (you close it), else one is made with ``run`` = TRL's ``run_name`` (or the
     output directory's name), ``group_size`` = ``num_generations``, ``clip_eps`` = (``epsilon``,
-    ``epsilon_high``), ``advantage_norm`` from ``scale_rewards``, ``correctness_component`` = ``verifier``, and
+    ``epsilon_high``), ``ratio_level`` and ``clip`` from ``importance_sampling_level`` and ``loss_type`` (GSPO's
+    sequence ratio, CISPO's cap, SAPO's and VESPO's soft weights), ``advantage_norm`` from ``scale_rewards``,
+    ``correctness_component`` = ``verifier``, and
     ``monitor_settings`` on top (any :class:`~grpo_exporter.monitor_config.MonitorConfig` field, e.g.
     ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward function
     whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates, length by
@@ -181,11 +260,11 @@ class GRPOMonitorMixin:
         self._grpo_threshold = float(verifier_threshold)
         self._grpo_owns_monitor = monitor is None
         norm = _advantage_norm(self.args)
+        loss = _loss_settings(self.args, self.epsilon_low, self.epsilon_high)
         if monitor is None:
             run = self.args.run_name or Path(self.args.output_dir or "trl").name
             settings = {
-                "run": run, "group_size": self.num_generations,
-                "clip_eps": (self.epsilon_low, self.epsilon_high), **_engine_settings(self.args),
+                "run": run, "group_size": self.num_generations, **loss, **_engine_settings(self.args),
                 **({"advantage_norm": norm} if norm else {}),
                 **({"correctness_component": verifier} if verifier else {}), **(monitor_settings or {}),
             }
@@ -198,6 +277,16 @@ class GRPOMonitorMixin:
                 "%r: GRPOAdvantageAboveBound judges them against the wrong bound. Make the monitor with "
                 "advantage_norm=%r (MonitoredGRPOTrainer does when it makes the monitor).",
                 self.args.scale_rewards, norm, monitor.config.advantage_norm, norm,
+            )
+        differs = [k for k in ("ratio_level", "clip", "ratio_cap")
+                   if k in loss and getattr(monitor.config, k) != loss[k]]
+        if differs:
+            logger.warning(
+                "grpo_exporter: TRL's loss (loss_type=%r, importance_sampling_level=%r) weights by %s; the monitor "
+                "has %s: its clip, ratio and ESS metrics measure another loss. Make the monitor with these settings "
+                "(MonitoredGRPOTrainer does when it makes the monitor).", self.args.loss_type,
+                self.args.importance_sampling_level, ", ".join(f"{k}={loss[k]!r}" for k in differs),
+                ", ".join(f"{k}={getattr(monitor.config, k)!r}" for k in differs),
             )
         if verifier is not None and monitor.config.correctness_component != verifier:
             logger.warning(
@@ -220,6 +309,8 @@ class GRPOMonitorMixin:
         self._grpo_rewards: Tensor | None = None
         self._grpo_capture: list[tuple[Tensor, Tensor | None]] | None = None
         self._grpo_warned_no_grad_norm = False
+        self._grpo_pending: list[dict[str, Any]] = []
+        self._grpo_per_step = _generations_per_step(self.args)
         self.add_callback(_EndStep(self))
 
     # ---- rollout -----------------------------------------------------------------------------------------
@@ -252,16 +343,41 @@ class GRPOMonitorMixin:
         return output
 
     def _observe_rollout(self, inputs: Sequence[Mapping[str, Any]], output: Mapping[str, Any]) -> None:
+        """Hold the generation batch's tensors; observe the step's batches as one rollout when the step has all
+        of them (several when ``steps_per_generation * num_iterations`` divides ``gradient_accumulation_steps``
+        more than once: each would otherwise overwrite the last one's readings), at the latest when it ends."""
         step = int(self.state.global_step)
+        if self._grpo_pending and self._grpo_pending[0]["step"] != step:
+            self._flush_rollouts()
         self._grpo_rollout_step = step
+        tensors = self._rollout_tensors(inputs, output, step, len(self._grpo_pending))
+        self._grpo_pending.append({"step": step, **tensors})
+        if len(self._grpo_pending) >= self._grpo_per_step:
+            self._flush_rollouts()
+
+    def _flush_rollouts(self) -> None:
+        """Observe the held generation batches of one step as one rollout (concatenated along the batch)."""
+        pending, self._grpo_pending = self._grpo_pending, []
+        if pending:
+            step = pending[0]["step"]
+            pad = self._tokenizer.pad_token_id
+            batches = [{k: v for k, v in r.items() if k != "step"} for r in pending]
+            self.monitor.observe_rollout(step, **concatenate_rollouts(batches, int(pad) if pad is not None else 0))
+
+    def _rollout_tensors(self, inputs: Sequence[Mapping[str, Any]], output: Mapping[str, Any], step: int,
+                         index: int) -> dict[str, Any]:
+        """One generation batch's ``observe_rollout`` keywords; ``index``: its place among the step's batches
+        (its groups are numbered after the earlier batches' groups on every process)."""
         completion_ids: Tensor = output["completion_ids"]
         device, n = completion_ids.device, completion_ids.shape[0]
         completion_mask = output["completion_mask"].bool()
         loss_mask = completion_mask & output["tool_mask"].bool() if "tool_mask" in output else completion_mask
         first = self.accelerator.process_index * n
+        offset = index * -(-self.accelerator.num_processes * n // self.num_generations)
         rollout: dict[str, Any] = {
-            "group_ids": torch.arange(first, first + n, device=device) // self.num_generations,
-            "prompt_ids": [prompt_key(x, step, (first + i) // self.num_generations) for i, x in enumerate(inputs)],
+            "group_ids": torch.arange(first, first + n, device=device) // self.num_generations + offset,
+            "prompt_ids": [prompt_key(x, step, (first + i) // self.num_generations + offset)
+                           for i, x in enumerate(inputs)],
             "loss_mask": loss_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
@@ -275,7 +391,7 @@ class GRPOMonitorMixin:
             rollout["completion_lengths"] = torch.tensor(lengths, dtype=torch.int64, device=device)
         if self._grpo_rewards is not None:
             rollout.update(self._rewards(self._grpo_rewards[first : first + n].to(device)))
-        self.monitor.observe_rollout(step, **rollout)
+        return rollout
 
     def _rewards(self, per_func: Tensor) -> dict[str, Any]:
         """Total reward as TRL sums it (NaN where every function returned None: an unscorable completion), and
