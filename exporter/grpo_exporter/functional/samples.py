@@ -178,7 +178,7 @@ class ClipCounts(NamedTuple):
 
 
 def clip_counts(
-    lr: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float | None, eps_high: float,
+    lr: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float,
     row_tokens: Tensor | None = None, old_masked: bool = False, signs: SignedRows | None = None,
     cap: float | None = None,
 ) -> ClipCounts:
@@ -196,15 +196,15 @@ def clip_counts(
     when the caller has them.
 
     ``cap``: a ratio cap instead of the PPO band (CISPO's min(r, cap) weight): the upper line is the cap, a
-    token at p_old < 1/cap can reach it, and there is no lower line (``eps_low`` None: the lower counts read 0
-    and the caller leaves them out). A sequence-level ratio (:func:`~grpo_exporter.functional.gradient.
+    token at p_old < 1/cap can reach it, and there is no lower line (the lower counts read 0 and the caller
+    leaves them out). A sequence-level ratio (:func:`~grpo_exporter.functional.gradient.
     sequence_log_ratio`, GSPO) is counted the same way: each loss token of a sequence beyond a line is cut,
     and ``old_logprobs`` then holds each row's mean old log-prob on its loss tokens.
     """
     signs = advantage_signs(advantages, lr.loss_mask) if signs is None else signs
     upper_line = 1.0 + eps_high if cap is None else cap
     above = lr.valid & (lr.ratio > upper_line)
-    below = lr.valid & (lr.ratio < 1.0 - eps_low) if eps_low is not None and cap is None else torch.zeros_like(above)
+    below = lr.valid & (lr.ratio < 1.0 - eps_low) if cap is None else torch.zeros_like(above)
     old = old_logprobs.float() if old_masked else zeroed(old_logprobs, lr.loss_mask)
     room = old < -math.log(upper_line)  # 0 off the mask: never below
     if signs.per_row:
