@@ -4,6 +4,8 @@ rows reordered as verl's ``balance_batch`` does, and the v0 ``RayPPOTrainer`` ho
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -166,3 +168,172 @@ def test_every_series_the_verl_mapping_names_is_in_the_catalogue() -> None:
     assert names
     for name in names:
         family_of(name)
+
+
+def _trainer(config: dict, entropy: float = 0.75) -> Any:
+    """The v0 hook on verl's RayPPOTrainer with the worker calls answered as verl's workers answer them."""
+
+    class Workers(RayPPOTrainer):
+        def _compute_old_log_prob(self, batch: DataProto):
+            result = DataProto.from_dict(tensors={
+                "old_log_probs": batch.batch["old_log_probs"],
+                "entropys": torch.full(batch.batch["responses"].shape, entropy)})
+            return result, 0.0
+
+        def _update_actor(self, batch: DataProto) -> DataProto:
+            return DataProto.from_single_dict(data={}, meta_info={"metrics": {"actor/grad_norm": 4.0}})
+
+    cls = monitored_ray_trainer(Workers)
+    trainer = cls.__new__(cls)
+    trainer.config = OmegaConf.create(config)
+    trainer.global_steps = 1
+    return trainer
+
+
+def test_decoupled_rejection_sampling_leaves_the_engine_gap_on_every_model_token() -> None:
+    """verl's own compute_rollout_correction_and_add_to_batch (token_k1 rejection outside ratio [0.5, 2]) runs
+    between the old-log-prob pass and the update, as in RayPPOTrainer.fit, and overwrites response_mask with the
+    kept tokens. Three tokens 1.5 nats off are the mismatch it rejects: the engine gap and the lengths are still
+    read on every model token, not on the tokens kept for agreeing."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+    data, truth = make_batch(3)
+    engine = data.batch["rollout_log_probs"].clone()
+    mask = data.batch["response_mask"].bool()
+    rows = mask[:, 0].nonzero().squeeze(1)[:3]
+    engine[rows, 0] = data.batch["old_log_probs"][rows, 0] - 1.5
+    data.batch["rollout_log_probs"] = engine
+    trainer = _trainer({"algorithm": {"rollout_correction": {"bypass_mode": False}}})
+    trainer.monitor = GRPOMonitor(run="verl-rs", group_size=G, port=None, strict=True, close_linger_s=0, guard="off")
+    trainer._compute_old_log_prob(data)
+    config = OmegaConf.create({"rollout_is": None, "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"})
+    data, rs = compute_rollout_correction_and_add_to_batch(data, config)
+    kept = data.batch["response_mask"].bool()
+    assert rs["rollout_corr/rollout_rs_masked_fraction"] > 0  # verl rejected ...
+    assert int((mask & ~kept).sum()) == 3  # ... exactly the three tokens
+    trainer._update_actor(data)
+    m = trainer.monitor.metrics()
+    trainer.monitor.close()
+    gap = (data.batch["old_log_probs"] - engine).abs()
+    assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(float(gap[mask].mean()), rel=1e-5)
+    assert float(gap[kept].mean()) < 0.5 * float(gap[mask].mean())  # what the kept tokens alone would read
+    assert m['grpo_completion_length_tokens_sum{outcome="all"}'] == pytest.approx(float(truth["lengths"].sum()))
+    assert m["grpo_loss_mask_length_mismatch_sequences_total"] == 0
+
+
+def test_bypass_mode_publishes_no_engine_gap_instead_of_a_false_zero(caplog) -> None:
+    """verl's apply_bypass_mode makes old_log_probs the engine's rollout_log_probs: a gap of exactly 0 by
+    construction, a false healthy reading. It is absent, and said once; the rest of the rollout is read."""
+    import logging
+
+    from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    data, truth = make_batch(4)
+    apply_bypass_mode(data, OmegaConf.create({"bypass_mode": True}), OmegaConf.create({}))
+    monitor = GRPOMonitor(run="verl-bypass", group_size=G, port=None, strict=True, close_linger_s=0)
+    observe_dataproto(monitor, data, step=1)
+    m = monitor.metrics()
+    monitor.close()
+    assert "grpo_engine_logprob_gap_mean_nats" not in m
+    assert 'grpo_mismatch_kl_nats{estimator="k1"}' not in m
+    assert m['grpo_pass_at_k_ratio{k="1"}'] == pytest.approx(float(truth["acc"].mean()))
+    assert sum("bypass mode" in r.getMessage() for r in caplog.records) == 1
+    # the trainer hook knows it from verl's config too (the batch may hold a copy)
+    trainer = _trainer({"algorithm": {"rollout_correction": {"bypass_mode": True}}})
+    trainer.monitor = GRPOMonitor(run="verl-bypass-2", group_size=G, port=None, strict=True, close_linger_s=0)
+    data, _ = make_batch(4)
+    data.batch["old_log_probs"] = data.batch["rollout_log_probs"].clone()
+    trainer._update_actor(data)
+    assert "grpo_engine_logprob_gap_mean_nats" not in trainer.monitor.metrics()
+    trainer.monitor.close()
+    assert sum("bypass mode" in r.getMessage() for r in caplog.records) == 1  # said once per process
+
+
+def test_a_multi_turn_batch_counts_tool_filled_windows_and_leaves_aborted_samples_out() -> None:
+    """The agent loop's layout: response_mask is 0 on tool output, the attention mask's response window holds
+    model and tool tokens. A window filled partly by a tool's output is truncated (verl's
+    response_length/clip_ratio counts it); a sample aborted with no response token is no completion (verl's
+    response/aborted_ratio), not a reward of 0; no loss-mask fault is read from the tool tokens."""
+    data, _ = make_batch(5)
+    n = len(data)
+    window = torch.ones(n, T, dtype=torch.long)
+    window[:, 8:] = 0  # every response ends at 8 tokens ...
+    window[1] = 1  # ... but row 1, whose tool output fills the window
+    model = window.clone()
+    model[:, 3:5] = 0  # tool output at positions 3-4 of every response
+    aborted = 2
+    window[aborted] = 0
+    model[aborted] = 0
+    scores = torch.zeros(n, T)
+    acc = torch.ones(n)
+    acc[aborted] = 0.0  # verl's reward of an aborted sample
+    scores[:, 0] = acc
+    data.batch["attention_mask"] = torch.cat([torch.ones(n, 5, dtype=torch.long), window], dim=1)
+    data.batch["response_mask"] = model
+    data.batch["token_level_scores"] = scores
+    data.non_tensor_batch["acc"] = acc.numpy().astype(bool)
+    monitor = GRPOMonitor(run="verl-agent", group_size=G, port=None, strict=True, close_linger_s=0)
+    observe_dataproto(monitor, data, step=1)
+    observe_actor_metrics(monitor, 1, {"actor/grad_norm": 1.0})
+    m = monitor.metrics()
+    monitor.close()
+    assert m["grpo_completions_total"] == n - 1
+    assert m['grpo_pass_at_k_ratio{k="1"}'] == 1.0  # the aborted sample is no failed completion
+    assert m["grpo_truncated_completions_total"] == 1
+    assert m['grpo_completion_length_tokens_sum{outcome="all"}'] == float(model.sum())  # the model's tokens
+    assert m["grpo_loss_mask_length_mismatch_sequences_total"] == 0
+    assert m["grpo_loss_mask_outside_completion_tokens_total"] == 0
+
+
+def test_the_clip_line_is_read_where_verls_engines_read_it() -> None:
+    """verl's engines clip at actor.optim.clip_grad (actor.grad_clip is deprecated and copied there)."""
+    from grpo_exporter.integrations.verl import _grad_clip
+
+    assert _grad_clip(OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"clip_grad": 0.5},
+                                                                        "grad_clip": 1.0}}})) == 0.5
+    assert _grad_clip(OmegaConf.create({"actor_rollout_ref": {"actor": {"grad_clip": 1.0}}})) == 1.0
+    assert _grad_clip(OmegaConf.create({})) is None
+    trainer = _trainer({"actor_rollout_ref": {"actor": {"optim": {"clip_grad": 2.0}}}})
+    trainer.monitor = GRPOMonitor(run="verl-clip", group_size=G, port=None, strict=True, close_linger_s=0)
+    data, _ = make_batch(1)
+    trainer._compute_old_log_prob(data)
+    trainer._update_actor(data)
+    m = trainer.monitor.metrics()
+    trainer.monitor.close()
+    assert m["grpo_grad_norm_post_clip"] == pytest.approx(2.0, abs=1e-5)  # 4.0 clipped at 2.0
+
+
+def test_fully_async_batches_give_the_rollout_staleness() -> None:
+    """verl's fully-async trainer tags each trajectory with the parameter versions it started and ended on
+    (non_tensor_batch min_global_steps / max_global_steps): the oldest start against the trainer's version is
+    the staleness, past staleness_max_versions a stale update step."""
+    data, _ = make_batch(6)
+    n = len(data)
+    data.non_tensor_batch["min_global_steps"] = np.array([9] * (n - 1) + [3])
+    data.non_tensor_batch["max_global_steps"] = np.full(n, 10)
+    monitor = GRPOMonitor(run="verl-async", group_size=G, port=None, strict=True, close_linger_s=0)
+    observe_dataproto(monitor, data, step=5, policy_version=10)
+    observe_actor_metrics(monitor, 5, {"actor/grad_norm": 1.0})
+    m = monitor.metrics()
+    monitor.close()
+    assert m["grpo_rollout_staleness_versions"] == 7
+    assert m["grpo_stale_update_steps_total"] == 1
+
+
+def test_every_verl_metric_the_mapping_names_is_in_verls_source() -> None:
+    """The verl keys of VERL_METRICS are the ones verl logs (rollout_corr/<key> is built from its helper's
+    metric keys)."""
+    from pathlib import Path
+
+    import verl
+
+    root = Path(verl.__file__).parent
+    sources = {p: p.read_text() for p in (root / "trainer" / "ppo").glob("*.py")}
+    text = "\n".join(sources.values())
+    for key in VERL_METRICS:
+        if key.startswith("rollout_corr/"):
+            name = key.removeprefix("rollout_corr/")
+            assert f'metrics["{name}"]' in sources[root / "trainer" / "ppo" / "rollout_corr_helper.py"], key
+        else:
+            assert f'"{key}"' in text, key

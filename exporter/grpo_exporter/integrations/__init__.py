@@ -13,10 +13,10 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -123,14 +123,17 @@ def check_signature(
 
 def observe_rollout_time_update(
     monitor: GRPOMonitor, step: int, loss_mask: Tensor, advantages: Tensor | None, old: Tensor | None,
-    ref: Tensor | None, entropy: Tensor | None = None,
+    ref: Tensor | None, entropy: Tensor | None = None, more: Mapping[str, Any] | None = None,
 ) -> None:
     """The update inputs a driver holds at rollout time when current log-probs stay in the workers (verl,
     OpenRLHF): advantages, per-token entropy, and the KL of the sampling policy to the reference (``logprobs``
-    = the old log-probs). No ``old_logprobs`` is passed, so no ratio of 1 by construction is published."""
-    if advantages is not None or entropy is not None or (old is not None and ref is not None):
+    = the old log-probs). No ``old_logprobs`` is passed, so no ratio of 1 by construction is published.
+    ``more``: other update fields the driver knows (``group_ids``; ``policy_version`` and
+    ``rollout_policy_version`` where the framework tags its rollouts)."""
+    more = dict(more or {})
+    if advantages is not None or entropy is not None or (old is not None and ref is not None) or more:
         monitor.observe_update(step, advantages=advantages, loss_mask=loss_mask, logprobs=old, entropy=entropy,
-                               ref_logprobs=ref if old is not None else None)
+                               ref_logprobs=ref if old is not None else None, **more)
 
 
 def observe_reported_update(

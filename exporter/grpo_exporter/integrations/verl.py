@@ -21,12 +21,14 @@ driver step):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from grpo_exporter.ids import id_tensor
 from grpo_exporter.integrations import (
     check_signature,
     observe_reported_update,
@@ -36,6 +38,7 @@ from grpo_exporter.integrations import (
 from grpo_exporter.monitor import GRPOMonitor
 
 TESTED = "verl>=0.9.1,<0.10"
+logger = logging.getLogger("grpo_exporter")
 
 verl = require("verl", "verl", TESTED)
 from verl import DataProto  # noqa: E402
@@ -49,6 +52,18 @@ VERL_METRICS: Mapping[str, tuple[str, str]] = {
         "same: a response as long as the response window is truncated",
     ),
     "critic/score/mean": ('grpo_reward_mean{component="total"}', "same: the sequence score before KL penalty"),
+    # rollout correction's diagnostics (decoupled mode, on the batch before rejection), same definitions
+    "rollout_corr/kl": ('grpo_mismatch_kl_nats{estimator="k1"}', "same: mean(rollout - old)"),
+    "rollout_corr/k3_kl": ('grpo_mismatch_kl_nats{estimator="k3"}', "same: mean exp(l) - 1 - l, l = old - rollout"),
+    "rollout_corr/chi2_token": ('grpo_mismatch_chi_square{level="token"}', "same: E[w^2] - 1 over tokens"),
+    "rollout_corr/chi2_seq": ('grpo_mismatch_chi_square{level="sequence"}',
+                              "same: E[(prod w)^2] - 1 over sequences"),
+    "rollout_corr/log_ppl_diff": ("grpo_mismatch_log_ppl_diff_nats", "same"),
+    "rollout_corr/ppl_ratio": ("grpo_mismatch_ppl_multiple", "same"),
+    "response/aborted_ratio": (
+        "grpo_completions_total",
+        "aborted samples (no response token) are no completion here: left out of every reading and count",
+    ),
 }
 
 
@@ -66,6 +81,9 @@ def observe_dataproto(
     component_keys: Sequence[str] = (),
     verifier_threshold: float = 0.5,
     entropy: Tensor | None = None,
+    response_mask: Tensor | None = None,
+    bypass: bool = False,
+    policy_version: int | None = None,
 ) -> None:
     """One :meth:`~GRPOMonitor.observe_rollout` (and the rollout-time part of the update: advantages, and the KL
     of the sampling policy to the reference from ``old_log_probs`` and ``ref_log_prob``) from verl's batch.
@@ -76,46 +94,102 @@ def observe_dataproto(
     ``extra_info``); ``uid`` is per rollout, so it gives groups, not prompts. ``component_keys``: numeric
     ``non_tensor_batch`` entries published as reward components. ``entropy``: the per-token entropies of the
     old-log-prob pass (``_compute_old_log_prob``'s ``entropys``: the sampling policy on these tokens).
+
+    verl's conventions, read as verl means them:
+
+    * ``response_mask``: the model's tokens *before* rollout correction's rejection sampling (decoupled mode's
+      ``compute_rollout_correction_and_add_to_batch`` overwrites the batch's with the kept tokens, which would
+      measure the engine gap on exactly the tokens kept for agreeing). Default: the batch's.
+    * Multi-turn agent loops: ``response_mask`` is 0 on tool output, the ``attention_mask``'s response window
+      holds every token (model and tool); a response fills its window (truncated) when the window is full, as
+      verl's ``response_length/clip_ratio`` counts. Aborted samples (no response token, verl's
+      ``response/aborted_ratio``) are left out of every reading: they are no completion, not a reward of 0.
+    * ``bypass``: rollout correction's bypass mode (``apply_bypass_mode``: ``old_log_probs`` *is*
+      ``rollout_log_probs``). The engine gap then reads 0 by construction: it is absent instead (and said once).
+      Detected from the batch when the two are one tensor.
+    * Fully-async: the batch's ``min_global_steps`` (the parameter version each trajectory started on) against
+      ``policy_version`` (default ``step``) give the rollout staleness.
     """
     with monitor.contained("rollout", "verl observe_dataproto"):
         batch, extra = data.batch, data.non_tensor_batch
         responses: Tensor = batch["responses"]
         width = responses.shape[1]
-        mask = _tensor(batch, "response_mask")
-        if mask is None:
-            mask = batch["attention_mask"][:, -width:]
-        mask = mask.bool()
+        loss_mask = response_mask if response_mask is not None else _tensor(batch, "response_mask")
+        window = _tensor(batch, "attention_mask")
+        window = window[:, -width:].bool() if window is not None else None
+        if loss_mask is None:
+            loss_mask = window
+        loss_mask = loss_mask.bool()
+        if window is None:
+            window = loss_mask
+        keep = window.any(dim=1)
+        rows: Tensor | None = None if bool(keep.all()) else keep.nonzero().squeeze(1)  # verl's driver: CPU tensors
+
+        def take(t: Tensor | None) -> Tensor | None:
+            return t if t is None or rows is None else t[rows.to(t.device)]
+
+        def take_extra(key: str) -> Any:
+            return extra[key] if rows is None else extra[key][rows.cpu().numpy()]
+
+        loss_all, old_all = loss_mask, _tensor(batch, "old_log_probs")
+        loss_mask, window, responses = take(loss_mask), take(window), take(responses)
         scores = _tensor(batch, "token_level_scores")
         if scores is None:
             scores = batch["token_level_rewards"]
-        lengths = mask.sum(dim=1)
+        old, engine = take(old_all), take(_tensor(batch, "rollout_log_probs"))
+        if engine is not None and (bypass or (old is not None and _same_storage(old, engine))):
+            _say_once("bypass", "grpo_exporter: verl rollout correction in bypass mode (old_log_probs are the "
+                      "engine's rollout_log_probs): the engine log-prob gap cannot be measured and is absent, not 0")
+            engine = None
         rollout: dict[str, Any] = {
-            "rewards": scores.sum(dim=-1).float(),
-            "loss_mask": mask,
-            "completion_lengths": lengths,
-            "truncated": lengths >= width,
+            "rewards": take(scores).sum(dim=-1).float(),
+            "loss_mask": loss_mask,
+            "completion_lengths": loss_mask.sum(dim=1),
+            "truncated": window.sum(dim=1) >= width,
             "completion_ids": responses,
-            "completion_mask": mask,
-            "old_logprobs": _tensor(batch, "old_log_probs"),
-            "rollout_logprobs": _tensor(batch, "rollout_log_probs"),
-            "prompt_tokens": _tensor(batch, "prompts"),  # read by the flight recorder only
+            "completion_mask": window,
+            "old_logprobs": old,
+            "rollout_logprobs": engine,
+            "prompt_tokens": take(_tensor(batch, "prompts")),  # read by the flight recorder only
         }
         if "uid" in extra:
-            rollout["group_ids"] = extra["uid"]
+            rollout["group_ids"] = take_extra("uid")
         if prompt_key is not None and prompt_key in extra:
-            rollout["prompt_ids"] = extra[prompt_key]
+            rollout["prompt_ids"] = take_extra(prompt_key)
         device = responses.device
         if correct_key is not None and correct_key in extra:
-            verdict = torch.as_tensor(extra[correct_key].astype("float64"), device=device)
+            verdict = torch.as_tensor(take_extra(correct_key).astype("float64"), device=device)
             rollout["correct"] = verdict >= verifier_threshold
         components = {
-            k: torch.as_tensor(extra[k].astype("float32"), device=device) for k in component_keys if k in extra
+            k: torch.as_tensor(take_extra(k).astype("float32"), device=device) for k in component_keys if k in extra
         }
         if components:
             rollout["reward_components"] = components
         monitor.observe_rollout(step, **rollout)
-        observe_rollout_time_update(monitor, step, mask, _tensor(batch, "advantages"), rollout["old_logprobs"],
-                                    _tensor(batch, "ref_log_prob"), entropy)
+        more: dict[str, Any] = {}
+        if "min_global_steps" in extra and len(take_extra("min_global_steps")):
+            more = {"policy_version": step if policy_version is None else policy_version,
+                    "rollout_policy_version": int(min(take_extra("min_global_steps")))}
+        # the update keeps every row: verl normalised each group's advantages with its aborted samples in it
+        # (their loss mask is empty), so the bound is that of the whole group
+        if "uid" in extra:
+            more["group_ids"] = id_tensor("group_ids", extra["uid"], device)
+        observe_rollout_time_update(monitor, step, loss_all, _tensor(batch, "advantages"), old_all,
+                                    _tensor(batch, "ref_log_prob"), entropy, more)
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    """One tensor under two keys (verl's bypass alias), without reading values."""
+    return a is b or (a.shape == b.shape and a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.warning(message)
 
 
 def observe_actor_metrics(
@@ -149,7 +223,13 @@ def monitored_ray_trainer(base: type | None = None) -> type:
         monitor: GRPOMonitor | None = None
         _grpo_entropy: Tensor | None = None
 
+        _grpo_response_mask: Tensor | None = None
+
         def _compute_old_log_prob(self, batch: DataProto) -> Any:
+            # decoupled rollout correction replaces response_mask with the rejection-sampled one after this
+            # pass: the model's tokens are kept here (a copy: the engine gap is measured on all of them)
+            mask = _tensor(batch.batch, "response_mask")
+            self._grpo_response_mask = None if mask is None else mask.clone()
             result = super()._compute_old_log_prob(batch)
             old = result[0] if isinstance(result, tuple) else result
             self._grpo_entropy = _tensor(old.batch, "entropys") if isinstance(old, DataProto) else None
@@ -158,8 +238,9 @@ def monitored_ray_trainer(base: type | None = None) -> type:
         def _update_actor(self, batch: DataProto) -> Any:
             step = int(self.global_steps)
             if self.monitor is not None:
-                observe_dataproto(self.monitor, batch, step, entropy=self._grpo_entropy)
-            self._grpo_entropy = None
+                observe_dataproto(self.monitor, batch, step, entropy=self._grpo_entropy,
+                                  response_mask=self._grpo_response_mask, bypass=_bypass(self.config))
+            self._grpo_entropy = self._grpo_response_mask = None
             output = super()._update_actor(batch)
             if self.monitor is not None:
                 observe_actor_metrics(self.monitor, step, output.meta_info.get("metrics", {}), _grad_clip(self.config))
@@ -168,12 +249,24 @@ def monitored_ray_trainer(base: type | None = None) -> type:
     return MonitoredRayPPOTrainer
 
 
-def _grad_clip(config: Any) -> float | None:
-    """``actor_rollout_ref.actor.grad_clip`` of verl's config, None when absent."""
+def _select(config: Any, key: str) -> Any:
     try:
         from omegaconf import OmegaConf
 
-        value = OmegaConf.select(config, "actor_rollout_ref.actor.grad_clip")
+        return OmegaConf.select(config, key)
     except Exception:
         return None
+
+
+def _grad_clip(config: Any) -> float | None:
+    """The norm verl's actor clips at: ``actor_rollout_ref.actor.optim.clip_grad`` (what verl's engines read),
+    else the deprecated ``actor.grad_clip`` (verl copies it there); None when neither is set."""
+    value = _select(config, "actor_rollout_ref.actor.optim.clip_grad")
+    if value is None:
+        value = _select(config, "actor_rollout_ref.actor.grad_clip")
     return float(value) if value is not None else None
+
+
+def _bypass(config: Any) -> bool:
+    """``algorithm.rollout_correction.bypass_mode`` of verl's config."""
+    return bool(_select(config, "algorithm.rollout_correction.bypass_mode"))
