@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=.venv-frameworks
 REQ=tests/frameworks/requirements.txt
 TORCH_REQ="${GRPO_TORCH:-torch==2.13.0}"
-FRAMEWORKS="verl==0.9.1 openrlhf==0.11.2"
+FRAMEWORKS="verl==0.9.1 openrlhf==0.11.2 deepspeed==0.19.8"
 stamp="$(cat "$REQ" "$0" | sha256sum | cut -c1-16)"
 if [ -f "$VENV/.stamp" ] && [ "$(cat "$VENV/.stamp")" = "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps -e . >/dev/null   # the package itself may have moved
