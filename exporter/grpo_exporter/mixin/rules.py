@@ -131,6 +131,16 @@ def _peak_sampling_error() -> str:
             "or on(job, run) 0 * run:grpo_pass_at_group_size:trend_mean)")
 
 
+def _anchor_sampling_error() -> str:
+    """The standard error of the difference between pass@G's mean over the long (baseline) window and the run's
+    early window (its anchor, the first anchor_steps = trend_window_steps rollouts: as many groups as a trend
+    window holds): sqrt(p(1-p) (1/groups_long + 1/groups_anchor)), p their mean. Neither is selected from many
+    windows, so 2 of them are the test."""
+    p = "((run:grpo_pass_at_group_size:long_mean + on(job, run) run:grpo_pass_at_group_size:anchor) / 2)"
+    return (f"(sqrt({p} * (1 - {p}) * on(job, run) (1 / clamp_min(run:grpo_groups:long_increase, 1) + on(job, run) "
+            "1 / clamp_min(run:grpo_groups:trend_increase, 1))) or on(job, run) 0 * run:grpo_pass_at_group_size:long_mean)")
+
+
 def _fraction(numerator: str, denominator: str, on: str = "") -> str:
     """``numerator / denominator`` with 0/0 (a window without events, as the first window of a run of slow
     steps) dropped: no sample rather than NaN, which would poison every average or quantile over the window
@@ -225,6 +235,9 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_groups:trend_increase",
          "expr": _increase(c, "grpo_groups_total", steps=c.trend_window_steps)},
         {"record": "run:grpo_steps:window_increase", "expr": _increase(c, "grpo_steps_total")},
+        # the groups of the long window (the baseline's length, ending now): pass@G's long leg
+        {"record": "run:grpo_groups:long_increase",
+         "expr": f"sum by ({BY}) (increase(grpo_groups_total{c.matchers()}[{c.baseline_window}]))"},
         {"record": "run:grpo_zero_variance_groups:window_ratio",
          "expr": _fraction(_rate(c, "grpo_zero_variance_groups_total"), _rate(c, "grpo_groups_total"))},
         {"record": "run:grpo_zero_variance_groups:window_ratio_by_outcome",
@@ -278,6 +291,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
          "expr": _mean(c, "grpo_entropy_mean_nats", steps=c.trend_window_steps)},
         {"record": "run:grpo_pass_at_group_size:trend_mean",
          "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.window(c.trend_window_steps)}]))"},
+        {"record": "run:grpo_pass_at_group_size:long_mean",
+         "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.baseline_window}]))"},
         {"record": "run:grpo_pass_at_1:trend_mean",
          "expr": _mean(c, "grpo_pass_at_k_ratio", steps=c.trend_window_steps, k="1")},
         # the trend mean once its window holds its steps: the run's best (peak) is taken over these only, never
@@ -365,7 +380,13 @@ def _alerts(c: MixinConfig) -> list[Alert]:
         "run:grpo_pass_at_group_size:trend_mean < on(job, run) (run:grpo_pass_at_group_size:peak - "
         f"on(job, run) clamp_min(4 * {_peak_sampling_error()}, {c.peak_drop_margin:g}))"
     )
-    pass_g_falls = f"{pass_g_sharp} or on(job, run) {pass_g_slow}"
+    # or slowly against the run's early window, over the long window: where a step holds a few groups (G = 16 of
+    # 64 completions: 4), a 5- or 20-step window's sampling error hides a fall the run's hours show
+    pass_g_long = (
+        "run:grpo_pass_at_group_size:long_mean < on(job, run) (run:grpo_pass_at_group_size:anchor - "
+        f"on(job, run) clamp_min(2 * {_anchor_sampling_error()}, {c.peak_drop_margin:g}))"
+    )
+    pass_g_falls = f"{pass_g_sharp} or on(job, run) {pass_g_slow} or on(job, run) {pass_g_long}"
     return [
         # ---- liveness ----
         Alert(
@@ -717,8 +738,10 @@ def _alerts(c: MixinConfig) -> list[Alert]:
             + _query("max(run:grpo_edit_distance_median_ratio:anchor{run=%q})") + "), while pass@G is "
             + _query("max(run:grpo_pass_at_group_size:window_mean{run=%q})") + " against "
             + _query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + " lately and "
-            + _query("max(run:grpo_pass_at_group_size:peak{run=%q})") + " at its best (pass@1 "
-            + _query("max(run:grpo_pass_at_1:trend_mean{run=%q})") + ").",
+            + _query("max(run:grpo_pass_at_group_size:peak{run=%q})") + " at its best; over "
+            + c.baseline_window + " " + _query("max(run:grpo_pass_at_group_size:long_mean{run=%q})")
+            + " against its early window " + _query("max(run:grpo_pass_at_group_size:anchor{run=%q})")
+            + " (pass@1 " + _query("max(run:grpo_pass_at_1:trend_mean{run=%q})") + ").",
             trend=True,
         ),
         Alert(
