@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from types import ModuleType
@@ -119,6 +120,17 @@ def check_signature(
             f"({', '.join(params)}) the adapter wraps. Tested with {tested}."
         )
     return method
+
+
+_SAID: weakref.WeakKeyDictionary[GRPOMonitor, set[str]] = weakref.WeakKeyDictionary()
+
+
+def say_once(monitor: GRPOMonitor, key: str, message: str) -> None:
+    """Log ``message`` (a framework mode the adapter reads differently, or cannot read) once per monitor."""
+    said = _SAID.setdefault(monitor, set())
+    if key not in said:
+        said.add(key)
+        logging.getLogger("grpo_exporter").warning(message)
 
 
 def observe_rollout_time_update(

@@ -17,20 +17,16 @@ process. :func:`attach` wraps an instance's ``experience_maker.make_experience_b
 
 from __future__ import annotations
 
-import logging
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
 from grpo_exporter.ids import id_tensor
-from grpo_exporter.integrations import observe_reported_update, observe_rollout_time_update, require
+from grpo_exporter.integrations import observe_reported_update, observe_rollout_time_update, require, say_once
 from grpo_exporter.monitor import GRPOMonitor
 
 TESTED = "openrlhf>=0.11,<0.12"
-logger = logging.getLogger("grpo_exporter")
-_ZERO_NORM_SAID: weakref.WeakSet[GRPOMonitor] = weakref.WeakSet()  # monitors told of OpenRLHF's 0.0 norm
 
 require("openrlhf", "openrlhf", TESTED)
 from openrlhf.trainer.ppo_utils import Experience  # noqa: E402
@@ -103,10 +99,8 @@ def observe_status(
     with monitor.contained("update", "openrlhf observe_status"):
         grad, entropy = status.get("actor_grad_norm"), status.get("entropy_loss")
         if grad is not None and float(grad) == 0.0:
-            if monitor not in _ZERO_NORM_SAID:
-                _ZERO_NORM_SAID.add(monitor)
-                logger.warning("grpo_exporter: OpenRLHF reports actor_grad_norm 0.0, its value when DeepSpeed "
-                               "computed no norm: no grad-norm reading is published for such steps")
+            say_once(monitor, "openrlhf-zero-norm", "grpo_exporter: OpenRLHF reports actor_grad_norm 0.0, its value "
+                     "when DeepSpeed computed no norm: no grad-norm reading is published for such steps")
             grad = None
         observe_reported_update(monitor, step, None if grad is None else float(grad),
                                 None if entropy is None else float(entropy), max_grad_norm)

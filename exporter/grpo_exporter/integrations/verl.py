@@ -21,7 +21,6 @@ driver step):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,11 +33,11 @@ from grpo_exporter.integrations import (
     observe_reported_update,
     observe_rollout_time_update,
     require,
+    say_once,
 )
 from grpo_exporter.monitor import GRPOMonitor
 
 TESTED = "verl>=0.9.1,<0.10"
-logger = logging.getLogger("grpo_exporter")
 
 verl = require("verl", "verl", TESTED)
 from verl import DataProto  # noqa: E402
@@ -138,8 +137,9 @@ def observe_dataproto(
             scores = batch["token_level_rewards"]
         old, engine = take(old_all), take(_tensor(batch, "rollout_log_probs"))
         if engine is not None and (bypass or (old is not None and _same_storage(old, engine))):
-            _say_once("bypass", "grpo_exporter: verl rollout correction in bypass mode (old_log_probs are the "
-                      "engine's rollout_log_probs): the engine log-prob gap cannot be measured and is absent, not 0")
+            say_once(monitor, "verl-bypass", "grpo_exporter: verl rollout correction in bypass mode (old_log_probs "
+                     "are the engine's rollout_log_probs): the engine log-prob gap cannot be measured and is absent, "
+                     "not 0")
             engine = None
         rollout: dict[str, Any] = {
             "rewards": take(scores).sum(dim=-1).float(),
@@ -181,15 +181,6 @@ def observe_dataproto(
 def _same_storage(a: Tensor, b: Tensor) -> bool:
     """One tensor under two keys (verl's bypass alias), without reading values."""
     return a is b or (a.shape == b.shape and a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
-
-
-_SAID: set[str] = set()
-
-
-def _say_once(key: str, message: str) -> None:
-    if key not in _SAID:
-        _SAID.add(key)
-        logger.warning(message)
 
 
 def observe_actor_metrics(
