@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -731,3 +732,37 @@ def test_a_healthy_gspo_run_with_batch_scaling_pages_nothing_through_the_product
                         close_linger_s=0.0)
     _, fired = _replayed(model_dir, tmp_path / "naive", GSPO_BATCH, monitor=naive)
     assert fired.get("trl-test"), fired
+
+
+def test_trls_off_policy_sequence_mask_leaves_the_sequences_it_drops_out_of_the_loss_tokens(
+    model_dir, tmp_path, monkeypatch, caplog
+):
+    """off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence mask) drops negative-advantage sequences
+    whose mean KL to the sampling policy exceeds it: they train nothing. TRL's own get_off_policy_mask is
+    recorded where TRL's _compute_loss calls it; the monitor's negative-advantage loss tokens are those TRL kept,
+    and at least one sequence was dropped (at lr 1e-2 the second iteration moves the policy). With
+    top_entropy_quantile < 1, the notice says the ratio metrics count the tokens that mask leaves out."""
+    from trl import GRPOTrainer
+
+    theirs: list[tuple[Tensor, Tensor, Tensor]] = []
+    real = GRPOTrainer.get_off_policy_mask
+
+    def recorded(**kwargs: Any) -> Tensor:
+        kept = real(**kwargs)
+        if sys._getframe(1).f_code.co_name == "_compute_loss":  # TRL's own call, not the adapter's
+            theirs.append((kwargs["advantages"].detach().clone(), kwargs["mask"].detach().clone(), kept.clone()))
+        return kept
+
+    monkeypatch.setattr(GRPOTrainer, "get_off_policy_mask", staticmethod(recorded))
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    trainer = train(model_dir, tmp_path, config={"off_policy_mask_threshold": 0.0, "top_entropy_quantile": 0.5},
+                    monitor_settings={"port": None, "close_linger_s": 0, "strict": True})
+    assert theirs
+    negative = [(m * k * (a < 0)).sum() for a, m, k in theirs]
+    dropped = [(m * (1 - k) * (a < 0)).sum() for a, m, k in theirs]
+    assert float(sum(dropped)) > 0
+    got = trainer.monitor.metrics()['grpo_update_tokens_total{advantage_sign="negative"}']
+    assert got == float(sum(negative))
+    said = [r.getMessage() for r in caplog.records if "top_entropy_quantile" in r.getMessage()]
+    assert len(said) == 1
+    assert "count every completion token" in said[0]

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_exporter.integrations import IntegrationError, check_signature, require
+from grpo_exporter.integrations import IntegrationError, check_signature, require, say_once
 from grpo_exporter.monitor import GRPOMonitor
 
 TESTED = "trl>=1.16,<1.17 with transformers>=5.24,<5.25"
@@ -67,6 +67,10 @@ check_signature(
     ("self", "model", "input_ids", "attention_mask", "logits_to_keep"), "trl", TESTED,
 )
 check_signature(GRPOTrainer, "_compute_loss", ("self", "model", "inputs"), "trl", TESTED)
+check_signature(  # a staticmethod: called with TRL's keywords to narrow the loss mask
+    GRPOTrainer, "get_off_policy_mask",
+    ("advantages", "per_token_logps", "sampling_per_token_logps", "mask", "off_policy_threshold"), "trl", TESTED,
+)
 check_signature(Trainer, "_get_grad_norm", ("self", "model", "grad_norm"), "transformers", TESTED)
 
 #: TRL's logged metric → the series that means the same thing here (PromQL), and how they differ, if at all.
@@ -302,6 +306,11 @@ class GRPOMonitorMixin:
                 "rollout_logprob_nan=%r and counts each such token as a non-finite value (GRPONonFiniteValues). "
                 "Make it with rollout_logprob_nan='unscored'.", monitor.config.rollout_logprob_nan,
             )
+        if float(getattr(self.args, "top_entropy_quantile", 1.0)) < 1.0:
+            say_once(monitor, "trl-top-entropy", (
+                f"grpo_exporter: TRL's top_entropy_quantile={self.args.top_entropy_quantile} trains on the "
+                "highest-entropy tokens only; the ratio, clip and ESS metrics here count every completion token, "
+                "the ones this mask leaves out of the loss included"))
         self.monitor = monitor
         self._grpo_preflight = False  # grpo_exporter.integrations.trl_preflight: observe nothing meanwhile
         self._grpo_rollout_step: int | None = None
@@ -434,6 +443,8 @@ class GRPOMonitorMixin:
         mask = inputs["completion_mask"].bool()
         if "tool_mask" in inputs:
             mask = mask & inputs["tool_mask"].bool()
+        if self.off_policy_mask_threshold is not None:
+            mask = mask & self._off_policy_kept(inputs, logprobs, mask)
         rollout_step = self._grpo_rollout_step
         self.monitor.observe_update(
             step,
@@ -447,6 +458,23 @@ class GRPOMonitorMixin:
             loss=loss.detach(),
             **({"policy_version": step, "rollout_policy_version": rollout_step} if rollout_step is not None else {}),
         )
+
+    def _off_policy_kept(self, inputs: Mapping[str, Any], logprobs: Tensor, mask: Tensor) -> Tensor:
+        """(B, 1) bool: the sequences TRL's off-policy sequence mask (``off_policy_mask_threshold``, DeepSeek-V3.2)
+        keeps in this micro-batch's loss, by TRL's own ``get_off_policy_mask`` on the same tensors
+        ``_compute_loss`` gives it: the dropped sequences (negative advantage, mean KL above the threshold) train
+        nothing, so they are no loss tokens here."""
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old = inputs.get("old_per_token_logps")
+        old = logprobs.detach() if old is None else old
+        sampling = inputs.get("sampling_per_token_logps", old)
+        kept = self.get_off_policy_mask(
+            advantages=advantages, per_token_logps=logprobs, sampling_per_token_logps=sampling,
+            mask=mask.to(logprobs.dtype), off_policy_threshold=self.off_policy_mask_threshold,
+        )
+        return kept.bool()
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
         """The norm Trainer logs as ``grad_norm``: the pre-clip norm with ``max_grad_norm > 0``, computed
