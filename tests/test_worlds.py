@@ -35,7 +35,7 @@ CONTROL = world(24)  # a loss mask over the padding from half-way: layer 1, GRPO
 # 0.8, the loss pass does not) pages the on-policy alerts through that noise
 BATCH_VARIANT = replace(world(29), trainer="bf16", old_logprob_rows=1)
 SECOND_PATH = replace(world(40), trainer="bf16", old_logprob_rows=1)
-# the conflict family drifts to the seed's collapse with nothing wrong: pass@G 0.93 -> 0.82 while pass@1 rises
+# the conflict family drifts to the seed's collapse with nothing wrong: pass@G 0.93 -> 0.85 while pass@1 rises
 # 0.43 -> 0.60 (G = 16, 20 s steps; docs/worlds-conflict.md)
 COLLAPSING = collapse_world(9)
 FAULTS = {CONTROL.name: ("mask_covers_padding", True), SECOND_PATH.name: ("old_logprob_temperature", 0.8)}
