@@ -195,7 +195,8 @@ class MixinConfig(StopLines, EventLines):
     peak_drop_margin: float = Field(
         0.1, ge=0, lt=1, description="GRPOEntropyCollapse, slow leg: pass@G over 20 steps this far below the best "
         "20-step pass@G of the run (or its early window) is falling. Wider than `pass_drop_margin`: the best of "
-        "many noisy means sits above the truth"
+        "many noisy means sits above the truth. GRPODiversityCollapse's long leg uses it too: pass@G over the "
+        "baseline's window this far below the run's early window"
     )
     peak_window_s: int = Field(
         86400, ge=1, description="how far back the run's best 20-step pass@G is remembered (the slow leg of "
@@ -204,7 +205,8 @@ class MixinConfig(StopLines, EventLines):
     unique_ratio_min: float = Field(
         0.2, gt=0, lt=1, description="GRPODiversityCollapse: distinct completions per group (seed: 16 samples "
         "down to 2-3 distinct is collapse), paged only while pass@G falls (`pass_drop_margin` below its trailing "
-        "baseline or `peak_drop_margin` below its best): identical correct completions are a learned task"
+        "baseline, `peak_drop_margin` below its best, or over the baseline's window `peak_drop_margin` below the "
+        "run's early window; each also by its sampling error): identical correct completions are a learned task"
     )
     edit_distance_drop_factor: float = Field(
         0.5, gt=0, lt=1, description="GRPODiversityCollapse: in-group edit distance below this x its baseline"
