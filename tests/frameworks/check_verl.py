@@ -120,24 +120,31 @@ def test_mismatch_metrics_equal_verls_own_rollout_corr_diagnostics() -> None:
         assert value == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), name
 
 
-def test_v0_trainer_hook_reports_each_step() -> None:
-    """The v0 hook on verl's own RayPPOTrainer class hierarchy: the worker calls are the parts a CPU test
-    cannot run (Ray worker groups), so this subclass answers them with what verl's workers return."""
-    data, _ = make_batch(1)
-    entropys = torch.full(data.batch["responses"].shape, 0.75)
+def _trainer(config: dict, entropy: float = 0.75) -> Any:
+    """The v0 hook on verl's RayPPOTrainer with the worker calls answered as verl's workers answer them."""
 
     class Workers(RayPPOTrainer):
         def _compute_old_log_prob(self, batch: DataProto):
-            result = DataProto.from_dict(tensors={"old_log_probs": batch.batch["old_log_probs"], "entropys": entropys})
+            result = DataProto.from_dict(tensors={
+                "old_log_probs": batch.batch["old_log_probs"],
+                "entropys": torch.full(batch.batch["responses"].shape, entropy)})
             return result, 0.0
 
         def _update_actor(self, batch: DataProto) -> DataProto:
-            metrics = {"actor/grad_norm": 4.0, "actor/pg_clipfrac": 0.1}
-            return DataProto.from_single_dict(data={}, meta_info={"metrics": metrics})
+            return DataProto.from_single_dict(data={}, meta_info={"metrics": {"actor/grad_norm": 4.0}})
 
     cls = monitored_ray_trainer(Workers)
     trainer = cls.__new__(cls)
-    trainer.config = OmegaConf.create({"actor_rollout_ref": {"actor": {"grad_clip": 1.0}}})
+    trainer.config = OmegaConf.create(config)
+    trainer.global_steps = 1
+    return trainer
+
+
+def test_v0_trainer_hook_reports_each_step() -> None:
+    """The v0 hook on verl's own RayPPOTrainer class hierarchy: the worker calls are the parts a CPU test
+    cannot run (Ray worker groups), so the subclass answers them with what verl's workers return."""
+    data, _ = make_batch(1)
+    trainer = _trainer({"actor_rollout_ref": {"actor": {"grad_clip": 1.0}}})
     trainer.monitor = GRPOMonitor(run="verl-v0", group_size=G, port=None, strict=True, close_linger_s=0)
     for step in (1, 2):
         trainer.global_steps = step
@@ -168,26 +175,6 @@ def test_every_series_the_verl_mapping_names_is_in_the_catalogue() -> None:
     assert names
     for name in names:
         family_of(name)
-
-
-def _trainer(config: dict, entropy: float = 0.75) -> Any:
-    """The v0 hook on verl's RayPPOTrainer with the worker calls answered as verl's workers answer them."""
-
-    class Workers(RayPPOTrainer):
-        def _compute_old_log_prob(self, batch: DataProto):
-            result = DataProto.from_dict(tensors={
-                "old_log_probs": batch.batch["old_log_probs"],
-                "entropys": torch.full(batch.batch["responses"].shape, entropy)})
-            return result, 0.0
-
-        def _update_actor(self, batch: DataProto) -> DataProto:
-            return DataProto.from_single_dict(data={}, meta_info={"metrics": {"actor/grad_norm": 4.0}})
-
-    cls = monitored_ray_trainer(Workers)
-    trainer = cls.__new__(cls)
-    trainer.config = OmegaConf.create(config)
-    trainer.global_steps = 1
-    return trainer
 
 
 def test_decoupled_rejection_sampling_leaves_the_engine_gap_on_every_model_token() -> None:
