@@ -94,8 +94,7 @@ def test_attach_reports_each_train_step() -> None:
     assert m["grpo_groups_total"] == 8
 
 
-def response(prompt: str, actions: list[tuple[int, int]], length: int, reward: float, gen: torch.Generator,
-             drift: float = DRIFT, truncated: bool = False) -> dict:
+def response(prompt: str, actions: list[tuple[int, int]], length: int, reward: float, gen: torch.Generator) -> dict:
     """A vLLM agent response as OpenRLHF's generation hands it over: the observation tokens (prompt, actions,
     environment feedback), the action ranges, the engine's log-prob per observation token (0.0 off actions)."""
     return {
@@ -104,10 +103,9 @@ def response(prompt: str, actions: list[tuple[int, int]], length: int, reward: f
         "reward": reward,
         "scores": reward,
         "rollout_log_probs": [0.0] * length,
-        "truncated": truncated,
+        "truncated": False,
         "prompt": prompt,
         "label": "",
-        "_drift": drift,
     }
 
 
@@ -130,7 +128,7 @@ def real_batch(prompts: list[str], gen: torch.Generator, multi_turn: bool = Fals
             sample = SamplesGenerator._process_response_into_experience(None, r, max_len=64)
             mask = sample.action_mask.bool()
             old = -torch.rand(mask.shape, generator=gen) * 2
-            sample.rollout_log_probs = torch.where(mask, old + r["_drift"], 0.0)  # 0.0 off the actions, as vLLM's
+            sample.rollout_log_probs = torch.where(mask, old + DRIFT, 0.0)  # 0.0 off the actions, as vLLM's
             sample.action_log_probs = old
             sample.advantages = torch.where(mask, reward - 0.5, 0.0).float()
             samples.append(sample)

@@ -167,9 +167,10 @@ def observe_dataproto(
             rollout["reward_components"] = components
         monitor.observe_rollout(step, **rollout)
         more: dict[str, Any] = {}
-        if "min_global_steps" in extra and len(take_extra("min_global_steps")):
+        started = take_extra("min_global_steps") if "min_global_steps" in extra else ()
+        if len(started):
             more = {"policy_version": step if policy_version is None else policy_version,
-                    "rollout_policy_version": int(min(take_extra("min_global_steps")))}
+                    "rollout_policy_version": int(min(started))}
         # the update keeps every row: verl normalised each group's advantages with its aborted samples in it
         # (their loss mask is empty), so the bound is that of the whole group
         if "uid" in extra:
