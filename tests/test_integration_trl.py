@@ -432,15 +432,17 @@ def test_an_untested_framework_release_fails_at_import_naming_the_range(monkeypa
     assert require("transformers", "trl", TESTED) is not None
 
 
-def test_the_readme_two_lines_run_as_written(model_dir, tmp_path) -> None:
-    """The README's TRL snippet (a ```py block: it needs TRL, so the core doc-example test leaves it to this
-    file), run verbatim but for a free port, the tiny model's path and its tokenizer."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    (code,) = [c for c in re.findall(r"```py\n(.*?)```", readme, flags=re.DOTALL) if "MonitoredGRPOTrainer" in c]
+@pytest.mark.parametrize("doc", ["README.md", "docs/integrations.md"])
+def test_the_docs_two_lines_run_as_written(model_dir, tmp_path, doc) -> None:
+    """The TRL snippet of the README and of docs/integrations.md (```py blocks: they need TRL, so the core
+    doc-example test leaves them to this file), run verbatim but for a free port, the tiny model's path and its
+    tokenizer."""
+    text = (Path(__file__).resolve().parents[1] / doc).read_text(encoding="utf-8")
+    (code,) = [c for c in re.findall(r"```py\n(.*?)```", text, flags=re.DOTALL) if "MonitoredGRPOTrainer" in c]
     path, tok = model_dir  # the word-level tokenizer is passed as trained: a reload would re-split words
     grpo_config = GRPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=8, num_generations=G,
                              max_completion_length=MAX_NEW, max_steps=2, report_to=[], use_cpu=True,
-                             save_strategy="no", run_name="readme")
+                             save_strategy="no", run_name=Path(doc).stem)
     names: dict[str, Any] = {"tok": tok, "accuracy": accuracy, "fmt": brevity, "grpo_config": grpo_config,
                              "ds": Dataset.from_dict({"prompt": ["add one plus two", "add two plus two"] * 4})}
     os.environ["GRPO_EXPORTER_CLOSE_LINGER_S"] = "0"

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import gpu_only
 import pytest
 import torch
+from doc_snippets import snippet
 
 gpu_only.install()  # flash-attn, vLLM: imported by OpenRLHF's trainer modules, never run here
 
@@ -232,13 +233,16 @@ class Trainer(BasePPOTrainer):
 def test_the_monitored_trainer_is_a_ray_actor_class_whose_monitor_lives_in_the_trainer(monkeypatch) -> None:
     """OpenRLHF's PPOTrainer is @ray.remote and its launcher holds only the handle: monitored_ppo_trainer gives
     a Ray actor class over the trainer's own class, and a real Ray actor of it (a local Ray, one CPU) reports each
-    train step from its own process, with the clip line from actor.max_norm."""
+    train step from its own process, with the clip line from actor.max_norm. The docs' two lines make the class
+    over OpenRLHF's own trainer."""
     import ray
     from openrlhf.trainer.ppo_trainer import PPOTrainer
 
     from grpo_exporter.integrations.openrlhf import monitored_ppo_trainer
 
-    real = monitored_ppo_trainer(run="openrlhf-ray", port=None, close_linger_s=0)
+    names: dict = {}
+    exec(snippet("monitored_ppo_trainer"), names)  # docs/integrations.md's lines, as written
+    real = names["PPOTrainer"]
     assert isinstance(real, ray.actor.ActorClass)
     assert issubclass(real.__ray_actor_class__, PPOTrainer.__ray_actor_class__)
     actor_class = monitored_ppo_trainer(ray.remote(Trainer), run="openrlhf-ray", port=None, close_linger_s=0)

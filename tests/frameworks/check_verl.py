@@ -316,7 +316,7 @@ def test_every_verl_metric_the_mapping_names_is_in_verls_source() -> None:
     import verl
 
     root = Path(verl.__file__).parent
-    sources = {p: p.read_text() for p in (root / "trainer" / "ppo").glob("*.py")}
+    sources = {p: p.read_text() for p in (root / "trainer" / "ppo").rglob("*.py")}  # v0 and v1
     text = "\n".join(sources.values())
     for key in VERL_METRICS:
         if key.startswith("rollout_corr/"):
@@ -324,3 +324,30 @@ def test_every_verl_metric_the_mapping_names_is_in_verls_source() -> None:
             assert f'metrics["{name}"]' in sources[root / "trainer" / "ppo" / "rollout_corr_helper.py"], key
         else:
             assert f'"{key}"' in text, key
+
+
+def test_the_docs_v0_lines_run_as_written(monkeypatch) -> None:
+    """docs/integrations.md's v0 lines, as written but for a free port, where verl's TaskRunner builds
+    RayPPOTrainer: the object is verl's trainer class with the hooks and a monitor of the run's group size.
+    (RayPPOTrainer's __init__ builds Ray worker groups: it is stood in by one that keeps the config.)"""
+    from doc_snippets import snippet
+
+    seen: dict[str, Any] = {}
+
+    def init(self: Any, config: Any, **kwargs: Any) -> None:
+        self.config = config
+        seen.update(kwargs)
+
+    monkeypatch.setattr(RayPPOTrainer, "__init__", init)
+    names: dict[str, Any] = {"config": OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": G}}}),
+                             "trainer_kwargs": {"tokenizer": "the tokenizer"}}
+    exec(snippet("monitored_ray_trainer").replace("port=9400", "port=0"), names)
+    trainer = names["trainer"]
+    try:
+        assert isinstance(trainer, RayPPOTrainer)
+        assert type(trainer).__name__ == "MonitoredRayPPOTrainer"
+        assert seen == {"tokenizer": "the tokenizer"}
+        assert trainer.monitor.config.group_size == G
+        assert trainer.monitor.url is not None
+    finally:
+        trainer.monitor.close()

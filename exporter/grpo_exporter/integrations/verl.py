@@ -14,9 +14,8 @@ driver step):
 * v0 (``RayPPOTrainer``): :func:`monitored_ray_trainer` subclasses it; ``_compute_old_log_prob`` gives the
   per-token entropies of the sampling policy, ``_update_actor(batch)`` the full batch before the update and the
   aggregates after.
-* v1 (``PPOTrainer``, registered with ``@register_trainer(name)``): override ``_update_actor(batch, metrics)``,
-  read the fields from the TransferQueue and call :func:`observe_dataproto`, then :func:`observe_actor_metrics`
-  with ``metrics`` after ``super()``: the recipe is in docs/integrations.md.
+* v1 (``PPOTrainer``, verl 0.9's default): the batch lives in the TransferQueue;
+  :mod:`grpo_exporter.integrations.verl_v1` reads it once per global step.
 """
 
 from __future__ import annotations
@@ -59,6 +58,10 @@ VERL_METRICS: Mapping[str, tuple[str, str]] = {
                               "same: E[(prod w)^2] - 1 over sequences"),
     "rollout_corr/log_ppl_diff": ("grpo_mismatch_log_ppl_diff_nats", "same"),
     "rollout_corr/ppl_ratio": ("grpo_mismatch_ppl_multiple", "same"),
+    "training/off_policy/trajectory_staleness_worst/max": (
+        "grpo_rollout_staleness_versions",
+        "same (v1): the policy version minus the oldest trajectory's start version (min_global_steps)",
+    ),
     "response/aborted_ratio": (
         "grpo_completions_total",
         "aborted samples (no response token) are no completion here: left out of every reading and count",
@@ -83,6 +86,7 @@ def observe_dataproto(
     response_mask: Tensor | None = None,
     bypass: bool = False,
     policy_version: int | None = None,
+    response_window: int | None = None,
 ) -> None:
     """One :meth:`~GRPOMonitor.observe_rollout` (and the rollout-time part of the update: advantages, and the KL
     of the sampling policy to the reference from ``old_log_probs`` and ``ref_log_prob``) from verl's batch.
@@ -107,7 +111,12 @@ def observe_dataproto(
       ``rollout_log_probs``). The engine gap then reads 0 by construction: it is absent instead (and said once).
       Detected from the batch when the two are one tensor.
     * Fully-async: the batch's ``min_global_steps`` (the parameter version each trajectory started on) against
-      ``policy_version`` (default ``step``) give the rollout staleness.
+      ``policy_version`` (default ``step``) give the rollout staleness. The engine gap is read only when every
+      trajectory was generated on ``policy_version`` alone (``min_global_steps`` and ``max_global_steps`` equal
+      to it): on older weights the difference to the old log-probs is the policy lag, not an engine fault, so
+      the gap is absent for such batches (said once).
+    * ``response_window``: the response length at which verl cuts a response (``rollout.response_length``);
+      default the batch's width (v0 pads every response to it).
     """
     with monitor.contained("rollout", "verl observe_dataproto"):
         batch, extra = data.batch, data.non_tensor_batch
@@ -141,11 +150,17 @@ def observe_dataproto(
                      "are the engine's rollout_log_probs): the engine log-prob gap cannot be measured and is absent, "
                      "not 0")
             engine = None
+        version = step if policy_version is None else policy_version
+        if engine is not None and not _on_version(extra, version):
+            say_once(monitor, "verl-lag", "grpo_exporter: verl batch with trajectories generated on other weights "
+                     f"than policy version {version} (min_global_steps / max_global_steps): the engine log-prob gap "
+                     "would include the policy lag and is absent for such batches")
+            engine = None
         rollout: dict[str, Any] = {
             "rewards": take(scores).sum(dim=-1).float(),
             "loss_mask": loss_mask,
             "completion_lengths": loss_mask.sum(dim=1),
-            "truncated": window.sum(dim=1) >= width,
+            "truncated": window.sum(dim=1) >= (width if response_window is None else response_window),
             "completion_ids": responses,
             "completion_mask": window,
             "old_logprobs": old,
@@ -169,14 +184,19 @@ def observe_dataproto(
         more: dict[str, Any] = {}
         started = take_extra("min_global_steps") if "min_global_steps" in extra else ()
         if len(started):
-            more = {"policy_version": step if policy_version is None else policy_version,
-                    "rollout_policy_version": int(min(started))}
+            more = {"policy_version": version, "rollout_policy_version": int(min(started))}
         # the update keeps every row: verl normalised each group's advantages with its aborted samples in it
         # (their loss mask is empty), so the bound is that of the whole group
         if "uid" in extra:
             more["group_ids"] = id_tensor("group_ids", extra["uid"], device)
         observe_rollout_time_update(monitor, step, loss_all, _tensor(batch, "advantages"), old_all,
                                     _tensor(batch, "ref_log_prob"), entropy, more)
+
+
+def _on_version(extra: Mapping[str, Any], version: int) -> bool:
+    """Every trajectory generated on ``version`` alone (true when the batch carries no versions)."""
+    return all(key not in extra or all(int(v) == version for v in extra[key])
+               for key in ("min_global_steps", "max_global_steps"))
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:

@@ -1,0 +1,219 @@
+"""verl's v1 trainer (``trainer.use_v1: true``, verl 0.9's default): the batch lives in the TransferQueue.
+
+The v1 ``PPOTrainer`` hands the driver only ``KVBatchMeta`` (keys, tags); the tensors are nested (one row per
+trajectory, as long as its response) in TransferQueue storage. One global step runs ``parameter_sync_step``
+local updates (``_step_once``: sample, old log-probs, advantages, update) and returns the keys of all of them,
+with ``min_global_steps`` / ``max_global_steps`` in each tag (the weight versions a trajectory was generated
+across) and ``is_padding`` on the no-op rows ``upsample_batch_to_divisible_size`` appends.
+
+:func:`monitored_v1_trainer` subclasses a registered v1 trainer: after ``step`` it reads the global step's rows
+once from the TransferQueue and hands them to :func:`~grpo_exporter.integrations.verl.observe_dataproto`, then
+the step's aggregated actor metrics to :func:`~grpo_exporter.integrations.verl.observe_actor_metrics`. verl
+builds the trainer inside its ``TaskRunnerV1`` Ray actor, so :func:`monitored_task_runner` gives the task
+runner that installs the monitored class there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from grpo_exporter.integrations import check_signature, require, say_once
+from grpo_exporter.integrations.verl import (
+    TESTED,
+    DataProto,
+    _bypass,
+    _grad_clip,
+    _select,
+    observe_actor_metrics,
+    observe_dataproto,
+)
+from grpo_exporter.monitor import GRPOMonitor
+
+#: the TransferQueue fields read once per global step (absent ones are skipped by the TransferQueue)
+FIELDS = ("uid", "index", "prompts", "responses", "response_mask", "rm_scores", "old_log_probs",
+          "rollout_log_probs", "ref_log_prob", "advantages", "entropy", "extra_fields")
+
+
+def _rows(data: Any, name: str) -> list[Any]:
+    return list(data[name]) if name in data else []
+
+
+def observe_tq_batch(
+    monitor: GRPOMonitor,
+    batch: Any,
+    step: int,
+    *,
+    response_length: int | None,
+    response_masks: Mapping[str, Tensor] | None = None,
+    engine_gap: bool = True,
+    bypass: bool = False,
+    policy_version: int | None = None,
+    correct_key: str | None = "acc",
+    prompt_key: str | None = "index",
+    component_keys: Sequence[str] = (),
+    verifier_threshold: float = 0.5,
+) -> None:
+    """One global step's rows from the TransferQueue (``batch``: the ``KVBatchMeta`` ``step`` returned) as
+    :func:`~grpo_exporter.integrations.verl.observe_dataproto` reads a v0 ``DataProto``.
+
+    * Padding rows (``is_padding`` tags) are left out: they are no trajectories.
+    * The nested fields are padded to the batch's longest response; a response is truncated when it is
+      ``response_length`` tokens long (``actor_rollout_ref.rollout.response_length``), not when it is the
+      batch's longest.
+    * ``rm_scores`` is the token-level score (the sequence score on the last token); correctness is the reward
+      extra info ``extra_fields["reward_extra_info"][correct_key]`` the reward loop wrote.
+    * ``response_masks``: each key's response mask before rollout correction's rejection sampling (decoupled
+      mode writes the kept tokens back into the TransferQueue).
+    * ``engine_gap=False``: the old log-probs were not computed on the weights the engine sampled with (async
+      modes, ``parameter_sync_step > 1``): the engine gap is absent, never the policy lag read as an engine fault.
+    * The tags' ``min_global_steps`` against ``policy_version`` give the rollout staleness.
+    """
+    tq = require("transfer_queue", "verl", TESTED)
+    with monitor.contained("rollout", "verl v1 TransferQueue read"):
+        rows = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+        keys = [batch.keys[i] for i in rows]
+        if not keys:
+            return
+        tags = [batch.tags[i] for i in rows]
+        data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=list(FIELDS))
+        lengths = data["responses"].offsets().diff()
+        non_tensors: dict[str, Any] = {}
+        for name in ("uid", "index"):
+            values = _rows(data, name)
+            if values:
+                non_tensors[name] = np.array(values, dtype=object if name == "uid" else None)
+        infos = [(extra or {}).get("reward_extra_info", {}) if isinstance(extra, Mapping) else {}
+                 for extra in _rows(data, "extra_fields")]
+        for key in ([correct_key] if correct_key else []) + list(component_keys):
+            if infos and all(key in info for info in infos):
+                non_tensors[key] = np.array([float(info[key]) for info in infos])
+        versions = [tag.get("min_global_steps") for tag in tags]
+        if all(v is not None for v in versions):
+            non_tensors["min_global_steps"] = np.array(versions, dtype=np.int64)
+        tensors = {name: data[name].to_padded_tensor(padding=0) for name in FIELDS
+                   if name in data and isinstance(data[name], Tensor) and data[name].is_nested}
+        width = tensors["responses"].shape[1]
+        tensors["attention_mask"] = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        tensors["token_level_scores"] = tensors.pop("rm_scores")
+        entropy = tensors.pop("entropy", None)
+        if not engine_gap:
+            tensors.pop("rollout_log_probs", None)
+        mask = None
+        if response_masks is not None and all(k in response_masks for k in keys):
+            mask = torch.zeros(len(keys), width, dtype=torch.long)
+            for i, k in enumerate(keys):
+                mask[i, : response_masks[k].shape[0]] = response_masks[k]
+        proto = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+    observe_dataproto(monitor, proto, step, correct_key=correct_key if correct_key in non_tensors else None,
+                      prompt_key=prompt_key, component_keys=component_keys, verifier_threshold=verifier_threshold,
+                      entropy=entropy, response_mask=mask, bypass=bypass, policy_version=policy_version,
+                      response_window=response_length)
+
+
+def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = "acc",
+                         **monitor_settings: Any) -> type:
+    """A subclass of a verl v1 trainer class (``base``; default the one registered as ``"sync"``) that makes a
+    :class:`GRPOMonitor` after verl's ``__init__`` (``group_size`` = ``actor_rollout_ref.rollout.n``, ``run`` =
+    ``trainer.experiment_name`` unless ``monitor_settings`` say otherwise) and reports every global step.
+
+    The monitor step is verl's ``global_steps``; the policy version is ``global_steps - 1`` (the weights the
+    step's rollouts were sampled with when they are fresh: verl's own ``trajectory_staleness`` is
+    ``(global_steps - 1) - max_global_steps``). The engine gap is read only when every row is fresh and the step
+    is one local update (``parameter_sync_step == 1``): otherwise the old log-probs come from weights the engine
+    never had, and the gap would be the policy lag (said once)."""
+    trainer_base = require("verl.trainer.ppo.v1.trainer_base", "verl", TESTED)
+    if base is None:
+        base = trainer_base.get_trainer_cls("sync")
+    check_signature(base, "step", ("self", "metrics", "timing_raw"), "verl", TESTED)
+    check_signature(base, "_compute_advantage", ("self", "batch", "metrics"), "verl", TESTED)
+
+    class MonitoredV1Trainer(base):  # type: ignore[misc, valid-type]
+        monitor: GRPOMonitor
+        _grpo_masks: dict[str, Tensor]
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            settings = {"group_size": int(config.actor_rollout_ref.rollout.n),
+                        "run": str(_select(config, "trainer.experiment_name") or "verl"), **monitor_settings}
+            self.monitor = GRPOMonitor(**settings)
+            self._grpo_masks = {}
+
+        def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+            # decoupled rollout correction writes the rejection-sampled response_mask back: keep the model's tokens
+            if _decoupled(self.config) and getattr(self, "monitor", None) is not None:
+                with self.monitor.contained("rollout", "verl v1 response mask"):
+                    tq = require("transfer_queue", "verl", TESTED)
+                    masks = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                            select_fields=["response_mask"])["response_mask"]
+                    self._grpo_masks.update(zip(batch.keys, (m.clone() for m in masks.unbind()), strict=True))
+            return super()._compute_advantage(batch, metrics)
+
+        def step(self, metrics: dict, timing_raw: dict) -> Any:
+            batch = super().step(metrics, timing_raw)
+            monitor = getattr(self, "monitor", None)
+            if monitor is None:
+                return batch
+            step, version = int(self.global_steps), int(self.global_steps) - 1
+            fresh = int(getattr(self, "parameter_sync_step", 1)) == 1 and all(
+                tag.get("min_global_steps", version) == version and tag.get("max_global_steps", version) == version
+                for tag in batch.tags if not tag.get("is_padding", False))
+            bypass = _bypass(self.config)
+            if not fresh and not bypass and _select(self.config, "actor_rollout_ref.rollout.calculate_log_probs"):
+                say_once(monitor, "verl-v1-lag", "grpo_exporter: verl v1 step whose old log-probs were not computed "
+                         "on the weights that sampled its rollouts (async trainer or parameter_sync_step > 1): the "
+                         "engine log-prob gap would be the policy lag and is absent for such steps")
+            masks, self._grpo_masks = self._grpo_masks, {}
+            width = _select(self.config, "actor_rollout_ref.rollout.response_length")
+            observe_tq_batch(monitor, batch, step, response_length=None if width is None else int(width),
+                             response_masks=masks or None, engine_gap=fresh, bypass=bypass, policy_version=version,
+                             correct_key=correct_key)
+            observe_actor_metrics(monitor, step, metrics, _grad_clip(self.config))
+            return batch
+
+    MonitoredV1Trainer.__name__ = MonitoredV1Trainer.__qualname__ = f"Monitored{base.__name__}"
+    return MonitoredV1Trainer
+
+
+def _decoupled(config: Any) -> bool:
+    """Rollout correction's rejection sampling in decoupled mode: ``_compute_advantage`` writes the kept tokens
+    back as ``response_mask``."""
+    return _select(config, "algorithm.rollout_correction.rollout_rs") is not None and not _bypass(config)
+
+
+def install(mode: str, **settings: Any) -> type:
+    """Make verl's trainer registry answer ``mode`` (``trainer.v1.trainer_mode``) with the monitored subclass of
+    the trainer registered there, in this process (idempotent). ``settings`` go to
+    :func:`monitored_v1_trainer`."""
+    trainer_base = require("verl.trainer.ppo.v1.trainer_base", "verl", TESTED)
+    current = trainer_base.get_trainer_cls(mode)
+    if getattr(current, "_grpo_monitored", False):
+        return current
+    monitored = monitored_v1_trainer(current, **settings)
+    monitored._grpo_monitored = True  # type: ignore[attr-defined]
+    trainer_base.TRAINER_REGISTRY[mode] = monitored  # register_trainer refuses to rebind a name: the dict itself
+    return monitored
+
+
+def monitored_task_runner(**settings: Any) -> Any:
+    """A Ray actor class to pass as ``run_ppo(config, task_runner_class=...)`` in place of verl's
+    ``TaskRunnerV1``: before verl's ``run`` builds the trainer (in the task runner's own process), the trainer
+    registered for ``config.trainer.v1.trainer_mode`` is replaced by its monitored subclass (:func:`install`)."""
+    main_ppo = require("verl.trainer.main_ppo", "verl", TESTED)
+    base = main_ppo.TaskRunnerV1
+    cls = getattr(base, "__ray_actor_class__", base)
+
+    class MonitoredTaskRunner(cls):  # type: ignore[misc, valid-type]
+        def run(self, config: Any) -> Any:
+            install(str(config.trainer.v1.trainer_mode), **settings)
+            return super().run(config)
+
+    if cls is base:
+        return MonitoredTaskRunner
+    import ray
+
+    return ray.remote(MonitoredTaskRunner)
