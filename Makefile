@@ -13,6 +13,7 @@ demo:
 
 lint: setup
 	.venv/bin/ruff check .
+	.venv/bin/python -m mypy
 
 # Regenerate every committed generated file from the catalogue.
 generate: setup

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 GRPO_EXTRAS=dev,dashboards,trl bash scripts/setup.sh
 bash scripts/setup-frameworks.sh   # verl + OpenRLHF in .venv-frameworks (their transformers pin differs)
 .venv/bin/ruff check .
+.venv/bin/python -m mypy   # the package's type hints ([tool.mypy] in pyproject.toml)
 .venv/bin/python -m pytest -q "$@"

@@ -52,7 +52,7 @@ class RunAnchors:
         self.count = count
         self._means: dict[SampleKey, FrozenMean] = {}
         self._family = catalog.metric("grpo_run_anchor")
-        self.samples: dict[SampleKey, float] = {}
+        self.samples: dict[str, float] = {}
 
     def observe(self, values: Mapping[SampleKey, float]) -> bool:
         """Feed the anchored samples among ``values`` (one step's published gauges); whether an anchor froze

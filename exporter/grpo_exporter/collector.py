@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from grpo_exporter.catalog import CATALOG, MetricType, family_of
+from grpo_exporter.catalog import CATALOG, MetricType, family_of, sample_key
 from grpo_exporter.publication import Publication
 
 _ORDER = {m.name: i for i, m in enumerate(CATALOG)}
@@ -39,7 +39,8 @@ class CatalogCollector(Collector):
         families: dict[str, Metric] = {}
         for key, value in sorted(self._publication.snapshot().items()):
             try:
-                sample, labels = key.sample, key.label_dict
+                parsed = sample_key(key)
+                sample, labels = parsed.sample, parsed.label_dict
                 spec = family_of(sample)
                 family = families.get(spec.name)
                 if family is None:

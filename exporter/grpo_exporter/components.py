@@ -24,7 +24,7 @@ class ComponentNames:
         if components is None:
             return {}, 0
         if not isinstance(components, Mapping):
-            return components, 0  # type: ignore[return-value]
+            return components, 0
         kept: dict[str, Tensor] = {}
         dropped = 0
         for name in sorted(components, key=str):

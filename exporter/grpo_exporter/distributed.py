@@ -290,9 +290,10 @@ class StageMerge:
         for i in self.histogrammed:
             s = slots[i]
             if s.top_fraction is not None:
-                value = hists.top_mean(s.distribution, s.top_fraction)
-                values = None if value is None else [value]
+                top = hists.top_mean(s.distribution, s.top_fraction)
+                values = None if top is None else [top]
             else:
+                assert s.quantile is not None  # a histogrammed slot reads a top mean or a quantile
                 values = hists.quantiles(s.distribution, (s.quantile,))
             if values is None:
                 g_present[i] = 0.0

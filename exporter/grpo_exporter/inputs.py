@@ -204,18 +204,18 @@ class StepInputs:
     @property
     def n(self) -> int | None:
         """Number of completions N, when any per-completion field was given."""
-        return self._n  # type: ignore[attr-defined, no-any-return]
+        return self._n  # type: ignore[attr-defined]
 
     @property
     def empty(self) -> bool:
         """No completion (N = 0): nothing to measure (the step's metrics are skipped). T = 0 tokens is measured:
         the per-completion values (rewards, groups) stand, the per-token readings are absent."""
-        return self._n == 0  # type: ignore[attr-defined, no-any-return]
+        return self._n == 0  # type: ignore[attr-defined]
 
     @property
     def device(self) -> torch.device:
         """Device of the tensors (cpu when none was given)."""
-        return self._device  # type: ignore[attr-defined, no-any-return]
+        return self._device  # type: ignore[attr-defined]
 
     def groups(self, group_size: int) -> Groups | None:
         """Prompt groups: from ``group_ids`` when given, else contiguous blocks of ``group_size``. Built once per
@@ -225,7 +225,7 @@ class StepInputs:
             return None
         known = self.__dict__.get("_groups")
         if known is not None and known[0] == group_size:
-            return known[1]  # type: ignore[no-any-return]
+            return known[1]
         if self.group_ids is not None:
             made = groups_from_ids(self.group_ids)
         elif self.n % group_size:

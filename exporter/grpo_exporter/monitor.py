@@ -141,7 +141,7 @@ class GRPOMonitor:
         **settings: Any,
     ) -> None:
         if config is None:
-            config = MonitorConfig.load(config_file, **({"run": run} if run is not None else {}), **settings)
+            config = MonitorConfig.load(config_file, None, **({"run": run} if run is not None else {}), **settings)
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self._publication = Publication(RunAnchors(config.anchor_steps))
@@ -166,7 +166,7 @@ class GRPOMonitor:
         self._param_snapshot: list[Tensor] | None = None
         self._components = ComponentNames(config.max_reward_components)
         self._closed = False
-        self._checks: dict[catalog.SampleKey, float] = {}
+        self._checks: dict[str, float] = {}
         self._edit_worker = EditDistanceWorker(
             self._publication, lambda exc: self._report.error("rollout", exc, "edit distance worker"),
             self.config.edit_distance_budget_s,
@@ -256,11 +256,12 @@ class GRPOMonitor:
                 if slots is not None:
                     with contextlib.suppress(InputError):  # a grouping error is the metric blocks' to count
                         groups = inputs.groups(self.config.group_size)
-                    if groups is not None and inputs.correct is not None:
+                    outcomes = inputs.correct
+                    if groups is not None and outcomes is not None:
                         extremes = self._solve_rates.predict(slots, groups)
                         inputs = inputs.replaced(zero_variance_prob=extremes.sum(dim=0).clamp_(0.0, 1.0),
                                                  all_incorrect_prob=extremes[1])
-                        carry[_SOLVE_TERMS] = SolveRates.moment_terms(inputs.correct, groups)
+                        carry[_SOLVE_TERMS] = SolveRates.moment_terms(outcomes, groups)
                 carry |= edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
             result = self._compute("rollout", inputs, carry)
             if slots is not None and groups is not None and inputs is not None and inputs.correct is not None:
@@ -271,7 +272,8 @@ class GRPOMonitor:
                     self._solve_rates.update(slots, inputs.correct, groups, moments)
             if inputs is not None and inputs.completion_ids is not None:
                 self._edit_worker.submit(result.carried, inputs.completion_ids.shape[1])
-            audit = {k: v for k, v in result.metrics.items() if catalog.family_of(k.sample).name in _AUDIT}
+            audit = {k: v for k, v in result.metrics.items()
+                     if catalog.family_of(catalog.sample_key(k).sample).name in _AUDIT}
             self._held_audit = audit or None
             metrics = {k: v for k, v in result.metrics.items() if k not in audit}
             metrics |= self._engine_levels(metrics.get(_key("grpo_engine_logprob_gap_mean_nats")))
@@ -392,7 +394,7 @@ class GRPOMonitor:
             r = retrieval_accuracy(scores, own_prompt)
             value, present = torch.stack([r.value.double(), r.present.double()]).tolist()
             accuracy = catalog.metric("grpo_retrieval_accuracy_ratio")
-            values = {catalog.metric("grpo_retrieval_chance_ratio").key(): 1.0 / scores.shape[1]}
+            values: dict[str, float] = {catalog.metric("grpo_retrieval_chance_ratio").key(): 1.0 / scores.shape[1]}
             if present:
                 values[accuracy.key()] = value
             self._publication.merge(values, [accuracy.name])
@@ -536,7 +538,7 @@ class GRPOMonitor:
             self._held_audit = None  # the update audited the mask it trains with
         return violations + self._publish_held_audit()
 
-    def _engine_levels(self, gap: float | None) -> dict[catalog.SampleKey, float]:
+    def _engine_levels(self, gap: float | None) -> dict[str, float]:
         """The run's clean engine gap (frozen after gap_baseline_steps rollouts) and the accepted level the gap is
         judged against: the reference run's gap when configured, else the clean gap. When the clean gap freezes
         above the seed's stop line with no accepted level configured, one notice says so (a bf16/fp16 engine's
@@ -545,7 +547,7 @@ class GRPOMonitor:
             return {}
         was_frozen = self._clean_gap.value is not None
         clean = self._clean_gap.observe(gap)
-        out: dict[catalog.SampleKey, float] = {}
+        out: dict[str, float] = {}
         if clean is not None:
             out[_key("grpo_engine_logprob_gap_clean_baseline_nats")] = clean
         reference = self.config.reference_baseline.get("grpo_engine_logprob_gap_mean_nats")

@@ -86,7 +86,7 @@ class Publication:
 def duration_increments(stage: str, seconds: float) -> dict[str, float]:
     """One observation of ``grpo_observe_duration_seconds{stage}`` as histogram increments."""
     total, number, buckets = _duration_keys(stage)
-    increments = {total: seconds, number: 1.0}
+    increments: dict[str, float] = {total: seconds, number: 1.0}
     for key, bound in buckets:
         increments[key] = float(seconds <= bound)
     return increments

@@ -12,7 +12,7 @@ def static_values(config: MonitorConfig) -> dict[str, float]:
     """``grpo_build_info``, ``grpo_run_info``, ``grpo_run_finished`` 0 (live), the event counters at 0,
     ``grpo_reward_component_role`` when a correctness component is configured and one
     ``grpo_reference_baseline`` per configured key."""
-    values = {
+    values: dict[str, float] = {
         catalog.metric("grpo_run_finished").key(): 0.0,
         # a counter exists from the start, so that its first increment is an increase Prometheus can see
         catalog.metric("grpo_grad_norm_spike_steps_total").key(): 0.0,

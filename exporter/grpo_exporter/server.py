@@ -332,7 +332,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        host = self._httpd.server_address[0]
+        host = str(self._httpd.server_address[0])  # a str for AF_INET / AF_INET6 servers
         host = f"[{host}]" if ":" in host else host
         return f"{self.scheme}://{host}:{self.port}/metrics"
 

@@ -39,7 +39,7 @@ from grpo_exporter.functional.reading import (
 )
 from grpo_exporter.inputs import InputError, StepInputs
 
-StepMetrics = dict[str, float]
+StepMetrics = dict[str, float]  # keyed by SampleKey (a str)
 
 
 class Entry(NamedTuple):
@@ -49,7 +49,7 @@ class Entry(NamedTuple):
 
     key: SampleKey
     reading: Any
-    index: int = 0
+    index: int = 0  # type: ignore[assignment]  # a field, shadowing tuple.index
 
 
 class Element(NamedTuple):
@@ -57,7 +57,7 @@ class Element(NamedTuple):
     is packed once however many samples read it, with no select operator per sample."""
 
     vector: Tensor
-    index: int
+    index: int  # type: ignore[assignment]  # a field, shadowing tuple.index
 
 
 class Position(NamedTuple):
@@ -200,7 +200,7 @@ def _counts_after_transfer(tensors: list[Tensor]) -> list[float]:
     count as one."""
     active, _host.active = getattr(_host, "active", False), False
     try:
-        return torch.stack([count_nonfinite(t) for t in tensors]).tolist()  # type: ignore[no-any-return]
+        return torch.stack([count_nonfinite(t) for t in tensors]).tolist()
     finally:
         _host.active = active
 
@@ -209,7 +209,7 @@ def host_values(carried: Tensor) -> list[float]:
     """The values of a carried vector (:class:`StepResult`), a view of the step's block already on the host:
     read with no transfer (and not counted as one by the bench's probes, as on a CPU run it would be)."""
     with _on_host_copy():
-        return carried.tolist()  # type: ignore[no-any-return]
+        return carried.tolist()
 
 
 @contextlib.contextmanager
@@ -373,7 +373,7 @@ class _Gather:
             [packed[high] for _, high in packed_parts.extremes],
         ) if counted else None
         read: dict[int, list[float] | None] = {}  # each histogram reading once, however many samples it has
-        out = {}
+        out: StepMetrics = {}
         late: list[tuple[SampleKey, Tensor]] = []  # witnessed counts whose witness saw NaN or inf
         for e, (v, p, kind) in zip(self.entries, positions, strict=True):
             if kind == HOST:
@@ -494,6 +494,7 @@ class _Context:
     @functools.cached_property
     def keep(self) -> Tensor:
         """The loss mask as int32 words (:func:`~grpo_exporter.functional.reading.keep_bits`), built once."""
+        assert self.x.loss_mask is not None  # read by blocks that need the loss mask only
         return keep_bits(self.x.loss_mask)
 
     def masked(self, name: str) -> Tensor:
@@ -505,6 +506,7 @@ class _Context:
     @functools.cached_property
     def row_tokens(self) -> Tensor:
         """(N,) loss tokens per row."""
+        assert self.x.loss_mask is not None
         return count(self.x.loss_mask, dim=1)
 
     @functools.cached_property
@@ -650,6 +652,7 @@ def _engine_gap(g: _Gather, c: _Context) -> None:
     x, cfg = c.x, c.cfg
     difference = c.gap_difference
     if difference is not None:
+        assert x.loss_mask is not None  # a gap difference exists on a loss mask only
         gap = gradient.engine_gap_of(difference, x.loss_mask, c.gap_tokens, cfg.gap_quantiles)
         g.summary("grpo_engine_logprob_gap_nats", gap.total, gap.count, gap.quantiles, cfg.gap_quantiles)
         g.histogram("grpo_token_engine_logprob_gap_nats", gap.quantiles, gap.total)
@@ -670,6 +673,7 @@ def _engine_mismatch(g: _Gather, c: _Context) -> None:
         return
     qs = cfg.quantiles_of("grpo_rollout_correction_weight")
     tokens = c.gap_tokens
+    assert x.loss_mask is not None
     m = mismatch.mismatch_of(difference, x.loss_mask, tokens, cfg.rollout_correction_cap, qs)
     g.add("grpo_mismatch_kl_nats", m.k1, estimator="k1")
     g.add("grpo_mismatch_kl_nats", m.k3, estimator="k3")
@@ -821,7 +825,7 @@ def _lengths(g: _Gather, c: _Context) -> None:
         outcomes = {"all": torch.ones_like(x.completion_lengths, dtype=torch.bool)}
         if x.correct is not None:
             outcomes |= {"correct": x.correct, "incorrect": ~x.correct}
-        stats = reward.length_stats(x.completion_lengths, outcomes.values(), qs)
+        stats = reward.length_stats(x.completion_lengths, list(outcomes.values()), qs)
         for i, outcome in enumerate(outcomes):
             total = Element(stats.totals, i)
             g.summary("grpo_completion_length_tokens", total, Element(stats.counts, i), stats.quantiles[i], qs,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import statistics
@@ -199,7 +200,7 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device, shape: str
                     ("same_set", same_set, w, "_")]
             for key, monitor, work, after in runs[r % 4:] + runs[: r % 4]:  # none always runs first
                 faults = minor_faults()
-                sample[key] = _timed(lambda s=step, m=monitor, x=work: monitor_step(m, x, s))
+                sample[key] = _timed(functools.partial(monitor_step, monitor, work, step))
                 if key == "monitor":
                     sample["faults"] = minor_faults() - faults
                 sample[after] = _timed(monitor.wait_for_workers)
@@ -207,16 +208,16 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device, shape: str
                 "naive": _timed(lambda: naive_step(w)),
                 "naive_core": _timed(lambda: naive_core_step(w)),
                 "floor": _timed(lambda: floor_step(w)),
-                "fixed": _timed(lambda s=step: monitor_step(fixed, tiny, s)),
+                "fixed": _timed(functools.partial(monitor_step, fixed, tiny, step)),
             }
             if r >= 2:
                 for key, value in sample.items():
                     times.setdefault(key, []).append(value)
         step += 1
-        ops = operators(lambda s=step: monitor_step(mon, w, s))
+        ops = operators(functools.partial(monitor_step, mon, w, step))
         mon.wait_for_workers()
         step += 1
-        step_passes = passes(lambda s=step: monitor_step(same_set, w, s), w.n * w.t)
+        step_passes = passes(functools.partial(monitor_step, same_set, w, step), w.n * w.t)
         floor_passes = passes(lambda: floor_step(w), w.n * w.t)
         step += 1
         with counting(device) as counts:

@@ -56,12 +56,12 @@ def counting(device: torch.device | str = "cpu") -> Iterator[Counts]:
     try:
         for name, original in saved.items():
             setattr(torch.Tensor, name, wrap(original))
-        torch.tensor, torch.as_tensor = from_data(make), from_data(convert)  # type: ignore[assignment]
+        torch.tensor, torch.as_tensor = from_data(make), from_data(convert)
         yield counts
     finally:
         for name, original in saved.items():
             setattr(torch.Tensor, name, original)
-        torch.tensor, torch.as_tensor = make, convert  # type: ignore[assignment]
+        torch.tensor, torch.as_tensor = make, convert
 
 
 def operators(run: Callable[[], Any]) -> int:

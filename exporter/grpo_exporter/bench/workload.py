@@ -16,6 +16,7 @@ lengths count the model's own tokens (the loss tokens), so the mask audit sees a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -104,7 +105,7 @@ def make(
     rewards = correct.float()
     grouped = rewards.view(-1, G)
     advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).reshape(-1)
-    on = {"device": device}
+    on: dict[str, Any] = {"device": device}
     entropy = torch.rand(n, t, generator=gen) * 2
     parts: dict[str, tuple[Tensor, ...]] = {}
     if shape == "framework":  # one forward pass per micro-batch: tensors of their own, not views of one

@@ -8,6 +8,7 @@ exactly when the engine's stop rule says so.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -53,6 +54,10 @@ class MaskTableReport(Outcome):
             lines.append(f"| {r.position} | {r.token!r} | {r.source} | {int(r.attention)} | {int(r.loss)} "
                          f"| {advantage} |")
         return "\n".join([*lines, "", self.diagnosis])
+
+
+def _trained_on(row: MaskRow, source: str) -> bool:
+    return row.source == source and row.loss
 
 
 def _positions(rows: Sequence[MaskRow], keep: Callable[[MaskRow], bool], limit: int = 8) -> str:
@@ -110,7 +115,7 @@ def mask_table(
     if loss_tokens != completion_tokens:
         violations.append(f"loss-mask sum {loss_tokens} != completion tokens less tool tokens {completion_tokens}")
     for source in ("prompt", "tool", "padding"):
-        where = _positions(rows, lambda r, s=source: r.source == s and r.loss)
+        where = _positions(rows, functools.partial(_trained_on, source=source))
         if where:
             violations.append(f"{source} tokens in the loss at positions {where}")
     where = _positions(rows, lambda r: r.source == "completion" and not r.loss and r is not eos)

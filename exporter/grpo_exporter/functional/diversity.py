@@ -16,12 +16,12 @@ from torch import Tensor
 from grpo_exporter.functional.constants import cached_constant, constant
 from grpo_exporter.functional.groups import Groups
 from grpo_exporter.functional.histogram import TopMean, histogram
-from grpo_exporter.functional.reading import Ratio, Reading, count, fraction, sum64
+from grpo_exporter.functional.reading import Ratio, count, fraction, sum64
 
 
 class Entropy(NamedTuple):
-    mean: Reading
-    top_mean: Reading
+    mean: Ratio
+    top_mean: TopMean
 
 
 def entropy_stats(masked: Tensor, tokens: Tensor, top_fraction: float) -> Entropy:
@@ -74,7 +74,7 @@ def sequence_hashes(completion_ids: Tensor, positions: Tensor) -> Tensor:
 _GROUP_MIX = 0x9E3779B97F4A7C15 - 2**64  # an odd 64-bit constant (as int64): mixes the group into the key
 
 
-def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Reading:
+def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Ratio:
     """Mean over groups of (distinct completions in the group) / (group size), by exact token identity up
     to the hash above. One key per completion, fingerprint + group x an odd constant (mod 2^64: completions of
     different groups collide with probability ~2^-64 too), one sort: equal neighbours are the repeats. No host
@@ -93,7 +93,7 @@ def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: G
     return fraction(share.sum(), populated.sum())
 
 
-def retrieval_accuracy(scores: Tensor, own_prompt: Tensor) -> Reading:
+def retrieval_accuracy(scores: Tensor, own_prompt: Tensor) -> Ratio:
     """Share of completions that score strictly highest under their own prompt (seed 第 2 篇 §5).
 
     ``scores`` (N, P): a user score of completion i under prompt j (e.g. its log-prob given prompt j);

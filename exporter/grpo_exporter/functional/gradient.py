@@ -19,7 +19,7 @@ from torch import Tensor
 from grpo_exporter.functional.histogram import Quantiles, histogram
 from grpo_exporter.functional.reading import (
     Extreme,
-    Reading,
+    Ratio,
     count,
     count_nonfinite,
     finite,
@@ -86,9 +86,9 @@ def sequence_log_ratio(lr: LogRatio, row_tokens: Tensor) -> LogRatio:
 
 class EngineGap(NamedTuple):
     total: Tensor
-    count: Tensor
-    mean: Reading
-    quantiles: Reading
+    count: Tensor  # type: ignore[assignment]  # a field, shadowing tuple.count
+    mean: Ratio
+    quantiles: Quantiles
 
 
 def engine_gap_of(
@@ -114,8 +114,8 @@ def engine_gap_of(
 class OnPolicyCheck(NamedTuple):
     outside: Tensor
     checked: Tensor
-    outside_ratio: Reading
-    abs_log_ratio_max: Reading
+    outside_ratio: Ratio
+    abs_log_ratio_max: Extreme
 
 
 def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float, rows: Tensor | None = None) -> OnPolicyCheck:
@@ -179,7 +179,7 @@ def mask_audit(
 
 class ClampHits(NamedTuple):
     hits: Tensor
-    hit_ratio: Reading
+    hit_ratio: Ratio
 
 
 def clamp_hits(lr: LogRatio, bound: float, loss_tokens: Tensor | None = None) -> ClampHits:
@@ -207,13 +207,13 @@ def clipped_norm(pre_clip: Tensor, max_norm: Tensor | float) -> Tensor:
     return pre * (limit / (pre + 1e-6)).clamp(max=1.0)
 
 
-def relative_update(before: Sequence[Tensor], after: Sequence[Tensor]) -> Reading:
+def relative_update(before: Sequence[Tensor], after: Sequence[Tensor]) -> Ratio:
     """|theta_after - theta_before| / |theta_before| over (sampled) parameters; absent when |theta| = 0."""
     delta = total_norm([a.detach().float() - b.detach().float() for a, b in zip(after, before, strict=True)])
     return fraction(delta, total_norm(before))
 
 
-def kl_k3_of(d: Tensor, tokens: Tensor) -> Reading:
+def kl_k3_of(d: Tensor, tokens: Tensor) -> Ratio:
     """Mean per-token KL(pi_theta || pi_ref) by the k3 estimator exp(d) - d - 1 (Schulman), from d = ref - logp
     already taken on loss tokens (fp32, 0 elsewhere; ``tokens``: the loss tokens where d is finite, the caller's
     count), over finite loss tokens;

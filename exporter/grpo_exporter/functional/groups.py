@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, overload
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ class Groups:
         key = (kind, id(of))
         known = self._memo.get(key)
         if known is not None and known[0] is of:
-            return known[1]  # type: ignore[no-any-return]
+            return known[1]
         made = make()
         self._memo[key] = (of, made)  # holding ``of`` keeps its id from being reused
         return made
@@ -55,8 +55,9 @@ class Groups:
     def count(self, mask: Tensor) -> Tensor:
         """Per-bin count (int64) of True (non-zero) entries of (N,) ``mask`` (remembered for this very tensor
         object: pass the same tensor, not a fresh ``.bool()`` of it)."""
-        if self.size is not None:  # a bool sum is int64
-            return self.remembered("count", mask, lambda: _bools(mask).reshape(self.bins, self.size).sum(dim=1))
+        size = self.size
+        if size is not None:  # a bool sum is int64
+            return self.remembered("count", mask, lambda: _bools(mask).reshape(self.bins, size).sum(dim=1))
         return self.remembered("count", mask, lambda: self.sum(_bools(mask).to(torch.int64)))
 
     def amax(self, values: Tensor, valid: Tensor) -> Tensor:
@@ -116,7 +117,7 @@ class GroupStats(NamedTuple):
     """Per-bin statistics of one reward vector over its finite entries (fp64; ``count`` int64). A bin without
     a finite entry has sum, mean, both stds and range 0, so sums over bins need no mask."""
 
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # a field, shadowing tuple.count
     sum: Tensor
     mean: Tensor
     population_std: Tensor
@@ -168,6 +169,10 @@ def group_normalized_advantages(
     return torch.where(std > 0, centred / (std + eps), 0.0).float()
 
 
+@overload
+def advantage_bound(group_size: int, norm: AdvantageNorm) -> float: ...
+@overload
+def advantage_bound(group_size: Tensor, norm: AdvantageNorm) -> Tensor: ...
 def advantage_bound(group_size: int | Tensor, norm: AdvantageNorm) -> float | Tensor:
     """Largest |A| sigma-normalisation can give in a group of G (seed §2.2).
 

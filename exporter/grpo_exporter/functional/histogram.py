@@ -78,13 +78,18 @@ def histogram(
         valid = valid.expand(values.shape)
         bits = keep_bits(valid) if bits is None else bits
     if kept is None:
+        assert bits is not None
         kept = zeroed(values, bits)
     if valid_count is None:
         assert valid is not None
         valid_count = count(valid)
     counts = _banked_counts(kept)
     counts[:1].sub_(kept.numel() - valid_count)  # every position off ``valid`` was counted in bucket 0
-    lowest = smallest(filled(values, bits, math.inf), math.inf) if exact_min else _zero(values.device)
+    if exact_min:
+        assert bits is not None
+        lowest = smallest(filled(values, bits, math.inf), math.inf)
+    else:
+        lowest = _zero(values.device)
     # non-negative fp32 values order as their bits do: an integer max, without the float kernel's NaN checks
     return Histogram(counts, lowest, largest(kept.view(torch.int32), 0).view(torch.float32))
 

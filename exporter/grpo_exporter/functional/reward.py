@@ -15,13 +15,13 @@ from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups, group_stats
 from grpo_exporter.functional.histogram import Quantiles, histograms
-from grpo_exporter.functional.reading import Reading, count, filled, finite, fraction, masked_max
+from grpo_exporter.functional.reading import Extreme, Ratio, count, filled, finite, fraction, masked_max
 
 
 class RewardStats(NamedTuple):
-    mean: Reading
-    group_std_mean: Reading
-    group_range_mean: Reading
+    mean: Ratio
+    group_std_mean: Ratio
+    group_range_mean: Ratio
 
 
 def reward_stats(values: Tensor, groups: Groups) -> RewardStats:
@@ -47,7 +47,7 @@ def sequence_abs_advantage(advantages: Tensor, loss_mask: Tensor | None) -> tupl
 
 
 class AdvantageCheck(NamedTuple):
-    abs_max: Reading
+    abs_max: Extreme
     over_bound: Tensor
 
 

@@ -21,7 +21,6 @@ from grpo_exporter.functional.groups import Groups, group_stats
 from grpo_exporter.functional.histogram import Quantiles, histogram
 from grpo_exporter.functional.reading import (
     Ratio,
-    Reading,
     count,
     count_nonfinite,
     filled,
@@ -173,8 +172,8 @@ class ClipCounts(NamedTuple):
     lower: Tensor
     upper_unclipped: Tensor
     lower_unclipped: Tensor
-    upper_ratio: Reading
-    lower_ratio: Reading
+    upper_ratio: Ratio
+    lower_ratio: Ratio
 
 
 def clip_counts(
@@ -235,7 +234,7 @@ class ImportanceWeights(NamedTuple):
 
     quantiles: Quantiles
     total: Tensor
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # a field, shadowing tuple.count
 
 
 def importance_weights(lr: LogRatio, quantiles: Sequence[float], tokens: Tensor) -> ImportanceWeights:
@@ -252,7 +251,7 @@ class ZeroVariance(NamedTuple):
     all_correct: Tensor
     all_incorrect: Tensor
     unknown: Tensor
-    share: Reading
+    share: Ratio
 
 
 def zero_variance_groups(rewards: Tensor, groups: Groups, correct: Tensor | None) -> ZeroVariance:
@@ -318,7 +317,7 @@ def beta_binomial_extremes(alpha: Tensor, beta: Tensor, size: Tensor | float) ->
 _BETA_SIGNS = (-1.0, 0.0, 1.0, 1.0, 0.0, -1.0, 0.0, -1.0, 1.0, 0.0, 1.0, -1.0)
 
 
-def expected_zero_variance_ratio(zero_variance_prob: Tensor, groups: Groups) -> Reading:
+def expected_zero_variance_ratio(zero_variance_prob: Tensor, groups: Groups) -> Ratio:
     """The predicted zero-variance share of the batch's groups (seed 第 3 篇 §1): per group the mean of its
     members' finite ``zero_variance_prob`` (each sample carries its group's prediction), averaged over groups."""
     valid = torch.isfinite(zero_variance_prob)
@@ -331,7 +330,7 @@ def expected_zero_variance_ratio(zero_variance_prob: Tensor, groups: Groups) -> 
 class SolveRateHistogram(NamedTuple):
     cumulative: Tensor  # (len(buckets) + 1,) counts with solve rate <= bound; the last is +Inf
     total: Tensor
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # a field, shadowing tuple.count
 
 
 def mixed_group_solve_rates(correct: Tensor, groups: Groups, buckets: Sequence[float]) -> SolveRateHistogram:

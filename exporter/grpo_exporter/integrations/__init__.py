@@ -153,7 +153,7 @@ def observe_reported_update(
     max_grad_norm: float | None,
 ) -> None:
     """A framework's reported update aggregates (pre-clip grad norm, mean token entropy), then end the step."""
-    values: dict[str, float] = {}
+    values: dict[str, Any] = {}
     if grad_norm is not None:
         values["grad_norm_pre_clip"] = grad_norm
         if max_grad_norm is not None:

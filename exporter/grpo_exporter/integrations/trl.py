@@ -156,8 +156,9 @@ def _advantage_norm(args: Any) -> str | None:
     cannot say (``multi_objective_aggregation="normalize_then_sum"`` normalises each reward function first)."""
     if str(getattr(args, "multi_objective_aggregation", "sum_then_normalize")) != "sum_then_normalize":
         return None
-    scale = getattr(args, "scale_rewards", "group")
-    return SCALE_REWARDS.get({True: "group", False: "none"}.get(scale, scale))  # type: ignore[call-overload]
+    scale: Any = getattr(args, "scale_rewards", "group")
+    named: Any = {True: "group", False: "none"}.get(scale, scale)
+    return SCALE_REWARDS.get(named)
 
 
 def _generations_per_step(args: Any) -> int:
@@ -181,7 +182,7 @@ def concatenate_rollouts(batches: Sequence[Mapping[str, Any]], prompt_pad: int =
         return dict(batches[0])
     out: dict[str, Any] = {}
     for key in batches[0]:
-        values = [b.get(key) for b in batches]
+        values: list[Any] = [b.get(key) for b in batches]
         if any(v is None for v in values):
             out[key] = None
         elif key == "reward_components":
@@ -213,7 +214,7 @@ def prompt_key(example: Mapping[str, Any], step: int, group: int) -> Any:
     return rest if rest else f"grpo_exporter/unnamed/{step}/{group}"
 
 
-class _EndStep(TrainerCallback):  # type: ignore[misc]
+class _EndStep(TrainerCallback):
     """Ends the monitor's step after ``optimizer.step()``; closes a monitor the trainer made at train end."""
 
     def __init__(self, trainer: MonitoredGRPOTrainer) -> None:
@@ -232,7 +233,12 @@ class _EndStep(TrainerCallback):  # type: ignore[misc]
             self.trainer.monitor.close()
 
 
-class GRPOMonitorMixin:
+#: what the mixin's methods read and call: the GRPOTrainer it is mixed into (typed loosely: TRL's own
+#: annotations leave model, processing_class and args' GRPO fields optional or untyped)
+_TrainerBase: Any = object
+
+
+class GRPOMonitorMixin(_TrainerBase):
     """The wrappers; mix into a ``GRPOTrainer`` subclass before it (``MonitoredGRPOTrainer`` does).
 
     ``monitor``: a monitor you made (you close it), else one is made with ``run`` = TRL's ``run_name`` (or the
@@ -490,11 +496,11 @@ class GRPOMonitorMixin:
                 return found
             norm = found.detach() if isinstance(found, Tensor) else torch.tensor(float(found))
             limit = float(self.args.max_grad_norm)
-            self.monitor.observe_update(int(self.state.global_step), grad_norm_pre_clip=norm,
-                                        **({"max_grad_norm": limit} if limit > 0 else {}))
+            clip: dict[str, Any] = {"max_grad_norm": limit} if limit > 0 else {}
+            self.monitor.observe_update(int(self.state.global_step), grad_norm_pre_clip=norm, **clip)
         return found
 
 
-class MonitoredGRPOTrainer(GRPOMonitorMixin, GRPOTrainer):  # type: ignore[misc]
+class MonitoredGRPOTrainer(GRPOMonitorMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` publishing the seed's health metrics; see :class:`GRPOMonitorMixin` for the extra
     keywords (``monitor``, ``monitor_settings``, ``verifier``, ``verifier_threshold``)."""

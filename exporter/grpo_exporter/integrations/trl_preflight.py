@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -170,9 +171,12 @@ def _accumulation(trainer: Any, batch: dict[str, Any], seed: int, norm_rtol: flo
         trainer.args.steps_per_generation = steps
         return trainer.compute_loss(model, inputs)
 
+    def sliced(part: slice) -> Tensor:
+        return loss_with(len(slices), _slice(batch, part))
+
     return accumulation_equivalence(
         model.parameters(), lambda: loss_with(1, batch),
-        [lambda s=s: loss_with(len(slices), _slice(batch, s)) for s in slices],
+        [functools.partial(sliced, s) for s in slices],
         multiples={"world size": float(trainer.accelerator.num_processes)} if trainer.accelerator.num_processes > 1
         else None, seed=seed, norm_rtol=norm_rtol,
     )

@@ -127,6 +127,8 @@ def observe_dataproto(
         window = window[:, -width:].bool() if window is not None else None
         if loss_mask is None:
             loss_mask = window
+        if loss_mask is None:
+            raise ValueError("verl batch: expected response_mask or attention_mask, found neither")
         loss_mask = loss_mask.bool()
         if window is None:
             window = loss_mask
@@ -140,7 +142,7 @@ def observe_dataproto(
             return extra[key] if rows is None else extra[key][rows.cpu().numpy()]
 
         loss_all, old_all = loss_mask, _tensor(batch, "old_log_probs")
-        loss_mask, window, responses = take(loss_mask), take(window), take(responses)
+        loss_mask, window, responses = _kept(take(loss_mask)), _kept(take(window)), _kept(take(responses))
         scores = _tensor(batch, "token_level_scores")
         if scores is None:
             scores = batch["token_level_rewards"]
@@ -157,7 +159,7 @@ def observe_dataproto(
                      "would include the policy lag and is absent for such batches")
             engine = None
         rollout: dict[str, Any] = {
-            "rewards": take(scores).sum(dim=-1).float(),
+            "rewards": _kept(take(scores)).sum(dim=-1).float(),
             "loss_mask": loss_mask,
             "completion_lengths": loss_mask.sum(dim=1),
             "truncated": window.sum(dim=1) >= (width if response_window is None else response_window),
@@ -191,6 +193,12 @@ def observe_dataproto(
             more["group_ids"] = id_tensor("group_ids", extra["uid"], device)
         observe_rollout_time_update(monitor, step, loss_all, _tensor(batch, "advantages"), old_all,
                                     _tensor(batch, "ref_log_prob"), entropy, more)
+
+
+def _kept(t: Tensor | None) -> Tensor:
+    """A row selection of a tensor the batch holds (never None)."""
+    assert t is not None
+    return t
 
 
 def _on_version(extra: Mapping[str, Any], version: int) -> bool:

@@ -25,7 +25,7 @@ from grafana_foundation_sdk.builders import prometheus, stat, timeseries
 from grafana_foundation_sdk.builders.common import GraphThresholdsStyleConfig
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import GraphThresholdsStyleMode
-from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos, Threshold, ThresholdsMode
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos, Threshold, ThresholdsMode, VariableRefresh
 
 from grpo_exporter.mixin.config import MixinConfig
 
@@ -387,10 +387,10 @@ def build(spec: DashboardSpec) -> dict[str, Any]:
         .refresh("30s").time("now-3h", "now").timezone("browser").editable()
         .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
         .with_variable(db.QueryVariable("job").label("Job").datasource(DATASOURCE)
-                       .query("label_values(grpo_build_info, job)").multi(True).include_all(True).refresh(2))
+                       .query("label_values(grpo_build_info, job)").multi(True).include_all(True).refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
         .with_variable(db.QueryVariable("run").label("Run").datasource(DATASOURCE)
                        .query('label_values(grpo_build_info{job=~"$job"}, run)').multi(spec.multi_run)
-                       .include_all(spec.multi_run).refresh(2))
+                       .include_all(spec.multi_run).refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
     )
     panel_id, y = 1, 0
     for row in spec.rows:
@@ -407,7 +407,7 @@ def build(spec: DashboardSpec) -> dict[str, Any]:
 
 def _panel(p: PanelSpec, panel_id: int, pos: GridPos) -> Any:
     steps = [Threshold(value=None, color=p.base), *(Threshold(value=v, color=color) for v, color in p.thresholds)]
-    panel = (stat.Panel() if p.kind == "stat" else timeseries.Panel()).id(panel_id).title(p.title)
+    panel: Any = (stat.Panel() if p.kind == "stat" else timeseries.Panel()).id(panel_id).title(p.title)
     panel = panel.description(p.description).unit(p.unit).datasource(DATASOURCE).grid_pos(pos)
     panel = panel.thresholds(db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(steps))
     if p.kind != "stat" and p.thresholds:

@@ -81,8 +81,8 @@ _REMOVED = catalog.metric("grpo_recorder_removed_incidents_total")
 
 def key_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """The :data:`KEY_FAMILIES` samples of a step (no quantile or bucket samples)."""
-    return {str(k): v for k, v in metrics.items()
-            if getattr(k, "sample", None) in _KEY and not any(n in ("quantile", "le") for n, _ in k.labels)}
+    return {str(k): v for k, v in metrics.items() if isinstance(k, catalog.SampleKey) and k.sample in _KEY
+            and not any(n in ("quantile", "le") for n, _ in k.labels)}
 
 
 @dataclass
