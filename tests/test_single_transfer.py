@@ -89,13 +89,14 @@ def test_monitor_calls_transfer_once_per_step(host_calls):
 def test_only_the_steps_own_host_copy_is_exempt(host_calls, monkeypatch):
     """The exemption covers the step's reads of its block after the transfer, nothing else: a metric block that
     reads the device (a hidden sync) is still counted, and the flag is down once the step returns."""
-    import grpo_exporter.step as step_module
+    import grpo_exporter.step.compute as stages
+    from grpo_exporter.step import produces
 
-    def syncing(g, c):
-        float(c.x.rewards.sum())
+    @produces()
+    def syncing(out, ctx):
+        float(ctx.x.rewards.sum())
 
-    syncing.families, syncing.tags = (), ()
-    monkeypatch.setattr(step_module, "BLOCKS", (*step_module.BLOCKS, syncing))
+    monkeypatch.setattr(stages, "BLOCKS", (*stages.BLOCKS, syncing))
     inputs = make_batch(0).healthy_inputs()
     host_calls.clear()
     compute_step(inputs, MetricsConfig(group_size=8))

@@ -1,0 +1,65 @@
+"""Layer 2, the reward (does the reward measure what I think?): completions, reward statistics, the advantage
+bound, lengths by outcome and truncation."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_exporter.functional import reward
+from grpo_exporter.functional.groups import advantage_bounds
+from grpo_exporter.functional.reading import largest, reading
+from grpo_exporter.step.context import Context
+from grpo_exporter.step.gather import Gather
+from grpo_exporter.step.pack import Element
+from grpo_exporter.step.registry import produces
+
+
+@produces("grpo_completions_total")
+def completions(out: Gather, ctx: Context) -> None:
+    if ctx.x.rewards is not None:
+        out.add("grpo_completions_total", float(ctx.x.rewards.shape[0]))
+
+
+@produces("grpo_reward_mean", "grpo_reward_group_std_mean", "grpo_reward_group_range_mean")
+def rewards(out: Gather, ctx: Context) -> None:
+    x, groups = ctx.x, ctx.groups
+    if groups is None or (x.rewards is None and not x.reward_components):
+        return
+    named = {"total": x.rewards} if x.rewards is not None else {}
+    named.update(x.reward_components)
+    for component, values in named.items():
+        stats = reward.reward_stats(values, groups)
+        out.add("grpo_reward_mean", stats.mean, component=component)
+        out.add("grpo_reward_group_std_mean", stats.group_std_mean, component=component)
+        out.add("grpo_reward_group_range_mean", stats.group_range_mean, component=component)
+
+
+@produces("grpo_advantage_abs_max", "grpo_advantage_over_bound_sequences_total", "grpo_advantage_bound")
+def advantages(out: Gather, ctx: Context) -> None:
+    x, groups, cfg = ctx.x, ctx.groups, ctx.cfg
+    if x.advantages is None or groups is None:
+        return
+    bounds = advantage_bounds(x.rewards, groups, cfg.advantage_norm, cfg.group_size)
+    check = reward.advantage_check(x.advantages, x.loss_mask, groups, bounds, cfg.advantage_bound_rtol)
+    out.add("grpo_advantage_abs_max", check.abs_max)
+    out.add("grpo_advantage_over_bound_sequences_total", check.over_bound)
+    known = (groups.sizes() > 0) & torch.isfinite(bounds)
+    out.add("grpo_advantage_bound", reading(largest(torch.where(known, bounds, 0.0), 0.0), known.any()))
+
+
+@produces("grpo_completion_length_tokens", "grpo_completion_length_distribution_tokens",
+          "grpo_truncated_completions_total")
+def lengths(out: Gather, ctx: Context) -> None:
+    x, qs = ctx.x, ctx.cfg.length_quantiles
+    if x.completion_lengths is not None:
+        outcomes = {"all": torch.ones_like(x.completion_lengths, dtype=torch.bool)}
+        if x.correct is not None:
+            outcomes |= {"correct": x.correct, "incorrect": ~x.correct}
+        stats = reward.length_stats(x.completion_lengths, list(outcomes.values()), qs)
+        for i, outcome in enumerate(outcomes):
+            total = Element(stats.totals, i)
+            out.summary("grpo_completion_length_tokens", total, Element(stats.counts, i), stats.quantiles[i], qs,
+                      outcome=outcome)
+            out.histogram("grpo_completion_length_distribution_tokens", stats.quantiles[i], total, outcome=outcome)
+    if x.truncated is not None:
+        out.add("grpo_truncated_completions_total", x.truncated.sum())

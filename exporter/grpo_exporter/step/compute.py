@@ -1,0 +1,113 @@
+"""The step's entry points and its two stages: which metric blocks run at a rollout and at an update.
+
+:func:`compute_step_carrying` runs a stage's blocks on the inputs (each on its own: a block that raises is
+dropped whole), gathers their readings and moves them to the host in one transfer
+(:class:`~grpo_exporter.step.gather.Gather`); with a merger, the readings are merged across ranks after it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.config import MetricsConfig
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.step.blocks import diversity, gradient, reward, samples
+from grpo_exporter.step.context import Context
+from grpo_exporter.step.gather import Gather, Merger
+from grpo_exporter.step.pack import StepMetrics
+from grpo_exporter.step.registry import Block
+
+
+def compute_step(inputs: StepInputs, config: MetricsConfig) -> StepMetrics:
+    """Every metric the given inputs allow, as ``{sample key: float}``, with one host transfer.
+
+    Raises :class:`~grpo_exporter.inputs.InputError` for grouping that contradicts the config (N not a
+    multiple of ``group_size`` without ``group_ids``), and any error of a metric block (strict).
+    """
+    return compute_step_carrying(inputs, config, {}, strict=True).metrics
+
+
+class StepResult(NamedTuple):
+    """What one computation produced: values of present metrics, carried vectors, the errors of metric
+    blocks (non-strict), and every family computed on this rank, present or absent (what the publication
+    replaces; a family that failed keeps describing its last computation)."""
+
+    metrics: StepMetrics
+    carried: dict[str, Tensor]
+    errors: list[tuple[str, Exception]]
+    families: frozenset[str]
+
+
+def compute_step_carrying(
+    inputs: StepInputs,
+    config: MetricsConfig,
+    carry: dict[str, Tensor],
+    strict: bool = True,
+    merger: Merger | None = None,
+    blocks: tuple[Block, ...] | None = None,
+    failed_inputs: bool = False,
+) -> StepResult:
+    """:func:`compute_step`, plus device vectors ``carry`` brought to the host in the same single transfer
+    (the monitor carries its solve-rate moment terms and the edit-distance rows this way).
+
+    Each metric block runs on its own: with ``strict=False`` a block that raises is dropped whole and
+    returned in the error list, and every other block is still computed and transferred. ``merger`` merges
+    the readings across ranks after the transfer (see :mod:`grpo_exporter.distributed`). ``blocks`` limits
+    the computation to one stage (``ROLLOUT_BLOCKS``, ``UPDATE_BLOCKS``), so a tensor handed to both observe
+    calls never counts a rollout-level quantity twice. ``failed_inputs``: some of this rank's inputs were
+    rejected; the rank still takes part in the merge (so the ranks' collectives stay in step) with every
+    family of the stage marked failed, hence absent on every rank; alone, a rank publishes what it has.
+    """
+    out = Gather(inputs.device)
+    out.carried = dict(carry)
+    stage = BLOCKS if blocks is None else blocks
+    tags = {tag for block in stage for tag in block.tags}
+    if failed_inputs:
+        out.failed |= tags
+    out.checks = list(inputs.value_errors)
+    with torch.inference_mode():
+        ctx = Context(inputs, config)
+        # an empty batch: nothing to measure and no error; its families keep their last values, and merged
+        # across ranks this rank adds nothing to the others' union
+        for block in stage if not inputs.empty else ():
+            out.run(block, ctx, strict)
+        metrics, carried, families = out.transfer(merger, tags)
+    if strict and out.errors:
+        raise out.errors[0][1]
+    return StepResult(metrics, carried, out.errors, families)
+
+
+# Rollout-level metrics: once per rollout batch (groups, rewards, outcomes, lengths, engine vs trainer).
+ROLLOUT_BLOCKS: tuple[Block, ...] = (
+    gradient.nonfinite_inputs,
+    gradient.engine_gap,
+    gradient.engine_mismatch,
+    gradient.mask_audit,
+    reward.completions,
+    reward.rewards,
+    reward.lengths,
+    samples.zero_variance,
+    samples.solve_rates,
+    diversity.pass_at_k,
+    diversity.distinct_completions,
+)
+# Update-level metrics: per optimizer step (the ratio, the loss mask actually trained on, advantages, grads).
+UPDATE_BLOCKS: tuple[Block, ...] = (
+    gradient.nonfinite_inputs,
+    gradient.log_ratio_checks,
+    gradient.mask_audit,
+    gradient.kl,
+    gradient.grad_norms,
+    gradient.update_size,
+    reward.advantages,
+    samples.advantage_signs,
+    samples.importance_weights,
+    samples.clipping,
+    diversity.entropy,
+)
+# the audit runs where the loss mask and completion lengths meet: the update's mask, else the rollout's
+MASK_AUDIT_FAMILIES: tuple[str, ...] = gradient.mask_audit.families
+BLOCKS: tuple[Block, ...] = (*ROLLOUT_BLOCKS, *(b for b in UPDATE_BLOCKS if b not in ROLLOUT_BLOCKS))

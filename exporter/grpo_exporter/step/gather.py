@@ -1,0 +1,245 @@
+"""The gathering of a step's readings and its one device-to-host transfer.
+
+Metric blocks add readings to a :class:`Gather` under catalogue sample keys; :meth:`Gather.transfer` packs
+them (:mod:`grpo_exporter.step.pack`), moves the block to the host once, and reads every value back there:
+ratios divided, histograms read, the inputs' value checks, the merge across ranks (a :class:`Merger`, called
+on the host after the transfer), and the carried vectors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from grpo_exporter import catalog
+from grpo_exporter.catalog import SampleKey, format_quantile
+from grpo_exporter.functional.histogram import Buckets, HostHistograms, HostReading, Quantiles
+from grpo_exporter.functional.reading import Ratio, always
+from grpo_exporter.inputs import InputError
+from grpo_exporter.step.pack import (
+    HOST,
+    PLAIN,
+    RATIO,
+    WITNESSED,
+    Element,
+    Entry,
+    Packed,
+    StepMetrics,
+    counts_after_transfer,
+    flat,
+    on_host_copy,
+    pack,
+    scalar,
+)
+
+if TYPE_CHECKING:
+    from grpo_exporter.step.context import Context
+    from grpo_exporter.step.registry import Block
+
+
+class Merger(Protocol):
+    """Merges a stage's entries across ranks around the step's single transfer (see
+    :mod:`grpo_exporter.distributed`): device parts go into the one transfer, the merge runs on the host."""
+
+    def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor | None: ...
+
+    def merge(
+        self, host: list[float], entries: list[Entry], local: StepMetrics, failed: set[str]
+    ) -> tuple[StepMetrics, list[tuple[str, Exception]], frozenset[str] | None]: ...
+
+
+@dataclass(frozen=True)
+class TransferLayout:
+    """The regions of the transferred block, in order: the packed ``values`` (:func:`~grpo_exporter.step.pack.
+    pack`'s parts), one count per value ``check``, the rank ``merge``'s device parts, every fine
+    ``histogram``'s counts, then the ``carried`` vectors (name, length). The first three are read as one
+    Python list (:attr:`listed`), the last two as views of the host block. Written once by
+    :meth:`Gather.transfer`, read by :meth:`Gather._read`."""
+
+    values: int
+    checks: int
+    merge: int
+    histograms: int
+    carried: tuple[tuple[str, int], ...]
+
+    @property
+    def checks_at(self) -> int:
+        return self.values
+
+    @property
+    def merge_at(self) -> int:
+        return self.values + self.checks
+
+    @property
+    def listed(self) -> int:
+        return self.values + self.checks + self.merge
+
+    def carried_at(self) -> Iterator[tuple[str, int, int]]:
+        """Each carried vector's name, start and length in the host block."""
+        start = self.listed + self.histograms
+        for name, width in self.carried:
+            yield name, start, width
+            start += width
+
+
+@functools.lru_cache(maxsize=256)
+def _quantile_keys(name: str, qs: tuple[float, ...], labels: tuple[tuple[str, str], ...]) -> tuple[SampleKey, ...]:
+    family = catalog.metric(name)
+    return tuple(family.key(quantile=format_quantile(q), **dict(labels)) for q in qs)
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_keys(name: str, labels: tuple[tuple[str, str], ...]) -> tuple[SampleKey, ...]:
+    """The ``_bucket`` keys of a histogram family, +Inf last."""
+    family = catalog.metric(name)
+    return tuple(family.key("_bucket", le="+Inf" if b == math.inf else format_quantile(b), **dict(labels))
+                 for b in (*family.buckets, math.inf))
+
+
+class Gather:
+    """Collects readings keyed by catalogue sample keys, then transfers them to the host in one go."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.entries: list[Entry] = []
+        self.carried: dict[str, Tensor] = {}
+        self.errors: list[tuple[str, Exception]] = []
+        self.failed: set[str] = set()
+        self.checks: list[tuple[str, Tensor]] = []
+
+    def add(self, name: str, value: Any, suffix: str = "", **labels: str) -> None:
+        key = catalog.metric(name).key(suffix, **labels)
+        if isinstance(value, Element):
+            self.entries.append(Entry(key, always(value.vector), value.index))
+            return
+        if isinstance(value, (int, float)):
+            value = scalar(value, torch.float64, self.device)
+        if isinstance(value, Tensor):
+            value = always(value)
+        self.entries.append(Entry(key, value))
+
+    def each(self, name: str, r: Ratio, label: str, values: Sequence[str]) -> None:
+        """One sample per label value, each reading its position of the vector ratio ``r``."""
+        family = catalog.metric(name)
+        for i, value in enumerate(values):
+            self.entries.append(Entry(family.key(**{label: value}), r, i))
+
+    def summary(
+        self, name: str, total: Tensor | Element, count: Tensor | Element, r: Quantiles, qs: Sequence[float],
+        **labels: str,
+    ) -> None:
+        for i, key in enumerate(_quantile_keys(name, tuple(qs), tuple(labels.items()))):
+            self.entries.append(Entry(key, r, i))
+        self.add(name, total, "_sum", **labels)
+        self.add(name, count, "_count", **labels)
+
+    def histogram(self, name: str, h: HostReading, total: Tensor | Element, **labels: str) -> None:
+        """A classic histogram read exactly from the fine one of ``h`` (any reading of it): this step's
+        increments of every ``_bucket`` (the catalogue's bounds, which are fine edges), ``_sum`` (``total``) and
+        ``_count`` (the +Inf bucket)."""
+        family = catalog.metric(name)
+        buckets = Buckets(h.stack, family.buckets, h.row)  # read on the host with the stage's other histograms
+        keys = _bucket_keys(name, tuple(labels.items()))
+        for i, key in enumerate(keys):
+            self.entries.append(Entry(key, buckets, i))
+        self.add(name, total, "_sum", **labels)
+        self.entries.append(Entry(family.key("_count", **labels), buckets, len(keys) - 1))
+
+    def run(self, block: Block, ctx: Context, strict: bool) -> None:
+        """Run one metric block; on error drop what it added and mark its families failed (strict: re-raise)."""
+        mark = len(self.entries)
+        try:
+            block(self, ctx)
+        except Exception as exc:
+            if strict:
+                raise
+            del self.entries[mark:]
+            self.failed.update(block.tags)
+            self.errors.append((block.name, exc))
+
+    def transfer(
+        self, merger: Merger | None, stage_tags: set[str]
+    ) -> tuple[StepMetrics, dict[str, Tensor], frozenset[str]]:
+        """The single device-to-host transfer of the step: every reading, the value checks of the inputs (a
+        numeric mask holding other values than 0 and 1), with ``merger`` what the merge across ranks needs,
+        and the carried vectors; then, on the host, the checks and the merge. The carried vectors stay CPU
+        tensors (views of the transferred block): whoever reads them converts them, off the training thread."""
+        packed_parts = pack(self.entries)
+        parts = list(packed_parts.parts)
+        if self.checks:
+            parts.append(torch.stack([count for _, count in self.checks]))
+        extra = merger.device_parts(self.entries, self.device) if merger is not None else None
+        if extra is not None:
+            parts.append(extra)
+        parts += packed_parts.histograms
+        parts += [flat(t) for t in self.carried.values()]
+        layout = TransferLayout(
+            values=sum(p.numel() for p in packed_parts.parts), checks=len(self.checks),
+            merge=extra.numel() if extra is not None else 0,
+            histograms=sum(t.numel() for t in packed_parts.histograms),
+            carried=tuple((name, t.numel()) for name, t in self.carried.items()),
+        )
+        parts = [p if p.device == self.device else p.to(self.device) for p in parts]
+        if not any(p.dtype == torch.float64 for p in parts):  # cat promotes the parts to their widest dtype
+            parts.append(torch.zeros(0, dtype=torch.float64, device=self.device))
+        block = torch.cat(parts)  # every part converted to fp64 in the copy (bools, counts, fp32/bf16 values)
+        host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
+        packed = host[: layout.listed].tolist()
+        with on_host_copy():
+            return self._read(host, packed, packed_parts, layout, merger, stage_tags)
+
+    def _read(
+        self, host: Tensor, packed: list[float], packed_parts: Packed, layout: TransferLayout,
+        merger: Merger | None, stage_tags: set[str],
+    ) -> tuple[StepMetrics, dict[str, Tensor], frozenset[str]]:
+        """After the transfer, on the host: every value (ratios divided, histograms read), the value checks,
+        the merge across ranks, and the carried vectors."""
+        positions = packed_parts.positions
+        hists = HostHistograms(
+            host[layout.listed : layout.listed + layout.histograms],
+            [packed[low] for low, _ in packed_parts.extremes],
+            [packed[high] for _, high in packed_parts.extremes],
+        ) if layout.histograms else None
+        read: dict[int, list[float] | None] = {}  # each histogram reading once, however many samples it has
+        out: StepMetrics = {}
+        late: list[tuple[SampleKey, Tensor]] = []  # witnessed counts whose witness saw NaN or inf
+        for e, (v, p, kind) in zip(self.entries, positions, strict=True):
+            if kind == HOST:
+                r = e.reading
+                if id(r) not in read:
+                    read[id(r)] = r.read(hists, v)
+                values = read[id(r)]
+                if values is not None:
+                    out[e.key] = values[e.index]
+            elif kind == RATIO and packed[p] > 0:
+                out[e.key] = packed[v] / packed[p]
+            elif kind == PLAIN and packed[p]:
+                out[e.key] = packed[v]
+            elif kind == WITNESSED:
+                if packed[v]:
+                    late.append((e.key, e.reading.tensor))
+                else:
+                    out[e.key] = 0.0
+        if late:
+            out |= zip((key for key, _ in late), counts_after_transfer([t for _, t in late]), strict=True)
+        families = frozenset(catalog.family_of(sample).name for sample in {e.key.sample for e in self.entries})
+        for (name, _), bad in zip(self.checks, packed[layout.checks_at : layout.merge_at], strict=True):
+            if bad:
+                self.errors.append(("input values", InputError(
+                    name, "a bool tensor, or 0/1 values", f"{bad:g} values other than 0 and 1"
+                )))
+                self.failed |= stage_tags
+                out, families = {}, frozenset()  # nothing computed from such a mask: every family keeps its last
+        if merger is not None:
+            out, errors, merged_families = merger.merge(
+                packed[layout.merge_at : layout.listed], self.entries, out, self.failed)
+            self.errors += errors
+            families = merged_families if merged_families is not None else families
+        carried = {name: host[start : start + width] for name, start, width in layout.carried_at()}
+        return out, carried, families

@@ -1,0 +1,102 @@
+"""The package's import contract, read from the source: a module imports only from its own layer or the layers
+below it (tools > integrations > runtime > rank merge > step > config > catalogue), and serving reads the
+catalogue only. docs/architecture.md describes the layers; the debts the contract still allows are listed
+here, each with why, so that none is added unseen."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "exporter" / "grpo_exporter"
+
+#: layer rank by module (the longest matching prefix wins); serving is its own branch above the catalogue
+LAYERS: dict[str, tuple[int, str]] = {
+    "catalog": (0, "catalogue"), "thresholds": (0, "catalogue"), "ids": (0, "catalogue"),
+    "edit_distance": (0, "catalogue"), "functional.constants": (0, "catalogue"),
+    "config": (1, "config"),
+    "functional": (2, "step"), "inputs": (2, "step"), "stitching": (2, "step"), "step": (2, "step"),
+    "layout": (3, "rank merge"), "distributed": (3, "rank merge"),
+    "monitor": (4, "runtime"), "monitor_config": (4, "runtime"), "anchors": (4, "runtime"),
+    "background": (4, "runtime"), "components": (4, "runtime"), "guard": (4, "runtime"),
+    "param_sample": (4, "runtime"), "reporting": (4, "runtime"), "run_info": (4, "runtime"),
+    "solve_rates": (4, "runtime"), "spikes": (4, "runtime"), "recorder": (4, "runtime"), "checks": (4, "runtime"),
+    "integrations": (5, "integrations"),
+    "cli": (6, "tools"), "bench": (6, "tools"), "demo": (6, "tools"), "mixin": (6, "tools"),
+    "metric_docs": (6, "tools"), "": (6, "tools"),  # the package itself re-exports the public API
+}
+SERVING = {"publication", "collector", "server"}
+
+#: imports the contract still allows, and why
+DEBTS = {
+    ("publication", "anchors"): "the frozen early-window anchors are published with the gauges they freeze",
+    ("server", "monitor_config"): "the server reads its TLS and auth settings from the monitor's config",
+}
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> tuple[int, str]:
+    if module.split(".")[0] in SERVING:
+        return 3, "serving"
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".") or p == ""), key=len)
+    return LAYERS[best]
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("grpo_exporter"):
+            if node.module == "grpo_exporter":
+                found |= {a.name for a in node.names if (PACKAGE / a.name).with_suffix(".py").exists()
+                          or (PACKAGE / a.name).is_dir()}
+            else:
+                found.add(node.module.removeprefix("grpo_exporter").lstrip("."))
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("grpo_exporter").lstrip(".") for a in node.names
+                      if a.name.startswith("grpo_exporter")}
+    return found
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[_name(p) or "grpo_exporter" for p in MODULES])
+def test_a_module_imports_only_its_own_layer_and_those_below(path: Path) -> None:
+    module = _name(path)
+    rank, layer = _layer(module)
+    for imported in sorted(_imports(path) - {module}):
+        if (module.split(".")[0], imported.split(".")[0]) in DEBTS:
+            continue
+        their_rank, their_layer = _layer(imported)
+        if layer == "serving":
+            assert their_layer in ("catalogue", "serving"), f"{module} (serving) imports {imported} ({their_layer})"
+        else:
+            assert their_rank <= rank, f"{module} ({layer}) imports {imported} ({their_layer}), a layer above it"
+
+
+def test_the_catalogue_imports_nothing_of_ours() -> None:
+    assert not _imports(PACKAGE / "catalog.py")
+
+
+def test_only_the_rank_merge_calls_collectives() -> None:
+    """torch.distributed's collectives are called from distributed.py alone."""
+    for path in MODULES:
+        if _name(path) == "distributed":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for call in ("all_reduce(", "all_gather(", "broadcast(", "all_gather_object(", "new_group("):
+            assert f"dist.{call}" not in text, (path, call)
+            assert f"torch.distributed.{call}" not in text, (path, call)
+
+
+def test_every_debt_is_still_an_import() -> None:
+    """A debt paid off leaves the list: the contract gets stricter, never silently looser."""
+    for module, imported in DEBTS:
+        path = PACKAGE / f"{module}.py"
+        assert imported in {i.split(".")[0] for i in _imports(path)}, (module, imported)
