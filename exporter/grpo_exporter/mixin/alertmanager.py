@@ -7,7 +7,7 @@ values, a wrong loss mask, a ratio clipped before any update, the engine gap at 
 is not what you think"), the pages of layers 2-4 and of the optimizer family for that run are muted (their
 curves mean nothing until it is fixed; the gates keep firing a trend window (20 steps) after their last
 evidence, as long as any alert they mute may still fire from their time, see
-``rules.Alert.rule``). A layer-1 warning (a drifting gap, the fuse) and the optimizer family
+``promql.Alert.rule``). A layer-1 warning (a drifting gap, the fuse) and the optimizer family
 (grad-norm spikes, clipping on every step) mute nothing, so a warning never mutes a critical; and a critical
 alert mutes the warning of the same family for the same run.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 from grpo_exporter.catalog import Layer
 from grpo_exporter.mixin.config import MixinConfig
-from grpo_exporter.mixin.rules import OPTIMIZER
+from grpo_exporter.mixin.promql import OPTIMIZER
 
 DOWNSTREAM = (Layer.REWARD.value, Layer.SAMPLES.value, Layer.DIVERSITY.value, OPTIMIZER)
 

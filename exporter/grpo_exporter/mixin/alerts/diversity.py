@@ -1,0 +1,102 @@
+"""Layer 4, diversity (does the policy still read the question?)."""
+
+from __future__ import annotations
+
+from grpo_exporter.catalog import Layer
+from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.promql import (
+    BY,
+    Alert,
+    anchor_sampling_error,
+    peak_sampling_error,
+    sampling_error,
+    template_query,
+    template_value,
+)
+
+
+def alerts(c: MixinConfig) -> list[Alert]:
+    """This part's alerts, in the order they are written to the rule file."""
+    w = c.window()
+    ref = "grpo_reference_baseline"
+    # pass@G falling: sharply against its trailing baseline, or slowly against the best the run has shown; by
+    # more than its margin and than the window's own sampling error (seed: how many samples decide): 2 standard
+    # errors sqrt(p(1-p)/groups) of the window's mean; for the slow leg 4 of the difference to the peak (which
+    # is the best of many noisy means); four groups a step of G=16 move pass@G in quanta of 0.25
+    pass_g_sharp = (
+        "run:grpo_pass_at_group_size:window_mean < on(job, run) (run:grpo_pass_at_group_size:baseline_median - "
+        f"on(job, run) clamp_min(2 * {sampling_error('window')}, {c.pass_drop_margin:g}))"
+    )
+    pass_g_slow = (
+        "run:grpo_pass_at_group_size:trend_mean < on(job, run) (run:grpo_pass_at_group_size:peak - "
+        f"on(job, run) clamp_min(4 * {peak_sampling_error()}, {c.peak_drop_margin:g}))"
+    )
+    # or slowly against the run's early window, over the long window: where a step holds a few groups (G = 16 of
+    # 64 completions: 4), a 5- or 20-step window's sampling error hides a fall the run's hours show
+    pass_g_long = (
+        "run:grpo_pass_at_group_size:long_mean < on(job, run) (run:grpo_pass_at_group_size:anchor - "
+        f"on(job, run) clamp_min(2 * {anchor_sampling_error()}, {c.peak_drop_margin:g}))"
+    )
+    pass_g_falls = f"{pass_g_sharp} or on(job, run) {pass_g_slow} or on(job, run) {pass_g_long}"
+    return [
+        Alert(
+            "GRPOEntropyCollapse", Layer.DIVERSITY, "entropy", "warning",
+            f"(run:grpo_entropy_mean_nats:window_mean < on(job, run) ({c.entropy_drop_factor:g} * "
+            f"run:grpo_entropy_mean_nats:baseline_median) and on(job, run) ({pass_g_sharp})) or on(job, run) "
+            f"(run:grpo_entropy_mean_nats:trend_mean < on(job, run) ({c.entropy_drop_factor:g} * "
+            f"run:grpo_entropy_mean_nats:anchor) and on(job, run) ({pass_g_slow}))", 900,
+            "Entropy collapses while pass@G falls.",
+            "Mean token entropy of run {{ $labels.run }} is " + template_value() + f" nats (over {w} against its "
+            "trailing baseline " + template_query("max(run:grpo_entropy_mean_nats:baseline_median{run=%q})")
+            + f", or over {c.window(c.trend_window_steps)} against its early window "
+            + template_query("max(run:grpo_entropy_mean_nats:anchor{run=%q})")
+            + f"; line {c.entropy_drop_factor:g}x), while pass@G is "
+            + template_query("max(run:grpo_pass_at_group_size:window_mean{run=%q})") + " (over "
+            + c.window(c.trend_window_steps) + ": "
+            + template_query("max(run:grpo_pass_at_group_size:trend_mean{run=%q})") + ") against "
+            + template_query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + " lately and "
+            + template_query("max(run:grpo_pass_at_group_size:peak{run=%q})") + " at its best.",
+            trend=True,
+        ),
+        Alert(
+            "GRPODiversityCollapse", Layer.DIVERSITY, "diversity", "warning",
+            f"(run:grpo_unique_completions_ratio:window_mean < {c.unique_ratio_min:g} or "
+            "run:grpo_edit_distance_median_ratio:window_mean < on(job, run) "
+            f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:baseline_median) or "
+            "run:grpo_edit_distance_median_ratio:window_mean < on(job, run) "
+            f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:anchor)) "
+            # the seed's collapse is pass@k falling (第 2 篇 ③): identical completions while pass@G holds are a
+            # learned task (one right answer), at any pass@1 and any warm start
+            f"and on(job, run) ({pass_g_falls})", 900,
+            "Completions of the same prompt became (nearly) identical while pass@G falls.",
+            "Run {{ $labels.run }}: in-group diversity " + template_value("%.3g") + f" over {w} (distinct share below "
+            f"{c.unique_ratio_min:g}, or median edit distance below {c.edit_distance_drop_factor:g}x its baseline "
+            + template_query("max(run:grpo_edit_distance_median_ratio:baseline_median{run=%q})") + " or early window "
+            + template_query("max(run:grpo_edit_distance_median_ratio:anchor{run=%q})") + "), while pass@G is "
+            + template_query("max(run:grpo_pass_at_group_size:window_mean{run=%q})") + " against "
+            + template_query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + " lately and "
+            + template_query("max(run:grpo_pass_at_group_size:peak{run=%q})") + " at its best; over "
+            + c.baseline_window + " " + template_query("max(run:grpo_pass_at_group_size:long_mean{run=%q})")
+            + " against its early window " + template_query("max(run:grpo_pass_at_group_size:anchor{run=%q})")
+            + " (pass@1 " + template_query("max(run:grpo_pass_at_1:trend_mean{run=%q})") + ").",
+            trend=True,
+        ),
+        Alert(
+            "GRPOPassAtGBelowBase", Layer.DIVERSITY, "pass_at_g", "warning",
+            f"run:grpo_pass_at_group_size:window_mean < on(job, run) "
+            f'max by ({BY}) ({ref}{c.matchers(metric="grpo_pass_at_k_ratio")})', 1800,
+            "pass@G fell below the base model: the run narrows the policy instead of teaching it.",
+            "pass@G of run {{ $labels.run }} over " + w + " is " + template_value("%.3g") + ", below the base model's "
+            + template_query(f'max({ref}{{run=%q,metric=\\"grpo_pass_at_k_ratio\\"}})') + ".",
+            trend=True,
+        ),
+        Alert(
+            "GRPORetrievalNearChance", Layer.DIVERSITY, "retrieval", "warning",
+            f"run:grpo_retrieval_accuracy_ratio:window_mean < on(job, run) "
+            f"({c.retrieval_chance_factor:g} * max by ({BY}) (grpo_retrieval_chance_ratio{c.matchers()}))", 900,
+            "Completions no longer identify their own prompt: template collapse.",
+            "Retrieval accuracy of run {{ $labels.run }} over " + w + " is " + template_value("%.3g") + f", below "
+            f"{c.retrieval_chance_factor:g}x chance " + template_query("max(grpo_retrieval_chance_ratio{run=%q})") + ".",
+            trend=True,
+        ),
+    ]
