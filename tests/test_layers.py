@@ -23,6 +23,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "background": (4, "runtime"), "components": (4, "runtime"), "guard": (4, "runtime"),
     "param_sample": (4, "runtime"), "reporting": (4, "runtime"), "run_info": (4, "runtime"),
     "solve_rates": (4, "runtime"), "spikes": (4, "runtime"), "recorder": (4, "runtime"), "checks": (4, "runtime"),
+    "run_state": (4, "runtime"),
     "integrations": (5, "integrations"),
     "cli": (6, "tools"), "bench": (6, "tools"), "demo": (6, "tools"), "mixin": (6, "tools"),
     "metric_docs": (6, "tools"), "": (6, "tools"),  # the package itself re-exports the public API
@@ -44,8 +45,9 @@ def _name(path: Path) -> str:
 def _layer(module: str) -> tuple[int, str]:
     if module.split(".")[0] in SERVING:
         return 3, "serving"
-    best = max((p for p in LAYERS if module == p or module.startswith(p + ".") or p == ""), key=len)
-    return LAYERS[best]
+    matches = [p for p in LAYERS if module == p or (p and module.startswith(p + "."))]
+    assert matches, f"{module} has no layer: add it to LAYERS (and docs/architecture.md)"
+    return LAYERS[max(matches, key=len)]
 
 
 def _imports(path: Path) -> set[str]:

@@ -35,11 +35,10 @@ from prometheus_client.registry import CollectorRegistry
 from torch import Tensor
 
 from grpo_exporter import catalog, distributed, guard
-from grpo_exporter.anchors import FrozenMean, RunAnchors
+from grpo_exporter.anchors import RunAnchors
 from grpo_exporter.background import EditDistanceWorker, edit_distance_carry
 from grpo_exporter.checks import ABCReport, AccumulationReport, MaskTableReport, ReachReport
 from grpo_exporter.collector import CatalogCollector
-from grpo_exporter.components import ComponentNames
 from grpo_exporter.functional.diversity import retrieval_accuracy
 from grpo_exporter.ids import id_tensor
 from grpo_exporter.inputs import InputError, StepInputs, describe
@@ -51,9 +50,9 @@ from grpo_exporter.recorder import FlightRecorder
 from grpo_exporter.recorder.store import FreeFloor
 from grpo_exporter.reporting import Reporter
 from grpo_exporter.run_info import static_values
+from grpo_exporter.run_state import RunState
 from grpo_exporter.server import MetricsServer
 from grpo_exporter.solve_rates import SolveRates
-from grpo_exporter.spikes import GradNormSpikes
 from grpo_exporter.step import (
     MASK_AUDIT_FAMILIES,
     ROLLOUT_BLOCKS,
@@ -102,21 +101,6 @@ def _prompt_tokens(tokens: Tensor | None, inputs: StepInputs | None) -> Tensor |
     return tokens
 
 
-def engine_gap_notice(run: str, clean: float, stop: float, rollouts: int, runbook_url: str) -> str:
-    """The one notice of a run whose own clean engine gap sits above the seed's stop line."""
-    return (
-        f"grpo-exporter notice [layer 1-gradient] run={run}: the clean engine log-prob gap of the first {rollouts} "
-        f"rollouts is {clean:.4g} nats, above the seed's stop line {stop:g}. A bf16/fp16 engine beside its trainer "
-        "is often here (0.010-0.018 on healthy bf16 stacks); confirm it once with the A/B/C preflight "
-        "(grpo_exporter.checks.abc_consistency: the trainer twice and the engine once on frozen weights). If it "
-        "holds, record the accepted level, e.g. "
-        f"reference_baseline={{'grpo_engine_logprob_gap_mean_nats': {clean:.4g}}} "
-        "(a keyword, a YAML file, or GRPO_EXPORTER_REFERENCE_BASELINE), so later runs start from it. The run is "
-        "judged against this level meanwhile: a jump or a systematic gap pages; this notice does not repeat. "
-        f"runbook: {runbook_url}#grpoenginelogprobgapaboveseedline"
-    )
-
-
 class MonitorClosedError(RuntimeError):
     """An observe call after :meth:`GRPOMonitor.close`."""
 
@@ -156,17 +140,9 @@ class GRPOMonitor:
             self._reducer = distributed.Reducer(layouts, config.distributed_timeout_s)
             if not self._reducer.active:  # logged by the reducer; counted here
                 self._report.count("distributed")
-        self._solve_rates = SolveRates(config.solve_rate_slots, config.solve_rate_prior, config.solve_rate_halflife)
+        self._state = RunState(config)
         self._stitcher = StepStitcher(config.max_pending_micro_steps)
-        self._spikes = GradNormSpikes(config)
-        self._clean_gap = FrozenMean(config.gap_baseline_steps)
-        self._onpolicy_noise = FrozenMean(config.anchor_steps)
-        self._last_step: int | None = None
-        self._held_audit: dict[str, float] | None = None
-        self._param_snapshot: list[Tensor] | None = None
-        self._components = ComponentNames(config.max_reward_components)
         self._closed = False
-        self._checks: dict[str, float] = {}
         self._edit_worker = EditDistanceWorker(
             self._publication, lambda exc: self._report.error("rollout", exc, "edit distance worker"),
             self.config.edit_distance_budget_s,
@@ -243,7 +219,7 @@ class GRPOMonitor:
                                if isinstance(t, Tensor)), None)
                 group_ids = id_tensor("group_ids", group_ids, device)
                 prompt_ids = id_tensor("prompt_ids", prompt_ids, device)
-                components, dropped = self._components.admit(reward_components)
+                components, dropped = self._state.components.admit(reward_components)
                 if dropped:
                     self._publication.add({_key("grpo_dropped_reward_components_total"): float(dropped)})
                 inputs = StepInputs(
@@ -252,31 +228,31 @@ class GRPOMonitor:
                     old_logprobs=old_logprobs, loss_mask=loss_mask, completion_lengths=completion_lengths,
                     completion_ids=completion_ids, completion_mask=completion_mask,
                 )
-                slots = self._solve_rates.slots_of(inputs, prompt_ids)
+                slots = self._state.solve_rates.slots_of(inputs, prompt_ids)
                 if slots is not None:
                     with contextlib.suppress(InputError):  # a grouping error is the metric blocks' to count
                         groups = inputs.groups(self.config.group_size)
                     outcomes = inputs.correct
                     if groups is not None and outcomes is not None:
-                        extremes = self._solve_rates.predict(slots, groups)
+                        extremes = self._state.solve_rates.predict(slots, groups)
                         inputs = inputs.replaced(zero_variance_prob=extremes.sum(dim=0).clamp_(0.0, 1.0),
                                                  all_incorrect_prob=extremes[1])
                         carry[_SOLVE_TERMS] = SolveRates.moment_terms(outcomes, groups)
                 carry |= edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
             result = self._compute("rollout", inputs, carry)
             if slots is not None and groups is not None and inputs is not None and inputs.correct is not None:
-                # the groups the prediction used (no second grouping); an error here is the metric blocks' too
-                with contextlib.suppress(Exception):
+                # the groups the prediction used (no second grouping)
+                with self._contained("rollout", "solve-rate update"):
                     terms = result.carried.get(_SOLVE_TERMS)
                     moments = None if terms is None else host_values(terms)
-                    self._solve_rates.update(slots, inputs.correct, groups, moments)
+                    self._state.solve_rates.update(slots, inputs.correct, groups, moments)
             if inputs is not None and inputs.completion_ids is not None:
                 self._edit_worker.submit(result.carried, inputs.completion_ids.shape[1])
             audit = {k: v for k, v in result.metrics.items()
                      if catalog.family_of(catalog.sample_key(k).sample).name in _AUDIT}
-            self._held_audit = audit or None
+            self._state.held_audit = audit or None
             metrics = {k: v for k, v in result.metrics.items() if k not in audit}
-            metrics |= self._engine_levels(metrics.get(_key("grpo_engine_logprob_gap_mean_nats")))
+            metrics |= self._state.after_rollout(metrics).gauges
             violations += self._publish(metrics, result.families - _AUDIT)
             if self._recorder is not None:
                 with self._contained("recorder", "flight recorder"):
@@ -356,12 +332,12 @@ class GRPOMonitor:
         with self._stage("grad"):
             current = sample_parameters(params)
             grad = {"grad_norm_pre_clip": pre_clip.detach(), "max_grad_norm": float(max_norm)}
-            before = self._param_snapshot
+            before = self._state.param_snapshot
             if before is not None and [t.shape for t in before] == [t.shape for t in current]:
                 # taken at the previous clip, before that step's optimizer.step(): the update it made
                 grad |= {"params_before": before, "params_after": current}
             self._stitcher.record_grad(grad)
-            self._param_snapshot = current
+            self._state.param_snapshot = current
             violations = self._finish_update()
         self._enforce(violations)
         return pre_clip
@@ -409,9 +385,9 @@ class GRPOMonitor:
         passed, cannot_tell = catalog.metric("grpo_preflight_check_passed"), catalog.metric(
             "grpo_preflight_check_cannot_tell")
         with self._publication.writing:
-            self._checks[passed.key(check=report.CHECK)] = 1.0 if report.passed else 0.0
-            self._checks[cannot_tell.key(check=report.CHECK)] = 1.0 if report.cannot_tell else 0.0
-            self._publication.merge(dict(self._checks), [passed.name, cannot_tell.name])
+            self._state.checks[passed.key(check=report.CHECK)] = 1.0 if report.passed else 0.0
+            self._state.checks[cannot_tell.key(check=report.CHECK)] = 1.0 if report.cannot_tell else 0.0
+            self._publication.merge(dict(self._state.checks), [passed.name, cannot_tell.name])
             self._publication.publish()
 
     def flush(self) -> None:
@@ -475,7 +451,7 @@ class GRPOMonitor:
         if violations and self.config.guard == "raise" and self._recorder is not None:
             with self._contained("recorder", "flight recorder", publish=True):
                 self._recorder.flush("the guard raised TrainingSignalError")
-        self._report.enforce(violations, self._last_step)
+        self._report.enforce(violations, self._state.last_step)
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -498,12 +474,11 @@ class GRPOMonitor:
     def _advance(self, step: int) -> None:
         """Record the step number: ``grpo_steps_total`` counts each new largest step once and
         ``grpo_last_step`` never runs backwards (a late update of step k after rollout k+1 is no new step)."""
-        if self._last_step is None or step > self._last_step:
+        if self._state.advance(step):
             self._publication.add({_key("grpo_steps_total"): 1.0})
-            self._last_step = step
-        self._publication.merge(
-            {_key("grpo_last_step"): float(self._last_step), _key("grpo_last_step_timestamp_seconds"): time.time()}
-        )
+        self._publication.merge({_key("grpo_last_step"): float(step if self._state.last_step is None
+                                                              else self._state.last_step),
+                                 _key("grpo_last_step_timestamp_seconds"): time.time()})
 
     def _finish_update(self) -> list[guard.Violation]:
         """Compute the pending update step, if one is open (every rank opens and ends steps alike)."""
@@ -518,55 +493,27 @@ class GRPOMonitor:
             self._report.error("update", exc, "stitching the micro-steps")
             inputs = None  # merged as failed, like a rank whose inputs were rejected
         result = self._compute("update", inputs, {}, failed=failed)
-        norm = result.metrics.get(_key("grpo_grad_norm_pre_clip"))
-        zero_share = result.metrics.get(_key("grpo_zero_advantage_tokens_ratio"))
-        spike = norm is not None and self._spikes.observe(norm, None if zero_share is None else 1.0 - zero_share)
-        if spike:
-            self._publication.add({_key("grpo_grad_norm_spike_steps_total"): 1.0})
+        derived = self._state.after_update(result.metrics)
         if self._recorder is not None and step is not None:
             with self._contained("recorder", "flight recorder"):
-                self._recorder.observe("update", step, inputs, result.metrics, spike=spike)
-        on_policy = result.metrics.get(_key("grpo_onpolicy_log_ratio_abs_max_nats"))
-        noise = self._onpolicy_noise.observe(on_policy) if on_policy is not None else None
-        if noise is not None:
-            self._publication.merge({_key("grpo_onpolicy_log_ratio_clean_baseline_nats"): noise})
-        staleness = result.metrics.get(_key("grpo_rollout_staleness_versions"))
-        if staleness is not None and staleness > self.config.staleness_max_versions:
-            self._publication.add({_key("grpo_stale_update_steps_total"): 1.0})
+                self._recorder.observe("update", step, inputs, result.metrics, spike=derived.spike)
+        if derived.increments:
+            self._publication.add(derived.increments)
+        if derived.gauges:
+            self._publication.merge(derived.gauges)
         violations = self._publish(result.metrics, result.families)
         if _AUDIT & result.families:
-            self._held_audit = None  # the update audited the mask it trains with
+            self._state.held_audit = None  # the update audited the mask it trains with
         return violations + self._publish_held_audit()
 
-    def _engine_levels(self, gap: float | None) -> dict[str, float]:
-        """The run's clean engine gap (frozen after gap_baseline_steps rollouts) and the accepted level the gap is
-        judged against: the reference run's gap when configured, else the clean gap. When the clean gap freezes
-        above the seed's stop line with no accepted level configured, one notice says so (a bf16/fp16 engine's
-        noise can sit there; the A/B/C preflight confirms it, and the reference records it)."""
-        if gap is None:
-            return {}
-        was_frozen = self._clean_gap.value is not None
-        clean = self._clean_gap.observe(gap)
-        out: dict[str, float] = {}
-        if clean is not None:
-            out[_key("grpo_engine_logprob_gap_clean_baseline_nats")] = clean
-        reference = self.config.reference_baseline.get("grpo_engine_logprob_gap_mean_nats")
-        accepted = reference if reference is not None else clean
-        if accepted is not None:
-            out[_key("grpo_engine_logprob_gap_accepted_nats")] = accepted
-        if clean is not None and not was_frozen and reference is None and clean >= self.config.engine_gap_stop_nats:
-            log.warning(engine_gap_notice(self.config.run, clean, self.config.engine_gap_stop_nats,
-                                          self.config.gap_baseline_steps, self.config.runbook_url))
-        return out
-
     def _publish_held_audit(self) -> list[guard.Violation]:
-        held, self._held_audit = self._held_audit, None
+        held, self._state.held_audit = self._state.held_audit, None
         return self._publish(held, set()) if held else []
 
     def _compute(
         self, stage: str, inputs: StepInputs | None, carry: dict[str, Tensor], failed: bool = False
     ) -> StepResult:
-        merger = self._reducer.for_stage(stage, self._components.names) if self._reducer is not None else None
+        merger = self._reducer.for_stage(stage, self._state.components.names) if self._reducer is not None else None
         if inputs is not None and inputs.empty and self._report.due(f"empty:{stage}"):
             log.info("grpo-exporter: stage %r got an empty batch (N=0 completions): its metrics are skipped for "
                      "this step, not counted as an error (said at most once a minute)", stage)
