@@ -99,3 +99,20 @@ def test_groups_are_built_once_and_shared_with_replaced_copies():
     for _ in range(2):
         with pytest.raises(InputError, match="group_ids"):
             x.groups(3)
+
+
+def test_one_field_table_describes_every_input():
+    """inputs.FIELDS is the one table of StepInputs' fields: validation, the micro-step stitching and the
+    keywords observe_update takes are read from it, so a field added to StepInputs without a row fails here."""
+    import dataclasses
+
+    from grpo_exporter.inputs import FIELDS
+    from grpo_exporter.monitor import UPDATE_FIELDS
+    from grpo_exporter.stitching import PASSED_THROUGH, PER_ROW
+
+    assert sorted(FIELDS) == sorted(f.name for f in dataclasses.fields(StepInputs))
+    assert set(PER_ROW) == {n for n, s in FIELDS.items() if s.axis in ("row", "token", "row or token")} - {
+        "zero_variance_prob", "all_incorrect_prob"}  # the monitor's own predictions, per rollout
+    assert "grad_norm_pre_clip" in PASSED_THROUGH
+    assert "step" not in UPDATE_FIELDS
+    assert "reward_components" not in UPDATE_FIELDS

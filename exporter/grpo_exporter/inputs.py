@@ -18,12 +18,74 @@ from torch import Tensor
 from grpo_exporter.catalog import check_label_value
 from grpo_exporter.functional.groups import Groups, contiguous_groups, groups_from_ids
 
-SEQUENCE_FLOATS = ("rewards", "zero_variance_prob", "all_incorrect_prob")
-SEQUENCE_BOOLS = ("correct", "truncated")
-TOKEN_FLOATS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy")
-TOKEN_BOOLS = ("loss_mask", "completion_mask")
-SCALARS = ("grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss", "entropy_mean")
-INTEGERS = ("policy_version", "rollout_policy_version", "step")
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """How one :class:`StepInputs` field is validated and carried.
+
+    ``axis``: ``"row"`` (N,), ``"token"`` (N, T), ``"row or token"`` (advantages), ``"scalar"`` (a number or
+    one-element tensor), ``"integer"`` (a Python int), ``"tensors"`` (a sequence of tensors), or ``"other"``
+    (validated on its own: the reward components, ``on_policy``, the value checks). ``kind``: ``"float"``,
+    ``"bool"`` (bool, or 0/1 numbers stored as bool) or ``"int"`` for tensors. ``stitched``: how micro-steps of
+    one optimizer step join it (``"rows"`` concatenated along N, ``"last"`` the last given, ``""`` not by the
+    stitcher). ``update``: accepted by ``observe_update`` as a keyword."""
+
+    axis: str
+    kind: str = ""
+    stitched: str = ""
+    update: bool = True
+    what: str = ""  # the expected value in an error message, when the kind's default does not say it
+
+
+#: every StepInputs field, in validation order (sequence fields, then token fields, as N and T are learnt)
+FIELDS: dict[str, FieldSpec] = {
+    "rewards": FieldSpec("row", "float", "rows"),
+    "zero_variance_prob": FieldSpec("row", "float", update=False),
+    "all_incorrect_prob": FieldSpec("row", "float", update=False),
+    "correct": FieldSpec("row", "bool", "rows"),
+    "truncated": FieldSpec("row", "bool", "rows"),
+    "group_ids": FieldSpec("row", "int", "rows", what="an integer tensor"),
+    "completion_lengths": FieldSpec("row", "int", "rows", what="an integer tensor"),
+    "reward_components": FieldSpec("other", update=False),
+    "logprobs": FieldSpec("token", "float", "rows"),
+    "old_logprobs": FieldSpec("token", "float", "rows"),
+    "rollout_logprobs": FieldSpec("token", "float", "rows"),
+    "ref_logprobs": FieldSpec("token", "float", "rows"),
+    "entropy": FieldSpec("token", "float", "rows"),
+    "loss_mask": FieldSpec("token", "bool", "rows"),
+    "completion_mask": FieldSpec("token", "bool", "rows"),
+    "completion_ids": FieldSpec("token", "int", "rows", what="an integer tensor of token ids"),
+    "advantages": FieldSpec("row or token", "float", "rows"),
+    "on_policy": FieldSpec("other"),
+    "grad_norm_pre_clip": FieldSpec("scalar", stitched="last"),
+    "grad_norm_post_clip": FieldSpec("scalar", stitched="last"),
+    "max_grad_norm": FieldSpec("scalar", stitched="last"),
+    "loss": FieldSpec("scalar", stitched="last"),
+    "entropy_mean": FieldSpec("scalar", stitched="last"),
+    "policy_version": FieldSpec("integer", stitched="last"),
+    "rollout_policy_version": FieldSpec("integer", stitched="last"),
+    "step": FieldSpec("integer", update=False),
+    "grads": FieldSpec("tensors"),
+    "params_before": FieldSpec("tensors", update=False),
+    "params_after": FieldSpec("tensors", update=False),
+    "value_errors": FieldSpec("other", update=False),
+}
+
+
+def fields_where(axis: str | None = None, kind: str | None = None, stitched: str | None = None,
+                 update: bool | None = None) -> tuple[str, ...]:
+    """The field names whose spec matches every given attribute, in table order."""
+    return tuple(name for name, spec in FIELDS.items()
+                 if (axis is None or spec.axis == axis) and (kind is None or spec.kind == kind)
+                 and (stitched is None or spec.stitched == stitched) and (update is None or spec.update == update))
+
+
+SEQUENCE_FLOATS = fields_where("row", "float")
+SEQUENCE_BOOLS = fields_where("row", "bool")
+TOKEN_FLOATS = fields_where("token", "float")
+TOKEN_BOOLS = fields_where("token", "bool")
+SCALARS = fields_where("scalar")
+INTEGERS = fields_where("integer")
 
 
 class InputError(ValueError):
@@ -103,17 +165,20 @@ class StepInputs:
             value_errors.append((name, ((value != 0) & (value != 1)).sum()))
             return value != 0
 
-        for name in (*SEQUENCE_FLOATS, *SEQUENCE_BOOLS, "group_ids", "completion_lengths"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            shape.sequence(name, tensor(name, value))
-            if name in SEQUENCE_FLOATS:
-                _floating(name, value)
-            elif name in SEQUENCE_BOOLS:
-                object.__setattr__(self, name, as_bool(name, value))
-            elif value.is_floating_point() or value.dtype == torch.bool:
-                raise InputError(name, "an integer tensor", describe(value))
+        def per_row(axis: str) -> None:
+            for name in fields_where(axis):
+                value, spec = getattr(self, name), FIELDS[name]
+                if value is None:
+                    continue
+                (shape.sequence if axis == "row" else shape.tokens)(name, tensor(name, value))
+                if spec.kind == "float":
+                    _floating(name, value)
+                elif spec.kind == "bool":
+                    object.__setattr__(self, name, as_bool(name, value))
+                elif value.is_floating_point() or value.dtype == torch.bool:
+                    raise InputError(name, spec.what, describe(value))
+
+        per_row("row")
 
         if not isinstance(self.reward_components, Mapping):
             raise InputError("reward_components", "a mapping of name -> (N,) tensor", describe(self.reward_components))
@@ -131,17 +196,7 @@ class StepInputs:
             _floating(name, value)
         object.__setattr__(self, "reward_components", components)
 
-        for name in (*TOKEN_FLOATS, *TOKEN_BOOLS, "completion_ids"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            shape.tokens(name, tensor(name, value))
-            if name in TOKEN_FLOATS:
-                _floating(name, value)
-            elif name in TOKEN_BOOLS:
-                object.__setattr__(self, name, as_bool(name, value))
-            elif value.is_floating_point() or value.dtype == torch.bool:
-                raise InputError(name, "an integer tensor of token ids", describe(value))
+        per_row("token")
 
         if self.advantages is not None:
             adv = tensor("advantages", self.advantages)
@@ -168,7 +223,7 @@ class StepInputs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise InputError(name, "a Python int", describe(value))
-        for name in ("grads", "params_before", "params_after"):
+        for name in fields_where("tensors"):
             value = getattr(self, name)
             if value is None:
                 continue

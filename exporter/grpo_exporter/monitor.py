@@ -21,7 +21,6 @@ failed on it (:mod:`grpo_exporter.distributed`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import operator
 import time
@@ -41,7 +40,7 @@ from grpo_exporter.checks import ABCReport, AccumulationReport, MaskTableReport,
 from grpo_exporter.collector import CatalogCollector
 from grpo_exporter.functional.diversity import retrieval_accuracy
 from grpo_exporter.ids import id_tensor
-from grpo_exporter.inputs import InputError, StepInputs, describe
+from grpo_exporter.inputs import InputError, StepInputs, describe, fields_where
 from grpo_exporter.layout import Layout
 from grpo_exporter.monitor_config import MonitorConfig
 from grpo_exporter.param_sample import sample_parameters
@@ -72,10 +71,7 @@ _STAGE_BLOCKS = {"rollout": ROLLOUT_BLOCKS, "update": UPDATE_BLOCKS}
 _SOLVE_TERMS = "solve_rate_terms"  # the rollout's solve-rate moment terms, carried to the host with its transfer
 # the loss-mask audit of the rollout is published only when the update does not audit its own mask
 _AUDIT = frozenset(MASK_AUDIT_FAMILIES)
-UPDATE_FIELDS = frozenset(f.name for f in dataclasses.fields(StepInputs)) - {
-    "value_errors", "zero_variance_prob", "all_incorrect_prob", "params_before", "params_after", "step",
-    "reward_components",
-}
+UPDATE_FIELDS = frozenset(fields_where(update=True))  # what observe_update takes as keywords
 
 
 def _key(name: str, **labels: str) -> catalog.SampleKey:

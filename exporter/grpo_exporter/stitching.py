@@ -25,16 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_exporter.inputs import StepInputs
+from grpo_exporter.inputs import StepInputs, fields_where
 
-PER_ROW = (
-    "logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs", "rewards", "group_ids",
-    "correct", "truncated", "completion_lengths", "completion_mask", "completion_ids", "rollout_logprobs",
-)
-PASSED_THROUGH = (
-    "grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss", "entropy_mean", "policy_version",
-    "rollout_policy_version",
-)
+PER_ROW = fields_where(stitched="rows")  # joined along N (token fields padded to the widest T)
+PASSED_THROUGH = fields_where(stitched="last")  # the last micro-step that gives one
 
 
 class StepStitcher:
