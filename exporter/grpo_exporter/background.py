@@ -153,19 +153,13 @@ class EditDistanceWorker:
         self._job = self._pool.submit(self._run, carried, width, self._jobs)
 
     def _run(self, carried: dict[str, Tensor], width: int, job: int) -> None:
-        try:
+        with self._publication.guarded(self._on_error):
             groups = rows_to_groups(carried["ed_ids"], carried["ed_lengths"], carried["ed_group"], width)
             median, _ = median_normalized_edit_distance(
                 groups, self._budget_s, pair_cap(width, self._budget_s), seed=job
             )
             family = catalog.metric("grpo_edit_distance_median_ratio")
-            with self._publication.writing:
-                self._publication.merge({} if median is None else {family.key(): median}, [family.name])
-                self._publication.publish()
-        except Exception as exc:
-            with self._publication.writing:
-                self._on_error(exc)
-                self._publication.publish()
+            self._publication.commit(merge={} if median is None else {family.key(): median}, families=[family.name])
 
     def wait(self, timeout: float = 10.0) -> None:
         if self._job is not None:

@@ -15,10 +15,11 @@ anchored families, :mod:`grpo_exporter.anchors`) on its way in, whichever thread
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 
 from grpo_exporter.anchors import RunAnchors
@@ -81,6 +82,27 @@ class Publication:
     def snapshot(self) -> Mapping[str, float]:
         with self._lock:
             return self._snapshot
+
+    def commit(self, add: Mapping[str, float] | None = None, merge: Mapping[str, float] | None = None,
+               families: Iterable[str] = ()) -> None:
+        """A background writer's changes, made under ``writing`` and published at once."""
+        with self.writing:
+            if add:
+                self.add(add)
+            if merge is not None:
+                self.merge(merge, families)
+            self.publish()
+
+    @contextlib.contextmanager
+    def guarded(self, on_error: Callable[[Exception], None]) -> Iterator[None]:
+        """A background writer's unit of work (a worker thread has no caller to raise to): an exception inside
+        is handed to ``on_error`` (which counts and logs it) under ``writing``, and the count is published."""
+        try:
+            yield
+        except Exception as exc:
+            with self.writing:
+                on_error(exc)
+                self.publish()
 
 
 def duration_increments(stage: str, seconds: float) -> dict[str, float]:

@@ -293,26 +293,19 @@ class FlightRecorder:
     # ---- the writer thread ----------------------------------------------------------------------------------
 
     def _write(self, incident: Incident, serial: int) -> None:
-        try:
+        with self._publication.guarded(self._on_error):
             name, files = self._serialise(incident)
             written = write_incident(self.root, name, files, self._budget, serial, self.between_files, self._floor)
-            with self._publication.writing:
-                self._publication.add({_INCIDENTS.key(): 1.0})
-                if written.removed:
-                    self._publication.add({_REMOVED.key(): float(len(written.removed))})
-                latest = _LATEST.key(incident=written.path.name, directory=str(self.root)[-128:])
-                self._publication.merge(
-                    {latest: float(incident.first.step), _USAGE.key(): float(written.usage_bytes)},
-                    [_LATEST.name, _USAGE.name],
-                )
-                self._publication.publish()
+            latest = _LATEST.key(incident=written.path.name, directory=str(self.root)[-128:])
+            removed: dict[str, float] = {_REMOVED.key(): float(len(written.removed))} if written.removed else {}
+            self._publication.commit(
+                add={_INCIDENTS.key(): 1.0} | removed,
+                merge={latest: float(incident.first.step), _USAGE.key(): float(written.usage_bytes)},
+                families=[_LATEST.name, _USAGE.name],
+            )
             log.warning("grpo-exporter flight recorder: incident %s written (%s at step %d); read it with "
                         "`grpo-exporter inspect %s`", written.path.name, ", ".join(incident.first.triggers),
                         incident.first.step, written.path)
-        except Exception as exc:
-            with self._publication.writing:
-                self._on_error(exc)
-                self._publication.publish()
 
     def _serialise(self, incident: Incident) -> tuple[str, dict[str, bytes]]:
         first = incident.first
