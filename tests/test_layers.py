@@ -18,7 +18,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "edit_distance": (0, "catalogue"), "functional.constants": (0, "catalogue"),
     "config": (1, "config"),
     "functional": (2, "step"), "inputs": (2, "step"), "stitching": (2, "step"), "step": (2, "step"),
-    "layout": (3, "rank merge"), "distributed": (3, "rank merge"),
+    "layout": (3, "rank merge"), "distributed": (3, "rank merge"), "merges": (3, "rank merge"),
     "monitor": (4, "runtime"), "monitor_config": (4, "runtime"), "anchors": (4, "runtime"),
     "background": (4, "runtime"), "components": (4, "runtime"), "guard": (4, "runtime"),
     "param_sample": (4, "runtime"), "reporting": (4, "runtime"), "run_info": (4, "runtime"),

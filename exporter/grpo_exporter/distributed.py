@@ -40,23 +40,12 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.catalog import Merge
-from grpo_exporter.functional import histogram, samples
-from grpo_exporter.functional.histogram import Quantiles, TopMean
-from grpo_exporter.functional.reading import Extreme, Ratio
+from grpo_exporter.functional.reading import Extreme
 from grpo_exporter.layout import Layout
+from grpo_exporter.merges import kind_merges, split
 from grpo_exporter.step import Entry, StepMetrics
 
 log = logging.getLogger("grpo_exporter")
-
-# The reading types each merge accepts: a reading carries what its merge needs (a Ratio its numerator and
-# denominator, an Effective its log weights, a Quantiles/TopMean its histogram); a plain Reading is a count or
-# a value every rank shares.
-_ACCEPTS: dict[Merge, tuple[type, ...]] = {
-    Merge.RATIO: (Ratio,),
-    Merge.ESS: (samples.Effective,),
-    Merge.HISTOGRAM: (Quantiles, TopMean),
-}
-
 
 class MergeError(RuntimeError):
     """Merging across ranks failed (or a part of it was dropped); ``logged`` when the reducer said so."""
@@ -146,31 +135,28 @@ def _differences(mine: dict[str, tuple[str, list[str]]], theirs: dict[str, tuple
 
 
 class StageMerge:
-    """Device parts and host merge of one stage computation (the :class:`~grpo_exporter.step.Merger`)."""
+    """Device parts and host merge of one stage computation (the :class:`~grpo_exporter.step.Merger`): each
+    catalogue merge kind's part is its :class:`~grpo_exporter.merges.KindMerge`'s; this class lays them out,
+    checks the readings against the layout and runs the two reductions (MAX, then SUM)."""
 
     def __init__(self, reducer: Reducer, layout: Layout, components: tuple[str, ...]) -> None:
         self.reducer, self.layout, self.components = reducer, layout, components
         self.index = layout.index(components)
-        slots = layout.slots
-        self.ratio = [i for i, s in enumerate(slots) if s.merge is Merge.RATIO]
-        self.ess = [i for i, s in enumerate(slots) if s.merge is Merge.ESS]
-        self.extreme = [i for i, s in enumerate(slots) if s.merge in (Merge.MAX, Merge.SAME)]
-        self.additive = [i for i, s in enumerate(slots) if s.merge is Merge.SUM]
-        self.histogrammed = [i for i, s in enumerate(slots) if s.merge is Merge.HISTOGRAM]
+        self.kinds = kind_merges(layout)
+        self.accepts = {merge: k.accepts for k in self.kinds for merge in k.kinds if k.accepts}
         self.problems: list[str] = []
         self.readings: dict[int, Entry] = {}
 
     # ---- on the device, before the one transfer --------------------------------------------------------
 
     def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor:
-        """[numerator, denominator] per RATIO slot, [max log weight, sum w, sum w^2, n] per ESS slot, and
-        [max, -min, counts...] per distribution; fp64, absent = 0. Each slot's own value and presence
-        are not repeated here: they reach the host with the step's local values (:meth:`merge`)."""
+        """Each kind's device parts (fp64, absent = neutral). Each slot's own value and presence are not
+        repeated here: they reach the host with the step's local values (:meth:`merge`)."""
         slots = self.layout.slots
         readings: dict[int, Entry] = {}
         for e in entries:  # a sample that does not fit the layout is dropped and reported, never a longer pack
             i = self.index.get(e.key)
-            accepted = _ACCEPTS.get(slots[i].merge) if i is not None else None
+            accepted = self.accepts.get(slots[i].merge) if i is not None else None
             if i is None:
                 self.problems.append(f"sample {e.key} is not in the stage layout (undeclared family or component)")
             elif accepted is not None and not isinstance(e.reading, accepted):
@@ -180,30 +166,7 @@ class StageMerge:
             else:
                 readings[i] = e
         self.readings = readings
-        parts: list[Tensor] = []
-        for i in self.ratio:
-            r = readings.get(i)
-            parts.append(torch.stack([t.double() for t in r.reading.terms(r.index)])
-                         if r is not None else torch.zeros(2, dtype=torch.float64, device=device))
-        for i in self.ess:
-            r = readings.get(i)
-            if r is None:
-                parts.append(torch.cat([torch.full((1,), -math.inf, dtype=torch.float64, device=device),
-                                        torch.zeros(3, dtype=torch.float64, device=device)]))
-                continue
-            log_w, valid = r.reading.log_weights, r.reading.valid
-            top = torch.where(valid, log_w.double(), -math.inf).amax()
-            s1, s2 = samples.shifted_weight_sums(log_w, valid, torch.where(torch.isfinite(top), top, 0.0))
-            parts.append(torch.stack([top, s1, s2, valid.sum().double()]))
-        for d in range(self.layout.distributions):
-            member = next((readings[i] for i in self.histogrammed if self.layout.slots[i].distribution == d
-                           and i in readings), None)
-            if member is None:
-                parts.append(torch.cat([torch.full((2,), -math.inf, dtype=torch.float64, device=device),
-                                        torch.zeros(histogram.BUCKETS, dtype=torch.float64, device=device)]))
-                continue
-            h = member.reading.histogram
-            parts.append(torch.cat([h.maximum.double().reshape(1), -h.minimum.double().reshape(1), h.counts.double()]))
+        parts = [part for kind in self.kinds for part in kind.device(readings, device)]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
     # ---- on the host, after it -------------------------------------------------------------------------
@@ -215,17 +178,11 @@ class StageMerge:
         None when the merge fails)."""
         dist = torch.distributed
         slots, n = self.layout.slots, len(self.layout.slots)
-        t = torch.tensor(host, dtype=torch.float64)
         value, present = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
         for i, e in self.readings.items():  # this rank's own values, transferred with the step's
             if e.key in local:
                 value[i], present[i] = local[e.key], 1.0
-        offset = 0
-        ratio = t[offset : offset + 2 * len(self.ratio)].view(-1, 2)
-        offset += 2 * len(self.ratio)
-        ess = t[offset : offset + 4 * len(self.ess)].view(-1, 4)
-        offset += 4 * len(self.ess)
-        dists = t[offset:].view(self.layout.distributions, 2 + histogram.BUCKETS)
+        parts = split(torch.tensor(host, dtype=torch.float64), [kind.transferred for kind in self.kinds])
 
         failed_here = torch.tensor([float(any(tag in failed for tag in s.tags)) for s in slots], dtype=torch.float64)
         computed = torch.zeros(n, dtype=torch.float64)
@@ -234,30 +191,20 @@ class StageMerge:
         names = torch.full((2 * k,), -math.inf, dtype=torch.float64)
         for j, name in enumerate(self.components[:k]):
             names[2 * j], names[2 * j + 1] = name_hash(name), -name_hash(name)
-        extreme = torch.where(present[self.extreme] > 0, value[self.extreme], -math.inf)
-        max_pack = torch.cat([present, failed_here, computed, extreme, ess[:, 0], dists[:, :2].reshape(-1), names])
+        maxes = [kind.to_max(part, value, present) for kind, part in zip(self.kinds, parts, strict=True)]
         try:
-            max_pack = self.reducer.all_reduce(max_pack, dist.ReduceOp.MAX)
-            o = 3 * n
-            g_present, g_failed, g_computed = max_pack[:n], max_pack[n : 2 * n], max_pack[2 * n : o]
-            g_extreme = max_pack[o : o + len(self.extreme)]
-            o += len(self.extreme)
-            g_top = max_pack[o : o + len(self.ess)]
-            o += len(self.ess)
-            g_dist = max_pack[o : o + 2 * self.layout.distributions].view(-1, 2)
-            o += 2 * self.layout.distributions
-            g_names = max_pack[o:].view(-1, 2)
-
-            shift = torch.where(torch.isfinite(g_top), g_top, 0.0)
-            scale = torch.where(torch.isfinite(ess[:, 0]), torch.exp((ess[:, 0] - shift).clamp(max=0.0)), 0.0)
-            ess_sums = torch.stack([ess[:, 1] * scale, ess[:, 2] * scale.square(), ess[:, 3]], dim=1)
-            sum_pack = torch.cat([value[self.additive], ratio.reshape(-1), ess_sums.reshape(-1),
-                                  dists[:, 2:].reshape(-1)])
-            sum_pack = self.reducer.all_reduce(sum_pack, dist.ReduceOp.SUM)
+            max_pack = self.reducer.all_reduce(torch.cat([present, failed_here, computed, *maxes, names]),
+                                               dist.ReduceOp.MAX)
+            g_present, g_failed, g_computed = max_pack[:n], max_pack[n : 2 * n], max_pack[2 * n : 3 * n]
+            *g_maxes, g_names = split(max_pack[3 * n :], [len(m) for m in maxes] + [names.numel()])
+            sums = [kind.to_sum(part, value, g_max) for kind, part, g_max in zip(self.kinds, parts, g_maxes,
+                                                                                 strict=True)]
+            g_sums = split(self.reducer.all_reduce(torch.cat(sums), dist.ReduceOp.SUM), [len(x) for x in sums])
         except MergeError as exc:
             return local, [("distributed", exc)], None
 
         errors: list[tuple[str, Exception]] = [("distributed", MergeError(p)) for p in self.problems[:1]]
+        g_names = g_names.view(-1, 2)
         highest, lowest = g_names[:, 0], -g_names[:, 1]
         disagree = {j for j in range(g_names.shape[0]) if math.isfinite(highest[j]) and highest[j] != lowest[j]}
         if disagree:
@@ -267,38 +214,8 @@ class StageMerge:
                 "those components are not published this step: pass the same component names on every rank"
             )))
         merged: dict[int, float] = {}
-        for j, i in enumerate(self.extreme):
-            merged[i] = float(g_extreme[j])
-        o = 0
-        for i in self.additive:
-            merged[i] = float(sum_pack[o])
-            o += 1
-        for i in self.ratio:
-            num, den = float(sum_pack[o]), float(sum_pack[o + 1])
-            o += 2
-            if den > 0:
-                merged[i] = num / den
-            else:
-                g_present[i] = 0.0
-        for i in self.ess:
-            s1, s2, count = sum_pack[o], sum_pack[o + 1], sum_pack[o + 2]
-            o += 3
-            r = samples.ess_from_sums(s1, s2, count)
-            merged[i] = float(r.value)
-            g_present[i] = float(r.present)
-        hists = histogram.HostHistograms(sum_pack[o:], (-g_dist[:, 1]).tolist(), g_dist[:, 0].tolist())
-        for i in self.histogrammed:
-            s = slots[i]
-            if s.top_fraction is not None:
-                top = hists.top_mean(s.distribution, s.top_fraction)
-                values = None if top is None else [top]
-            else:
-                assert s.quantile is not None  # a histogrammed slot reads a top mean or a quantile
-                values = hists.quantiles(s.distribution, (s.quantile,))
-            if values is None:
-                g_present[i] = 0.0
-            else:
-                merged[i] = histogram.f32(values[0])  # fp32 as on one rank
+        for kind, g_max, g_sum in zip(self.kinds, g_maxes, g_sums, strict=True):
+            kind.finish(g_max, g_sum, merged, g_present)
         out: StepMetrics = {}
         for i, s in enumerate(slots):
             if g_present[i] <= 0 or g_failed[i] > 0 or (s.component is not None and s.component in disagree):
