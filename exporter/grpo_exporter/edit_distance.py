@@ -1,7 +1,7 @@
 """In-group token edit distance, computed on the host with rapidfuzz (C speed), off the training thread.
 
-Seed 第 2 篇 §2: exact de-duplication misses "same structure, a few numbers changed"; the median normalised
-edit distance between completions of the same prompt falls earlier.
+Seed 第 2 篇 (diversity monitoring) §2: exact de-duplication misses "same structure, a few numbers changed"; the median
+normalised edit distance between completions of the same prompt falls earlier.
 
 Cost: rapidfuzz's bit-parallel Levenshtein takes ~len(a) x ceil(len(b) / 64) word operations per pair, so a
 group of 16 completions of 4096 tokens (120 pairs) is ~3e7 operations, a quarter of a second on one core, on

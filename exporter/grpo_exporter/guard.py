@@ -1,6 +1,6 @@
 """The in-process guard: layer-1 stop criteria checked on every step, with no Prometheus involved.
 
-These are the seed's 0/1 engineering checks (第 6 篇: "前一层不通过，后一层曲线没有解释意义"): when one
+These are the seed's 0/1 engineering checks (第 6 篇 (crash triage): "前一层不通过，后一层曲线没有解释意义"): when one
 fails, every downstream curve is meaningless, so the guard says so inside the training process itself: a
 one-line warning naming the layer and the runbook, or :class:`TrainingSignalError` at the end of observe.
 """
@@ -77,8 +77,8 @@ def engine_verdict(metrics: Mapping[str, float], lines: StopLines) -> str | None
     """Why this rollout's engine gap stops training, or None: the judgement GRPOEngineLogprobGapCritical makes
     over a window, on one step.
 
-    Noise or fault (seed 第 3 篇: the 0.01 line is where you stop and check, after measuring your own clean
-    baseline). A bf16 engine's gap is zero-mean noise and never stops a run at any level; what stops it:
+    Noise or fault (seed 第 3 篇 (signal health): the 0.01 line is where you stop and check, after measuring your own
+    clean baseline). A bf16 engine's gap is zero-mean noise and never stops a run at any level; what stops it:
 
     * systematic: the mismatch KL (|k1|, the mean *signed* gap, or k3, its lower-variance non-negative estimator)
       >= ``mismatch_kl_stop_nats``, from the first step, with no baseline (top-p renormalised log-probs, a

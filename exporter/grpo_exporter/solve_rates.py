@@ -1,4 +1,4 @@
-"""Per-prompt solve-rate history: the prediction behind the zero-variance share (seed 第 3 篇 §1).
+"""Per-prompt solve-rate history: the prediction behind the zero-variance share (seed 第 3 篇 (signal health) §1).
 
 A group of G samples of a prompt with solve rate p is all-correct or all-wrong with probability p^G + (1-p)^G.
 p is never known, and that function is convex: plugging in a *mean* p (of the batch, or of a prompt's noisy

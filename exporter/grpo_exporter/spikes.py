@@ -4,11 +4,11 @@ counted where every step is seen; the alert pages on the counter's increase.
 
 The judged quantity is the norm per share of loss tokens that carry signal (non-zero advantage). In a token-level
 loss the zero-advantage tokens sit in the denominator and scale the gradient down like a smaller batch (seed
-第 3 篇, gradient dilution): a converging run whose steps swing between one mixed group and several has norms
-that swing with them, and a step with ten times the signal is no crash. A crash's spike is large for the signal
-the step had. (If the per-token gradients were independent the norm would grow only as the square root of the
-signal; dividing by the share itself then inflates a sparse step by at most sqrt(dense / sparse), 4x for one
-group in sixteen, below the 10x line.)"""
+第 3 篇 (signal health), gradient dilution): a converging run whose steps swing between one mixed group and several has
+norms that swing with them, and a step with ten times the signal is no crash. A crash's spike is large for the signal
+the step had. (If the per-token gradients were independent the norm would grow only as the square root of the signal;
+dividing by the share itself then inflates a sparse step by at most sqrt(dense / sparse), 4x for one group in sixteen,
+below the 10x line.)"""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class StopLines(BaseModel):
-    """Layer-1 stop criteria (seed 第 6 篇: fix, never tune). Documented once, in docs/exporter.md."""
+    """Layer-1 stop criteria (seed 第 6 篇 (crash triage): fix, never tune). Documented once, in docs/exporter.md."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -1,4 +1,4 @@
-"""Preflight checks: the seed's cheap 0/1 tests that come before any curve (第 6 篇 第 1 / 1.5 / 2 步).
+"""Preflight checks: the seed's cheap 0/1 tests that come before any curve (第 6 篇 (crash triage) 第 1 / 1.5 / 2 步).
 
 Each takes the user's model and engine as callables and returns a report with its numbers, a pass/fail
 verdict and a diagnosis naming what to fix:

@@ -1,4 +1,4 @@
-"""Gradient-accumulation equivalence (seed 第 6 篇 第 1.5 步, 2.1 梯度累积等价性测试).
+"""Gradient-accumulation equivalence (seed 第 6 篇 (crash triage) 第 1.5 步, 2.1 梯度累积等价性测试).
 
 The same samples, the same parameters, the same RNG: one backward over the whole batch against the training
 code's accumulation over micro-batches. A loss divided once too often or not at all, a micro-batch left out,

@@ -1,4 +1,4 @@
-"""The A/B/C consistency test (seed 第 6 篇 第 1 步, 最小一致性测试).
+"""The A/B/C consistency test (seed 第 6 篇 (crash triage) 第 1 步, 最小一致性测试).
 
 Frozen weights, one fixed RNG seed, the same tokens: the trainer's log-probs twice (A, B) and the rollout
 engine's once (C). A = B proves the trainer repeatable (dropout off, deterministic inputs); A vs C is the

@@ -1,4 +1,4 @@
-"""The per-token mask table (seed 第 6 篇 第 2 步, 逐 token 检查 mask).
+"""The per-token mask table (seed 第 6 篇 (crash triage) 第 2 步, 逐 token 检查 mask).
 
 Not the mask's shape: one real sample printed token by token (position, token, source, attention mask, loss
 mask, advantage), with the runtime assertions the seed lists: the loss-mask sum equals the completion tokens

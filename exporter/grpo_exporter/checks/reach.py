@@ -1,4 +1,4 @@
-"""Plain-NLL reach (seed 第 6 篇 第 1.5 步, 2.2 用简单目标测试"梯度能否到达参数").
+"""Plain-NLL reach (seed 第 6 篇 (crash triage) 第 1.5 步, 2.2 用简单目标测试"梯度能否到达参数").
 
 Reward, ratio and clip put aside: a few fixed prompt-completion pairs, plain NLL on completion tokens only, in
 fp32; the loss must fall by a stated factor within a stated number of steps. If it does not, the gradient does

@@ -8,8 +8,8 @@ regime in which diversity, clip-side and zero-variance rules must not mistake co
 length depends on the prompt (1 to ``length`` symbols). ``conflict``: two rules the policy cannot tell apart,
 reversed on half of the prompts and any order *but* reversed on the other half, the halves chosen by a hash of
 the prompt: sharpening onto the majority habit loses the samples that solved the rest, so pass@G falls while
-pass@1 rises (the seed's collapse, 第 2 篇 ③, without any fault). :meth:`Task.partial` scores partial credit,
-for runs whose reward has several components (tests/worlds.py)."""
+pass@1 rises (the seed's collapse, 第 2 篇 (diversity monitoring) ③, without any fault). :meth:`Task.partial` scores
+partial credit, for runs whose reward has several components (tests/worlds.py)."""
 
 from __future__ import annotations
 

@@ -9,13 +9,14 @@ steps). :func:`world` enumerates them so that any 24 consecutive worlds cover ev
 
 A world is classified by the trainer's own measurements, never by the exporter's: its pass@1 (share of
 correct rollouts) and pass@G (share of groups with a correct one) early and late in the run. The seed's
-collapse is pass@k falling while pass@1 holds or rises (第 2 篇 ③, 第 4 篇): such a world is
-``collapsing``, and a layer-4 page there is right; every other fault-free world is ``healthy``.
+collapse is pass@k falling while pass@1 holds or rises (第 2 篇 (diversity monitoring) ③, 第 4 篇 (collapse
+root causes)): such a world is ``collapsing``, and a layer-4 page there is right; every other fault-free world
+is ``healthy``.
 
 None of the enumerated families collapses: their tasks are learnable. :func:`collapse_world` adds the
 ``conflict`` family (two rules the policy cannot tell apart), in which GRPO's sharpening onto the majority
 rule loses the samples that solved the other half of the prompts with nothing wrong: the seed's drift toward
-collapse "even when nothing is wrong" (第 1 篇).
+collapse "even when nothing is wrong" (第 1 篇 (triage)).
 """
 
 from __future__ import annotations

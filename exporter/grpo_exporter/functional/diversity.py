@@ -1,7 +1,7 @@
 """Layer 4, "does the policy still read the question?": entropy, pass@k, in-group distinct completions.
 
-Seed sections: 第 2 篇 §1 (mean entropy, a coarse alarm), §4 (entropy of the top-20% most uncertain
-positions, a fixed-size set), §3 (pass@k with k = group size, computed before zero-variance filtering),
+Seed sections: 第 2 篇 (diversity monitoring) §1 (mean entropy, a coarse alarm), §4 (entropy of the top-20% most
+uncertain positions, a fixed-size set), §3 (pass@k with k = group size, computed before zero-variance filtering),
 §2 (distinct completions within a group).
 """
 
@@ -94,7 +94,7 @@ def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: G
 
 
 def retrieval_accuracy(scores: Tensor, own_prompt: Tensor) -> Ratio:
-    """Share of completions that score strictly highest under their own prompt (seed 第 2 篇 §5).
+    """Share of completions that score strictly highest under their own prompt (seed 第 2 篇 (diversity monitoring) §5).
 
     ``scores`` (N, P): a user score of completion i under prompt j (e.g. its log-prob given prompt j);
     ``own_prompt`` (N,): the column of each completion's own prompt. Rows whose own score is not finite are

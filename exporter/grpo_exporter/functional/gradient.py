@@ -100,8 +100,8 @@ def engine_gap_of(
     quantiles. A non-finite difference reads 0 and leaves the count, so no validity mask is built (only for
     the exact minimum, when q = 0 is asked for).
 
-    Seed (第 3 篇 §3): mean < 0.001 is usually healthy, mean near or above 0.01 stop and check; p99/p99.9
-    track the worst tokens; max locates samples but never carries the 0.01 line.
+    Seed (第 3 篇 (signal health) §3): mean < 0.001 is usually healthy, mean near or above 0.01 stop and check;
+    p99/p99.9 track the worst tokens; max locates samples but never carries the 0.01 line.
     """
     kept = torch.nan_to_num(difference, nan=0.0, posinf=0.0, neginf=0.0).abs_()
     total = sum64(kept)

@@ -1,7 +1,7 @@
 """Layer 1, trainer against rollout engine: the mismatch metrics that tell numeric noise from a systematic fault.
 
-Seed (第 3 篇, 两侧引擎 logprob 差): the mean |Δlogp| is what decides a stop, after "first run your own baseline
-with a configuration known to be good". A bf16/fp16 engine's healthy gap is noise of 0.010-0.018 nats (TRL
+Seed (第 3 篇 (signal health), 两侧引擎 logprob 差): the mean |Δlogp| is what decides a stop, after "first run your own
+baseline with a configuration known to be good". A bf16/fp16 engine's healthy gap is noise of 0.010-0.018 nats (TRL
 #5312): zero-mean per token. The faults users hit are systematic, and these readings show it:
 
 * the **signed** mean gap, mean(rollout - old) over tokens sampled from the engine q, is the k1 estimate of

@@ -1,9 +1,9 @@
 """Layer 3, "how many samples decide this update?": ESS, clip fractions by sign, ratio tails, zero variance.
 
-Seed sections: 第 3 篇 §1 (zero-variance share against E[p^G + (1-p)^G], never a fixed 50%; token-level
-dilution), §2 (upper and lower clip counted apart and read against the advantage sign), §5 (ESS ratio, the
-early warning), and 第 5 篇 §一/§四 (the PPO min() only truly cuts the gradient when ratio and advantage
-point the same way: upper = A>0 and r>1+eps_high, lower = A<0 and r<1-eps_low).
+Seed sections: 第 3 篇 (signal health) §1 (zero-variance share against E[p^G + (1-p)^G], never a fixed 50%;
+token-level dilution), §2 (upper and lower clip counted apart and read against the advantage sign), §5 (ESS ratio,
+the early warning), and 第 5 篇 (clip asymmetry) §一/§四 (the PPO min() only truly cuts the gradient when ratio and
+advantage point the same way: upper = A>0 and r>1+eps_high, lower = A<0 and r<1-eps_low).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from grpo_exporter.functional.reading import (
 def clip_log_widths(eps_low: float, eps_high: float) -> tuple[float, float]:
     """Widths of the clip range in log space, (-log(1-eps_low), log(1+eps_high)), nats.
 
-    Seed 第 5 篇 §1.1: the default [0.8, 1.2] is symmetric in ratio but not in log space, 0.223 below against
-    0.182 above (ratio ~1.225), so the lower side is reached later and counts differ by geometry alone.
+    Seed 第 5 篇 (clip asymmetry) §1.1: the default [0.8, 1.2] is symmetric in ratio but not in log space, 0.223 below
+    against 0.182 above (ratio ~1.225), so the lower side is reached later and counts differ by geometry alone.
     """
     return -math.log1p(-eps_low), math.log1p(eps_high)
 
@@ -279,7 +279,7 @@ def zero_variance_groups(rewards: Tensor, groups: Groups, correct: Tensor | None
 
 def zero_variance_probability(p: Tensor, size: Tensor | float) -> Tensor:
     """p^G + (1-p)^G: the chance that G independent samples at solve rate p are all correct or all wrong
-    (seed 第 3 篇 §1), fp64."""
+    (seed 第 3 篇 (signal health) §1), fp64."""
     p = p.double().clamp(0.0, 1.0)
     return p.pow(size) + (1.0 - p).pow(size)
 
@@ -318,8 +318,8 @@ _BETA_SIGNS = (-1.0, 0.0, 1.0, 1.0, 0.0, -1.0, 0.0, -1.0, 1.0, 0.0, 1.0, -1.0)
 
 
 def expected_zero_variance_ratio(zero_variance_prob: Tensor, groups: Groups) -> Ratio:
-    """The predicted zero-variance share of the batch's groups (seed 第 3 篇 §1): per group the mean of its
-    members' finite ``zero_variance_prob`` (each sample carries its group's prediction), averaged over groups."""
+    """The predicted zero-variance share of the batch's groups (seed 第 3 篇 (signal health) §1): per group the mean of
+    its members' finite ``zero_variance_prob`` (each sample carries its group's prediction), averaged over groups."""
     valid = torch.isfinite(zero_variance_prob)
     members = groups.count(valid)
     has = members > 0
@@ -335,7 +335,8 @@ class SolveRateHistogram(NamedTuple):
 
 def mixed_group_solve_rates(correct: Tensor, groups: Groups, buckets: Sequence[float]) -> SolveRateHistogram:
     """Histogram of the solve rate c/n of groups with mixed outcomes (0 < c < n): are they piled at the
-    ends, where sigma normalisation gives the lone minority the largest weight (seed 第 4 篇 落地顺序 2)?"""
+    ends, where sigma normalisation gives the lone minority the largest weight (seed 第 4 篇 (collapse root causes),
+    落地顺序 2: the order of fixes)?"""
     hits = groups.count(correct).double()
     sizes = groups.sizes().double()
     mixed = (hits > 0) & (hits < sizes)

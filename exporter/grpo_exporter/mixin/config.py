@@ -117,9 +117,10 @@ class MixinConfig(StopLines, EventLines):
     grad_clip_carry_factor: float = Field(
         2.0, gt=1, description="GRPOGradClippingEveryStep pages only while the clip carries the update: the median "
         "pre-clip norm over the clip window is at least this multiple of the median post-clip norm (the clip removes "
-        "half of the typical update or more). 2 is the smallest integer scaling error (seed 第 6 篇 1.5 步: a norm off "
-        "by the accumulation steps or world size). A norm steady a little above a configured line is the run's "
-        "effective learning rate (world 130 of docs/worlds-200.md: 1.25x the line on 84% of its steps), not a fault."
+        "half of the typical update or more). 2 is the smallest integer scaling error (seed 第 6 篇 (crash triage) "
+        "1.5 步: a norm off by the accumulation steps or world size). A norm steady a little above a configured line "
+        "is the run's effective learning rate (world 130 of docs/worlds-200.md: 1.25x the line on 84% of its steps), "
+        "not a fault."
     )
     clip_window_steps: int = Field(
         20, ge=1, description="GRPOGradClippingEveryStep: steps its share is taken over. A healthy run whose "

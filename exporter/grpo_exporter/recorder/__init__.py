@@ -1,5 +1,5 @@
-"""The flight recorder (seed 第 6 篇 三态保存): on the first anomalous step, the last normal step, that step and
-the next one, with their metrics and a bounded sample of raw rows, written as one incident directory for
+"""The flight recorder (seed 第 6 篇 (crash triage) 三态保存): on the first anomalous step, the last normal step,
+that step and the next one, with their metrics and a bounded sample of raw rows, written as one incident directory for
 ``grpo-exporter inspect``. On when ``recorder_dir`` is configured."""
 
 from grpo_exporter.recorder.flight import FlightRecorder, Incident, State

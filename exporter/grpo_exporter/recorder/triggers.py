@@ -1,5 +1,6 @@
 """What makes a step anomalous for the flight recorder: the guard's layer-1 stop criteria at the same lines,
-plus the per-step events the exporter counts in process (seed 第 6 篇 三态保存: lock the first anomalous step).
+plus the per-step events the exporter counts in process (seed 第 6 篇 (crash triage) 三态保存: lock the first
+anomalous step).
 
 The triggers read the step's host metrics only, so judging a step costs nothing on the device.
 """

@@ -65,7 +65,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:baseline_median) or "
             "run:grpo_edit_distance_median_ratio:window_mean < on(job, run) "
             f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:anchor)) "
-            # the seed's collapse is pass@k falling (第 2 篇 ③): identical completions while pass@G holds are a
+            # the seed's collapse is pass@k falling (第 2 篇 (diversity monitoring) ③): identical completions while pass@G holds are a
             # learned task (one right answer), at any pass@1 and any warm start
             f"and on(job, run) ({pass_g_falls})", 900,
             "Completions of the same prompt became (nearly) identical while pass@G falls.",
