@@ -14,7 +14,7 @@ from grpo_exporter.catalog import CATALOG, Label, Layer, Metric, MetricType, Sou
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.metric_docs import metrics_markdown
-from grpo_exporter.monitor_config import MonitorConfig
+from grpo_exporter.runtime.monitor_config import MonitorConfig
 from grpo_exporter.step import compute_step
 
 ROOT = Path(__file__).resolve().parents[1]

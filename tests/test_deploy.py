@@ -15,7 +15,7 @@ from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.dashboards import dashboard_files
 from grpo_exporter.mixin.kubernetes import manifest_files
 from grpo_exporter.mixin.rules import rule_files
-from grpo_exporter.monitor_config import MonitorConfig
+from grpo_exporter.runtime.monitor_config import MonitorConfig
 from services import binary
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from batches import make_batch
 from grpo_exporter.catalog import is_additive, parse_key
 from grpo_exporter.demo.stack import free_port
 from grpo_exporter.inputs import StepInputs
-from grpo_exporter.monitor_config import MonitorConfig
+from grpo_exporter.runtime.monitor_config import MonitorConfig
 from monitor_helpers import expected_step, rollout_kwargs, scrape, update_kwargs
 
 WORLD = 2

@@ -202,7 +202,7 @@ def test_a_silent_tls_client_blocks_no_scrape_and_close_returns(certificate):
 
 
 def test_idle_plain_connections_time_out_and_many_scrapers_are_served():
-    from grpo_exporter.server import IDLE_TIMEOUT_S, WORKERS
+    from grpo_exporter.serving.server import IDLE_TIMEOUT_S, WORKERS
 
     with GRPOMonitor(run="idle", port=0, **BASE) as mon:
         idle = [socket.create_connection(("127.0.0.1", mon.port)) for _ in range(WORKERS)]
@@ -261,7 +261,7 @@ def test_a_slowloris_trickle_blocks_no_scrape(certificate, tls):
     every worker for ever, so every scrape was dropped, plain and TLS. A new connection now evicts the oldest one
     still sending its request after EVICT_AFTER_S: a scraper scraping every 0.5 s is answered, and no trickler
     keeps a worker past REQUEST_DEADLINE_S."""
-    from grpo_exporter.server import REQUEST_DEADLINE_S, WORKERS
+    from grpo_exporter.serving.server import REQUEST_DEADLINE_S, WORKERS
 
     cert, key = certificate
     settings = {"tls_cert": cert, "tls_key": key} if tls else {}
@@ -291,7 +291,7 @@ def test_a_slowloris_trickle_blocks_no_scrape(certificate, tls):
 def test_a_request_past_its_deadline_is_cut(monkeypatch):
     """One trickler alone (nothing to evict it): one byte a second keeps every read within the idle timeout,
     and the connection used to live for as long as it trickled; it ends at REQUEST_DEADLINE_S."""
-    from grpo_exporter import server
+    from grpo_exporter.serving import server
 
     monkeypatch.setattr(server, "REQUEST_DEADLINE_S", 2.0)
     with GRPOMonitor(run="deadline", port=0, **BASE) as mon:
@@ -323,7 +323,7 @@ def _auth(user: str, password: str) -> str:
 
 
 def test_auth_unknown_user_costs_a_hash_and_verified_credentials_are_cached():
-    from grpo_exporter.server import BasicAuth
+    from grpo_exporter.serving.server import BasicAuth
 
     auth = BasicAuth(lambda e, s: [b""], "prom", hash_password("s3cret", iterations=100_000))
 
@@ -346,7 +346,7 @@ def test_a_flood_of_wrong_passwords_costs_a_few_slow_hashes_a_second(monkeypatch
     the slow PBKDF2 hashes (~50 ms each at 200,000 iterations) stay within the failed-attempt bucket's burst
     plus its refill over the flood, and the accept loop's work within its shedding bounds, while the flood
     sent many times more requests than were hashed. Once it stops, the verified scraper is answered at once."""
-    from grpo_exporter import server
+    from grpo_exporter.serving import server
 
     hashes, accepts = [0], [0]
     verify, process = server.verify_password, server._Server.process_request

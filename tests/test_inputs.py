@@ -107,7 +107,7 @@ def test_one_field_table_describes_every_input():
     import dataclasses
 
     from grpo_exporter.inputs import FIELDS
-    from grpo_exporter.monitor import UPDATE_FIELDS
+    from grpo_exporter.runtime.monitor import UPDATE_FIELDS
     from grpo_exporter.stitching import PASSED_THROUGH, PER_ROW
 
     assert sorted(FIELDS) == sorted(f.name for f in dataclasses.fields(StepInputs))

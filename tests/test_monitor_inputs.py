@@ -12,9 +12,9 @@ import torch
 from grpo_exporter import GRPOMonitor, InputError
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.mixin.config import MixinConfig
-from grpo_exporter.monitor import MonitorClosedError
-from grpo_exporter.monitor_config import MonitorConfig
-from grpo_exporter.solve_rates import SolveRates
+from grpo_exporter.runtime.monitor import MonitorClosedError
+from grpo_exporter.runtime.monitor_config import MonitorConfig
+from grpo_exporter.runtime.solve_rates import SolveRates
 from monitor_helpers import parse_exposition, registry_value, scrape
 
 SETTINGS = {"group_size": 8, "clip_eps": (0.2, 0.28), "port": None, "guard": "off", "edit_distance_groups": 0,
@@ -284,7 +284,7 @@ def test_a_one_step_grad_norm_spike_is_counted_in_the_process():
 
 
 def test_no_spike_is_judged_before_enough_norms():
-    from grpo_exporter.spikes import GradNormSpikes
+    from grpo_exporter.runtime.spikes import GradNormSpikes
 
     spikes = GradNormSpikes(MonitorConfig(run="r", group_size=8))
     assert [spikes.observe(x) for x in [0.01] * 19 + [1.0]] == [False] * 20  # 19 tiny early norms: no baseline
@@ -297,7 +297,7 @@ def test_a_converging_run_whose_signal_swings_is_no_spike_and_a_crash_still_is()
     norm ~0.05), some several (1/2, norm ~0.6, twelve times the norm for eight times the signal). Judged per signal
     share (seed: zero-advantage tokens dilute the gradient) nothing spikes; judged raw, the dense steps do. A
     crash, 10x the norm at the same signal, still spikes."""
-    from grpo_exporter.spikes import GradNormSpikes
+    from grpo_exporter.runtime.spikes import GradNormSpikes
 
     config = MonitorConfig(run="r", group_size=8)
     steps = [(0.05, 1 / 16)] * 30 + [(0.6, 0.5), (0.05, 1 / 16), (0.55, 0.5)] * 5

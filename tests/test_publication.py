@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from grpo_exporter import catalog
-from grpo_exporter.publication import Publication
+from grpo_exporter.serving.publication import Publication
 
 
 def test_snapshots_follow_the_family_rule_through_any_sequence_of_merges():

@@ -29,10 +29,10 @@ from grpo_exporter.cli import main
 from grpo_exporter.demo.scenarios import SCENARIOS
 from grpo_exporter.demo.task import Task, decode
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
-from grpo_exporter.guard import TrainingSignalError
 from grpo_exporter.recorder import RecorderError
 from grpo_exporter.recorder.inspect import InspectError, load, render
 from grpo_exporter.recorder.store import UNLOCKED_GRACE_S, incidents, size_of, sweep_partials
+from grpo_exporter.runtime.guard import TrainingSignalError
 
 INJECT = 5
 # a seed and a task the scenarios are not calibrated on: one right answer (reverse), seed 4

@@ -14,10 +14,10 @@ import threading
 import pytest
 import torch
 
-from grpo_exporter.background import EditDistanceWorker, _openmp_runtime, worker_thread
 from grpo_exporter.bench import monitor_step, new_monitor
 from grpo_exporter.bench.workload import make
 from grpo_exporter.recorder.flight import FlightRecorder
+from grpo_exporter.runtime.background import EditDistanceWorker, _openmp_runtime, worker_thread
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
 

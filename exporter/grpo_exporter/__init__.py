@@ -7,11 +7,11 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+source"
 
-from grpo_exporter.guard import TrainingSignalError
 from grpo_exporter.inputs import InputError, StepInputs
-from grpo_exporter.monitor import GRPOMonitor
-from grpo_exporter.monitor_config import MonitorConfig, hash_password
-from grpo_exporter.server import PortInUseError
+from grpo_exporter.runtime.guard import TrainingSignalError
+from grpo_exporter.runtime.monitor import GRPOMonitor
+from grpo_exporter.runtime.monitor_config import MonitorConfig, hash_password
+from grpo_exporter.serving.server import PortInUseError
 
 __all__ = [
     "GRPOMonitor",

@@ -45,7 +45,7 @@ class Merge(StrEnum):
 
     Counters and the ``_sum``/``_count``/``_bucket`` samples always ``sum``; summary quantiles always come from
     the summed fine ``histogram``; every gauge the step computes declares its merge; the monitor's own gauges stay
-    ``local``. :mod:`grpo_exporter.distributed` implements each kind once.
+    ``local``. :mod:`grpo_exporter.ranks.distributed` implements each kind once.
     """
 
     SUM = "sum"  # add the ranks' values

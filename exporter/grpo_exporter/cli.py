@@ -98,7 +98,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _hash_password(args: argparse.Namespace) -> int:
     import getpass
 
-    from grpo_exporter.monitor_config import hash_password
+    from grpo_exporter.runtime.monitor_config import hash_password
 
     password = args.password if args.password is not None else getpass.getpass("password: ")
     print(hash_password(password))

@@ -65,7 +65,7 @@ def rows_to_groups(ids: Tensor, lengths: Tensor, group: Tensor, width: int) -> l
     stay the fp64 values they travelled as: fp64 holds every token id exactly, and Levenshtein compares
     elements by value, so 17.0 and 17 are the same token (converting them to int would hold the GIL ~3x as
     long). Only serial reads (``tolist`` of row slices): this runs on the worker thread, where no operator may
-    go parallel (:func:`grpo_exporter.background.serial_operators` says why)."""
+    go parallel (:func:`grpo_exporter.runtime.background.serial_operators` says why)."""
     rows = ids.reshape(-1, width)
     by_group: dict[int, list[list[float]]] = {}
     for row, (length, g) in enumerate(zip(lengths.tolist(), group.tolist(), strict=True)):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from grpo_exporter.anchors import ANCHORED_FAMILIES
 from grpo_exporter.catalog import CATALOG, ONE_PER_RUN, Layer, Metric, MetricType
-from grpo_exporter.monitor_config import MonitorConfig
+from grpo_exporter.runtime.anchors import ANCHORED_FAMILIES
+from grpo_exporter.runtime.monitor_config import MonitorConfig
 
 _LAYER_TITLES = {
     Layer.GRADIENT: "Layer 1 — does the gradient match what I think?",
@@ -69,7 +69,7 @@ def _calls() -> list[str]:
     """Which GRPOMonitor call takes which input, read from the signatures themselves."""
     import inspect
 
-    from grpo_exporter.monitor import GRPOMonitor
+    from grpo_exporter.runtime.monitor import GRPOMonitor
 
     lines = ["## Which call takes which input", "", "| call | inputs |", "|---|---|"]
     for name in ("observe_rollout", "observe_update", "clip_grad_norm_", "observe_retrieval"):

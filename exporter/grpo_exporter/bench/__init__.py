@@ -32,7 +32,7 @@ from grpo_exporter.bench.naive import EPS_HIGH, EPS_LOW, floor_step, naive_core_
 from grpo_exporter.bench.probes import counting, minor_faults, operators, passes, rss_bytes
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, Workload, make
 from grpo_exporter.edit_distance import median_normalized_edit_distance, pair_cap
-from grpo_exporter.monitor import GRPOMonitor
+from grpo_exporter.runtime.monitor import GRPOMonitor
 
 SIZES = (10_000, 64_000, 256_000, 1_000_000, 4_000_000)
 FRAMEWORK_SIZES = (64_000, 1_000_000)  # the framework-shaped step (bench.workload), at the targets' ends

@@ -1,4 +1,4 @@
-"""Adapters that hand a framework's own step tensors to :class:`~grpo_exporter.monitor.GRPOMonitor`.
+"""Adapters that hand a framework's own step tensors to :class:`~grpo_exporter.runtime.monitor.GRPOMonitor`.
 
 One module per framework, each imported on demand (``from grpo_exporter.integrations.trl import
 MonitoredGRPOTrainer``); none is imported by ``grpo_exporter`` itself, so the core never needs a framework.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from grpo_exporter.monitor import GRPOMonitor
+    from grpo_exporter.runtime.monitor import GRPOMonitor
 
 
 class IntegrationError(ImportError):

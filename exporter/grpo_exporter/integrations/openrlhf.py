@@ -24,7 +24,7 @@ from torch import Tensor
 
 from grpo_exporter.ids import id_tensor
 from grpo_exporter.integrations import observe_reported_update, observe_rollout_time_update, require, say_once
-from grpo_exporter.monitor import GRPOMonitor
+from grpo_exporter.runtime.monitor import GRPOMonitor
 
 TESTED = "openrlhf>=0.11,<0.12"
 

@@ -1,4 +1,4 @@
-"""TRL's ``GRPOTrainer`` with a :class:`~grpo_exporter.monitor.GRPOMonitor` inside: two lines to adopt.
+"""TRL's ``GRPOTrainer`` with a :class:`~grpo_exporter.runtime.monitor.GRPOMonitor` inside: two lines to adopt.
 
 .. code-block:: python
 
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.integrations import IntegrationError, check_signature, require, say_once
-from grpo_exporter.monitor import GRPOMonitor
+from grpo_exporter.runtime.monitor import GRPOMonitor
 
 TESTED = "trl>=1.16,<1.17 with transformers>=5.24,<5.25"
 
@@ -246,7 +246,7 @@ class GRPOMonitorMixin(_TrainerBase):
     ``epsilon_high``), ``ratio_level`` and ``clip`` from ``importance_sampling_level`` and ``loss_type`` (GSPO's
     sequence ratio, CISPO's cap, SAPO's and VESPO's soft weights), ``advantage_norm`` from ``scale_rewards``,
     ``correctness_component`` = ``verifier``, and
-    ``monitor_settings`` on top (any :class:`~grpo_exporter.monitor_config.MonitorConfig` field, e.g.
+    ``monitor_settings`` on top (any :class:`~grpo_exporter.runtime.monitor_config.MonitorConfig` field, e.g.
     ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward function
     whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates, length by
     outcome; the component GRPORewardHackSuspected reads); without it those metrics are absent. A monitor you

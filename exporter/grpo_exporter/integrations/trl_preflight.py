@@ -54,7 +54,7 @@ from grpo_exporter.checks import (
     mask_table,
     nll_reach,
 )
-from grpo_exporter.monitor import GRPOMonitor
+from grpo_exporter.runtime.monitor import GRPOMonitor
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from grpo_exporter.integrations import (
     require,
     say_once,
 )
-from grpo_exporter.monitor import GRPOMonitor
+from grpo_exporter.runtime.monitor import GRPOMonitor
 
 TESTED = "verl>=0.9.1,<0.10"
 

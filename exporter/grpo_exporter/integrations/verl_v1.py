@@ -32,7 +32,7 @@ from grpo_exporter.integrations.verl import (
     observe_actor_metrics,
     observe_dataproto,
 )
-from grpo_exporter.monitor import GRPOMonitor
+from grpo_exporter.runtime.monitor import GRPOMonitor
 
 #: the TransferQueue fields read once per global step (absent ones are skipped by the TransferQueue)
 FIELDS = ("uid", "index", "prompts", "responses", "response_mask", "rm_scores", "old_log_probs",

@@ -10,7 +10,7 @@ import yaml
 
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.rules import rule_files
-from grpo_exporter.monitor_config import DEFAULT_PORT
+from grpo_exporter.runtime.monitor_config import DEFAULT_PORT
 
 NAMESPACE = "grpo"
 APP = "grpo-trainer"

@@ -38,10 +38,8 @@ import torch
 from torch import Tensor
 
 from grpo_exporter import catalog
-from grpo_exporter.background import DaemonExecutor, worker_thread
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
-from grpo_exporter.publication import Publication
 from grpo_exporter.recorder.rows import Decode, describe_rows, json_number, row_bytes, select_rows, take_rows
 from grpo_exporter.recorder.store import (
     INCIDENT_PREFIX,
@@ -54,6 +52,8 @@ from grpo_exporter.recorder.store import (
     write_incident,
 )
 from grpo_exporter.recorder.triggers import judged, triggers_of
+from grpo_exporter.runtime.background import DaemonExecutor, worker_thread
+from grpo_exporter.serving.publication import Publication
 from grpo_exporter.thresholds import StopLines
 
 log = logging.getLogger("grpo_exporter")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from grpo_exporter import catalog, guard
+from grpo_exporter import catalog
+from grpo_exporter.runtime import guard
 from grpo_exporter.thresholds import StopLines
 
 TRIGGERS = (
@@ -47,7 +48,7 @@ def triggers_of(
     metrics: Mapping[str, float], lines: StopLines, spike: bool, enabled: Collection[str] = TRIGGERS
 ) -> tuple[str, ...]:
     """The enabled triggers one stage's metrics fire, in :data:`TRIGGERS` order. ``spike``: the grad-norm spike
-    judge (:class:`~grpo_exporter.spikes.GradNormSpikes`) flagged this step."""
+    judge (:class:`~grpo_exporter.runtime.spikes.GradNormSpikes`) flagged this step."""
     found = {_BY_ALERT[v.alert] for v in guard.check(metrics, lines)}
     if spike:
         found.add("grad_norm_spike")

@@ -55,7 +55,7 @@ def compute_step_carrying(
 
     Each metric block runs on its own: with ``strict=False`` a block that raises is dropped whole and
     returned in the error list, and every other block is still computed and transferred. ``merger`` merges
-    the readings across ranks after the transfer (see :mod:`grpo_exporter.distributed`). ``blocks`` limits
+    the readings across ranks after the transfer (see :mod:`grpo_exporter.ranks.distributed`). ``blocks`` limits
     the computation to one stage (``ROLLOUT_BLOCKS``, ``UPDATE_BLOCKS``), so a tensor handed to both observe
     calls never counts a rollout-level quantity twice. ``failed_inputs``: some of this rank's inputs were
     rejected; the rank still takes part in the merge (so the ranks' collectives stay in step) with every

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 class Merger(Protocol):
     """Merges a stage's entries across ranks around the step's single transfer (see
-    :mod:`grpo_exporter.distributed`): device parts go into the one transfer, the merge runs on the host."""
+    :mod:`grpo_exporter.ranks.distributed`): device parts go into the one transfer, the merge runs on the host."""
 
     def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor | None: ...
 

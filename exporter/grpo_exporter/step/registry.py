@@ -4,7 +4,7 @@ A block is a function of the step's :class:`~grpo_exporter.step.gather.Gather` (
 :class:`~grpo_exporter.step.context.Context` (the inputs and what several blocks share), declared with
 :func:`produces`: the catalogue families it may add, and the ``tensor`` labels of the non-finite counter it
 owns. The stage layout of the rank merge is built from these declarations, and a block that raises drops
-exactly these samples, on every rank (see :attr:`grpo_exporter.layout.Slot.tags`).
+exactly these samples, on every rank (see :attr:`grpo_exporter.ranks.layout.Slot.tags`).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 
-from grpo_exporter.monitor_config import hash_password, parse_password_hash, verify_password
+from grpo_exporter.runtime.monitor_config import hash_password, parse_password_hash, verify_password
 
 WORKERS = 8
 BACKLOG = 128

@@ -19,7 +19,7 @@ from torch import Tensor
 from grpo_exporter import catalog
 from grpo_exporter.edit_distance import median_normalized_edit_distance, pair_cap, rows_to_groups
 from grpo_exporter.inputs import StepInputs
-from grpo_exporter.publication import Publication
+from grpo_exporter.serving.publication import Publication
 
 
 def edit_distance_carry(inputs: StepInputs, groups_sampled: int, group_size: int) -> dict[str, Tensor]:

@@ -2,7 +2,7 @@
 
 An exception of the exporter is counted in ``grpo_exporter_errors_total{stage}`` and logged at most once per
 stage per minute; a failed layer-1 stop criterion is logged once a minute per alert (``guard="warn"``) or
-raised as :class:`~grpo_exporter.guard.TrainingSignalError` (``guard="raise"``).
+raised as :class:`~grpo_exporter.runtime.guard.TrainingSignalError` (``guard="raise"``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import math
 import time
 from collections.abc import Mapping
 
-from grpo_exporter import catalog, guard
-from grpo_exporter.monitor_config import MonitorConfig
-from grpo_exporter.publication import Publication
+from grpo_exporter import catalog
+from grpo_exporter.runtime import guard
+from grpo_exporter.runtime.monitor_config import MonitorConfig
+from grpo_exporter.serving.publication import Publication
 
 log = logging.getLogger("grpo_exporter")
 

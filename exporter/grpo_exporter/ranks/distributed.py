@@ -1,7 +1,7 @@
 """Merging one step's readings across data-parallel ranks, on the host, without ever hurting training.
 
 Every rank computes its shard's readings on its device and lays them out in the stage's fixed
-:class:`~grpo_exporter.layout.Layout` (built from the catalogue and the config, never from what this rank
+:class:`~grpo_exporter.ranks.layout.Layout` (built from the catalogue and the config, never from what this rank
 computed), each slot with a presence flag. What the merge needs travels to the host inside the step's one
 transfer; the merge then runs on the host, on a dedicated gloo group with its own timeout (the training's
 process group is never used), with one packed MAX and one packed SUM ``all_reduce``. Each kind of sample
@@ -41,8 +41,8 @@ from torch import Tensor
 
 from grpo_exporter.catalog import Merge
 from grpo_exporter.functional.reading import Extreme
-from grpo_exporter.layout import Layout
-from grpo_exporter.merges import kind_merges, split
+from grpo_exporter.ranks.layout import Layout
+from grpo_exporter.ranks.merges import kind_merges, split
 from grpo_exporter.step import Entry, StepMetrics
 
 log = logging.getLogger("grpo_exporter")
@@ -136,7 +136,7 @@ def _differences(mine: dict[str, tuple[str, list[str]]], theirs: dict[str, tuple
 
 class StageMerge:
     """Device parts and host merge of one stage computation (the :class:`~grpo_exporter.step.Merger`): each
-    catalogue merge kind's part is its :class:`~grpo_exporter.merges.KindMerge`'s; this class lays them out,
+    catalogue merge kind's part is its :class:`~grpo_exporter.ranks.merges.KindMerge`'s; this class lays them out,
     checks the readings against the layout and runs the two reductions (MAX, then SUM)."""
 
     def __init__(self, reducer: Reducer, layout: Layout, components: tuple[str, ...]) -> None:

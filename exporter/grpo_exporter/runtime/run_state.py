@@ -1,7 +1,7 @@
 """The state one run keeps between steps, declared in one place, and what it derives from each step's readings.
 
 The step (:mod:`grpo_exporter.step`) is pure: inputs in, readings out. Whatever needs the run's history lives
-here and is updated by the runtime (:class:`~grpo_exporter.monitor.GRPOMonitor`) after each step's one
+here and is updated by the runtime (:class:`~grpo_exporter.runtime.monitor.GRPOMonitor`) after each step's one
 transfer: the prompts' solve rates (the zero-variance prediction), the reward components admitted so far, the
 grad-norm spike detector, the frozen early-window means (the clean engine gap, the on-policy noise), the last
 step number, the mask audit held until an update audits its own mask, the parameter snapshot of the last clip
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from grpo_exporter import catalog
-from grpo_exporter.anchors import FrozenMean
-from grpo_exporter.components import ComponentNames
-from grpo_exporter.monitor_config import MonitorConfig
-from grpo_exporter.solve_rates import SolveRates
-from grpo_exporter.spikes import GradNormSpikes
+from grpo_exporter.runtime.anchors import FrozenMean
+from grpo_exporter.runtime.components import ComponentNames
+from grpo_exporter.runtime.monitor_config import MonitorConfig
+from grpo_exporter.runtime.solve_rates import SolveRates
+from grpo_exporter.runtime.spikes import GradNormSpikes
 
 log = logging.getLogger("grpo_exporter")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from grpo_exporter import __version__, catalog
-from grpo_exporter.monitor_config import MonitorConfig
+from grpo_exporter.runtime.monitor_config import MonitorConfig
 
 
 def static_values(config: MonitorConfig) -> dict[str, float]:

@@ -3,7 +3,7 @@ that kind combine across ranks.
 
 Each kind says what its slots add to the step's one device-to-host transfer (:meth:`KindMerge.device`), what
 they add to the two reductions the rank merge runs on the host (one MAX, one SUM), and the merged value from
-the reduced parts (:meth:`KindMerge.finish`). :class:`~grpo_exporter.distributed.StageMerge` lays the kinds
+the reduced parts (:meth:`KindMerge.finish`). :class:`~grpo_exporter.ranks.distributed.StageMerge` lays the kinds
 out in :data:`KINDS` order and calls the collectives; no kind knows another's offsets.
 """
 
@@ -19,7 +19,7 @@ from grpo_exporter.catalog import Merge
 from grpo_exporter.functional import histogram, samples
 from grpo_exporter.functional.histogram import Quantiles, TopMean
 from grpo_exporter.functional.reading import Ratio
-from grpo_exporter.layout import Layout
+from grpo_exporter.ranks.layout import Layout
 from grpo_exporter.step import Entry
 
 F64 = torch.float64

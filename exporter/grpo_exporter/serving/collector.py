@@ -8,7 +8,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from grpo_exporter.catalog import CATALOG, MetricType, family_of, sample_key
-from grpo_exporter.publication import Publication
+from grpo_exporter.serving.publication import Publication
 
 _ORDER = {m.name: i for i, m in enumerate(CATALOG)}
 

@@ -1,7 +1,7 @@
 """Reward-component names: registered once each, bounded by ``max_reward_components``.
 
 Names are registered in sorted order within a call, so ranks that see the same names (in any dict order)
-number them alike: the numbering is the component slots of :mod:`grpo_exporter.layout`.
+number them alike: the numbering is the component slots of :mod:`grpo_exporter.ranks.layout`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ each step's increment is added. Gauges and summary quantiles are *replaced* fami
 a computation produced (present or absent) takes exactly its new values, so an absent value is dropped rather
 than left stale; a family whose inputs were not given this time keeps its last values ("the last on-policy
 update", "the last retrieval evaluation"). Every replaced value passes the run's anchors (the first values of the
-anchored families, :mod:`grpo_exporter.anchors`) on its way in, whichever thread writes it.
+anchored families, :mod:`grpo_exporter.runtime.anchors`) on its way in, whichever thread writes it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 
-from grpo_exporter.anchors import RunAnchors
 from grpo_exporter.catalog import SampleKey, family_of, format_quantile, is_additive, metric, sample_key
+from grpo_exporter.runtime.anchors import RunAnchors
 
 _ANCHOR = "grpo_run_anchor"
 

@@ -1,0 +1,246 @@
+"""The monitor's configuration: the metric math plus run identity, HTTP endpoint, guard and baselines.
+
+One pydantic model, validated once at construction. Sources, later ones winning: defaults, a YAML file,
+``GRPO_EXPORTER_*`` environment variables (``GRPO_EXPORTER_GROUP_SIZE=16``; lists as JSON or ``a,b``),
+keyword arguments. An invalid value fails at construction with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from rapidfuzz import process
+
+from grpo_exporter import catalog
+from grpo_exporter.config import MetricsConfig, load_yaml_mapping
+from grpo_exporter.recorder.triggers import TRIGGERS
+from grpo_exporter.thresholds import EventLines, StopLines
+
+ENV_PREFIX = "GRPO_EXPORTER_"
+DEFAULT_PORT = 9887  # in the exporters' range 9100-9999 of Prometheus' default port allocations
+PASSWORD_SCHEME = "pbkdf2_sha256"
+
+
+def hash_password(password: str, iterations: int = 200_000) -> str:
+    """A salted PBKDF2-SHA256 hash for ``basic_auth_password_hash``: ``pbkdf2_sha256$iterations$salt$hex``."""
+    salt = secrets.token_hex(16)
+    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations).hex()
+    return f"{PASSWORD_SCHEME}${iterations}${salt}${digest}"
+
+
+def parse_password_hash(encoded: str) -> tuple[int, str, str]:
+    """(iterations, salt, hex digest) of a :func:`hash_password` string; ``ValueError`` saying what is wrong."""
+    parts = encoded.split("$")
+    if len(parts) != 4 or parts[0] != PASSWORD_SCHEME:
+        raise ValueError(
+            f"basic_auth_password_hash: expected '{PASSWORD_SCHEME}$ITERATIONS$SALT$HEX' from "
+            f"`grpo-exporter hash-password`, got {len(parts)} '$'-separated parts starting {parts[0][:20]!r}"
+        )
+    _, iterations, salt, digest = parts
+    if not iterations.isdigit() or not 1_000 <= int(iterations) <= 10_000_000:
+        raise ValueError(f"basic_auth_password_hash: expected iterations 1000..10000000, got {iterations!r}")
+    if not salt or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError("basic_auth_password_hash: expected a non-empty salt and a 64-digit lowercase hex digest")
+    return int(iterations), salt, digest
+
+
+def verify_password(password: str, encoded: str) -> bool:
+    """Check ``password`` against a :func:`hash_password` string (constant-time comparison of the digests)."""
+    iterations, salt, digest = parse_password_hash(encoded)
+    candidate = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations).hex()
+    return hmac.compare_digest(candidate, digest)
+
+
+class MonitorConfig(MetricsConfig, StopLines, EventLines):
+    """Everything :class:`~grpo_exporter.runtime.monitor.GRPOMonitor` needs; the metric knobs are inherited."""
+
+    run: str = Field(min_length=1, max_length=128, description="run id: the `run` label of every series")
+    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 is an explicit choice for containers")
+    port: int | None = Field(
+        DEFAULT_PORT, ge=0, le=65535, description="HTTP port; 0 picks a free one; None serves nothing"
+    )
+    tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS when given with tls_key")
+    tls_key: Path | None = None
+    basic_auth_user: str | None = None
+    basic_auth_password_hash: str | None = Field(None, description="from grpo_exporter.hash_password()")
+    strict: bool = Field(False, description="raise instead of counting and logging exporter errors (tests)")
+    guard: Literal["warn", "raise", "off"] = Field(
+        "warn", description="what a layer-1 stop criterion does inside training: log, raise, or nothing"
+    )
+    # engine_gap_stop_nats, engine_gap_healthy_nats, onpolicy_clip_stop_ratio: StopLines (shared with the alerts)
+    runbook_url: str = Field("docs/runbooks.md", description="base of runbook links in guard messages")
+    reference_baseline: dict[str, float] = Field(
+        default_factory=dict, description="sample key -> value of a known-good run, published as baselines"
+    )
+    correctness_component: str | None = Field(
+        None, min_length=1, max_length=128, description="the reward component that measures correctness (the "
+        "verifier's name, e.g. 'accuracy'), published as grpo_reward_component_role{role=\"correctness\"}: "
+        "GRPORewardHackSuspected reads it, whatever the rules' correctness_component default"
+    )
+    solve_rate_slots: int = Field(
+        1 << 20, ge=1, description="slots of the device-side solve-rate table, indexed by prompt_id modulo its size"
+    )
+    solve_rate_prior: float = Field(
+        0.5, ge=0, le=1, description="solve-rate estimate before any batch; later, unseen prompts take the "
+        "running solve rate of recent batches"
+    )
+    solve_rate_halflife: float = Field(4.0, gt=0, description="observations after which history weighs half")
+    max_pending_micro_steps: int = Field(
+        256, ge=1, description="micro-steps held for one optimizer step; further ones are dropped and counted"
+    )
+    distributed: Literal["merge", "local"] = Field(
+        "merge", description="with torch.distributed: merge the ranks' readings (every rank constructs a monitor "
+        "at the same point), or `local`: each monitor publishes its own rank's values (e.g. a monitor on rank 0 only)",
+    )
+    distributed_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait of a rank in an exporter collective (its own gloo group); after a "
+        "failure or timeout the exporter publishes rank-local values for the rest of the run",
+    )
+    close_linger_s: float = Field(
+        30.0, ge=0, description="after close() marks the run finished, keep serving until one more scrape (at most "
+        "this long; not at all when nothing ever scraped): Prometheus must see the normal end, or it pages",
+    )
+    edit_distance_groups: int = Field(
+        4, ge=0, description="groups per rollout whose in-group edit distance is computed off-thread; 0 = off"
+    )
+    edit_distance_budget_s: float = Field(
+        0.02, gt=0, le=10, description="wall time one rollout's edit-distance job may take on its worker thread; "
+        "its pairs are also capped at the work this buys (fewer as T grows, ~1/T^2), drawn in random order",
+    )
+    recorder_dir: Path | None = Field(
+        None, description="flight recorder: write an incident (last normal, first anomalous and next step: metrics "
+        "and raw rows) here when a layer-1 trigger fires; None or '' = off. Holds prompts and completions: owner-only",
+    )
+    recorder_rows: int = Field(
+        16, ge=1, le=4096, description="rows kept per step and stage; on an anomalous step up to half are the rows "
+        "that drove the trigger",
+    )
+    recorder_max_state_bytes: int = Field(
+        32 << 20, ge=1 << 10, description="bytes the rows of one step and stage may hold on the tensors' device: "
+        "fewer than recorder_rows are kept where the rows are long (at least one); the recorder holds a few such "
+        "states (the open steps, the last normal one, a pending incident)",
+    )
+    recorder_history_steps: int = Field(
+        32, ge=1, le=100_000, description="steps whose key metrics an incident carries (the ring before it)",
+    )
+    recorder_disk_budget_bytes: int = Field(
+        1 << 30, ge=1 << 16, description="bytes all incidents in recorder_dir may take; the oldest are removed first",
+    )
+    recorder_triggers: tuple[str, ...] = Field(
+        TRIGGERS, description=f"what opens an incident, any of {', '.join(TRIGGERS)} (the guard's lines)",
+    )
+    recorder_min_free_bytes: int = Field(
+        1 << 30, ge=0, description="free bytes an incident must leave on recorder_dir's filesystem (often the "
+        "checkpoints'): the oldest incidents are removed first, and an incident that would still go below is not "
+        "written (a counted recorder error)",
+    )
+    recorder_min_free_ratio: float = Field(
+        0.05, ge=0, lt=1, description="the same floor as a share of the filesystem's size; the larger one holds",
+    )
+    recorder_cooldown_steps: int = Field(
+        50, ge=0, description="a trigger that fires again within this many steps of the step that opened its last "
+        "incident rejoins that episode (a flapping trigger writes one incident, not one every other step); 0 = every "
+        "new episode writes",
+    )
+    recorder_flush_timeout_s: float = Field(
+        30.0, ge=0, description="at close, when the guard raises, at exit and on SIGTERM: longest wait for pending "
+        "incidents",
+    )
+
+    @field_validator("recorder_dir", mode="before")
+    @classmethod
+    def _recorder_dir_is_a_path(cls, value: Any) -> Any:
+        """'' is off, as an unset variable is (not the current directory, which would receive prompts and
+        completions); a control character (a newline breaks the latest-incident series) is an error."""
+        if isinstance(value, str | Path):
+            text = str(value) if isinstance(value, Path) else value
+            if isinstance(value, str) and not value.strip():
+                return None
+            if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+                raise ValueError(f"expected a directory path without control characters, got {text!r}")
+        return value
+
+    @field_validator("recorder_triggers", mode="before")
+    @classmethod
+    def _known_triggers(cls, value: Any) -> Any:
+        items = [value] if isinstance(value, str) else list(value)
+        unknown = [t for t in items if t not in TRIGGERS]
+        if unknown:
+            raise ValueError(f"expected any of {list(TRIGGERS)}, got {unknown}")
+        return tuple(items)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_clip_eps(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "clip_eps" in data:
+            data = dict(data)
+            eps = data.pop("clip_eps")
+            low, high = (eps, eps) if isinstance(eps, int | float) else eps
+            data.setdefault("clip_eps_low", low)
+            data.setdefault("clip_eps_high", high)
+        return data
+
+    @field_validator("reference_baseline", mode="before")
+    @classmethod
+    def _load_baseline(cls, value: Any) -> Any:
+        if isinstance(value, str | Path):
+            return load_yaml_mapping(value, "sample key -> number")
+        return value
+
+    @field_validator("reference_baseline")
+    @classmethod
+    def _baseline_keys_exist(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, number in value.items():
+            name, labels = catalog.parse_key(key)
+            if name not in catalog.BY_NAME:
+                guess = process.extractOne(name, list(catalog.BY_NAME))
+                hint = f"; did you mean {guess[0]!r}?" if guess else ""
+                raise ValueError(f"expected catalogue metric names as keys, got {name!r}{hint}")
+            catalog.metric(name).key(**labels)  # raises on undeclared labels
+            if not math.isfinite(number):
+                raise ValueError(f"expected a finite baseline for {key!r}, got {number}")
+        return value
+
+    @model_validator(mode="after")
+    def _pairs(self) -> MonitorConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: expected both or neither")
+        if (self.basic_auth_user is None) != (self.basic_auth_password_hash is None):
+            raise ValueError("basic_auth_user and basic_auth_password_hash: expected both or neither")
+        if self.basic_auth_password_hash:
+            parse_password_hash(self.basic_auth_password_hash)
+        return self
+
+    @field_validator("run")
+    @classmethod
+    def _run_is_a_label_value(cls, value: str) -> str:
+        return catalog.check_label_value("run", value)
+
+    @classmethod
+    def load(
+        cls, file: str | Path | None = None, environ: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> MonitorConfig:
+        """Defaults < YAML ``file`` < ``GRPO_EXPORTER_*`` variables of ``environ`` < ``kwargs``."""
+        data = load_yaml_mapping(file, "settings") if file is not None else {}
+        env = os.environ if environ is None else environ
+        for key, raw in env.items():
+            if key.startswith(ENV_PREFIX):
+                data[key.removeprefix(ENV_PREFIX).lower()] = _env_value(raw)
+        data.update(kwargs)
+        return cls.model_validate(data)
+
+
+def _env_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.split(",") if "," in raw else raw
