@@ -144,106 +144,17 @@ class StepInputs:
     value_errors: tuple[tuple[str, Tensor], ...] = ()
 
     def __post_init__(self) -> None:
-        shape = _Shape()
-        device: list[tuple[str, torch.device]] = []
-
-        def tensor(name: str, value: Any) -> Tensor:
-            if not isinstance(value, Tensor):
-                raise InputError(name, "a torch.Tensor", describe(value))
-            if device and value.device != device[0][1]:
-                raise InputError(name, f"device {device[0][1]} like `{device[0][0]}`", describe(value))
-            device.append((name, value.device))
-            return value
-
-        value_errors = list(self.value_errors)
-
-        def as_bool(name: str, value: Tensor) -> Tensor:
-            if value.dtype == torch.bool:
-                return value
-            if value.is_complex():
-                raise InputError(name, "a bool tensor, or 0/1 values", describe(value))
-            value_errors.append((name, ((value != 0) & (value != 1)).sum()))
-            return value != 0
-
-        def per_row(axis: str) -> None:
-            for name in fields_where(axis):
-                value, spec = getattr(self, name), FIELDS[name]
-                if value is None:
-                    continue
-                (shape.sequence if axis == "row" else shape.tokens)(name, tensor(name, value))
-                if spec.kind == "float":
-                    _floating(name, value)
-                elif spec.kind == "bool":
-                    object.__setattr__(self, name, as_bool(name, value))
-                elif value.is_floating_point() or value.dtype == torch.bool:
-                    raise InputError(name, spec.what, describe(value))
-
-        per_row("row")
-
-        if not isinstance(self.reward_components, Mapping):
-            raise InputError("reward_components", "a mapping of name -> (N,) tensor", describe(self.reward_components))
-        components = dict(self.reward_components)
-        for key, value in components.items():
-            name = f"reward_components[{str(key)[:40]!r}]"
-            if key == "total" or key == "":
-                raise InputError("reward_components", "non-empty names other than 'total' (the summed reward)",
-                                 repr(key))
-            try:
-                check_label_value("component", key)
-            except ValueError as exc:
-                raise InputError("reward_components", "names usable as a label value", str(exc)) from None
-            shape.sequence(name, tensor(name, value))
-            _floating(name, value)
-        object.__setattr__(self, "reward_components", components)
-
-        per_row("token")
-
-        if self.advantages is not None:
-            adv = tensor("advantages", self.advantages)
-            _floating("advantages", adv)
-            if adv.dim() == 1:
-                shape.sequence("advantages", adv)
-            else:
-                shape.tokens("advantages", adv)
-
-        if isinstance(self.on_policy, Tensor):
-            if self.on_policy.dtype != torch.bool:
-                raise InputError("on_policy", "a Python bool or a (N,) bool tensor", describe(self.on_policy))
-            shape.sequence("on_policy", tensor("on_policy", self.on_policy))
-        elif self.on_policy is not None and not isinstance(self.on_policy, bool):
-            raise InputError("on_policy", "a Python bool or a (N,) bool tensor", describe(self.on_policy))
-        for name in SCALARS:
-            value = getattr(self, name)
-            if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
-                continue
-            if not isinstance(value, Tensor) or value.numel() != 1:
-                raise InputError(name, "a number or a one-element tensor", describe(value))
-            object.__setattr__(self, name, tensor(name, value).reshape(()))
-        for name in INTEGERS:
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise InputError(name, "a Python int", describe(value))
-        for name in fields_where("tensors"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, Tensor) or not all(isinstance(t, Tensor) for t in value):
-                raise InputError(name, "a sequence of tensors", describe(value))
-            object.__setattr__(self, name, list(value))
-        if (self.params_before is None) != (self.params_after is None):
-            raise InputError("params_after", "params_before and params_after together", "only one of them")
-        if self.params_before is not None:
-            before, after = self.params_before, self.params_after or []
-            if len(before) != len(after) or any(a.shape != b.shape for a, b in zip(after, before, strict=False)):
-                raise InputError(
-                    "params_after",
-                    f"the {len(before)} shapes of params_before {[tuple(t.shape) for t in before][:4]}",
-                    f"{len(after)} tensors of shapes {[tuple(t.shape) for t in after][:4]}",
-                )
-
-        object.__setattr__(self, "value_errors", tuple(value_errors))
-        object.__setattr__(self, "_n", shape.n)
-        object.__setattr__(self, "_device", device[0][1] if device else torch.device("cpu"))
+        check = _Validator(self)
+        check.per_row("row")
+        check.components()
+        check.per_row("token")
+        check.advantages()
+        check.on_policy()
+        check.scalars()
+        check.parameters()
+        object.__setattr__(self, "value_errors", tuple(check.value_errors))
+        object.__setattr__(self, "_n", check.shape.n)
+        object.__setattr__(self, "_device", check.device[0][1] if check.device else torch.device("cpu"))
 
     def replaced(self, **changes: Tensor) -> StepInputs:
         """A copy with tensor fields replaced by tensors of the same shape, dtype and device as validation would
@@ -302,6 +213,124 @@ class StepInputs:
             if f.name != "value_errors" and getattr(self, f.name) is not None
             and (f.name != "reward_components" or self.reward_components)
         )
+
+
+class _Validator:
+    """The validation of one :class:`StepInputs`, field kind by field kind (:data:`FIELDS`): shapes against the
+    N and T the first fields set, one device for every tensor, dtypes; normalised values are written back."""
+
+    def __init__(self, inputs: StepInputs) -> None:
+        self.x = inputs
+        self.shape = _Shape()
+        self.device: list[tuple[str, torch.device]] = []
+        self.value_errors = list(inputs.value_errors)
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self.x, name, value)
+
+    def tensor(self, name: str, value: Any) -> Tensor:
+        if not isinstance(value, Tensor):
+            raise InputError(name, "a torch.Tensor", describe(value))
+        if self.device and value.device != self.device[0][1]:
+            raise InputError(name, f"device {self.device[0][1]} like `{self.device[0][0]}`", describe(value))
+        self.device.append((name, value.device))
+        return value
+
+    def as_bool(self, name: str, value: Tensor) -> Tensor:
+        """A bool tensor; a numeric one holding other values than 0 and 1 is counted on the device (read with the
+        step's one transfer: checking the values here would need a host sync)."""
+        if value.dtype == torch.bool:
+            return value
+        if value.is_complex():
+            raise InputError(name, "a bool tensor, or 0/1 values", describe(value))
+        self.value_errors.append((name, ((value != 0) & (value != 1)).sum()))
+        return value != 0
+
+    def per_row(self, axis: str) -> None:
+        """The (N,) fields (``axis="row"``) or the (N, T) ones (``"token"``)."""
+        for name in fields_where(axis):
+            value, spec = getattr(self.x, name), FIELDS[name]
+            if value is None:
+                continue
+            (self.shape.sequence if axis == "row" else self.shape.tokens)(name, self.tensor(name, value))
+            if spec.kind == "float":
+                _floating(name, value)
+            elif spec.kind == "bool":
+                self._set(name, self.as_bool(name, value))
+            elif value.is_floating_point() or value.dtype == torch.bool:
+                raise InputError(name, spec.what, describe(value))
+
+    def components(self) -> None:
+        if not isinstance(self.x.reward_components, Mapping):
+            raise InputError("reward_components", "a mapping of name -> (N,) tensor",
+                             describe(self.x.reward_components))
+        components = dict(self.x.reward_components)
+        for key, value in components.items():
+            name = f"reward_components[{str(key)[:40]!r}]"
+            if key == "total" or key == "":
+                raise InputError("reward_components", "non-empty names other than 'total' (the summed reward)",
+                                 repr(key))
+            try:
+                check_label_value("component", key)
+            except ValueError as exc:
+                raise InputError("reward_components", "names usable as a label value", str(exc)) from None
+            self.shape.sequence(name, self.tensor(name, value))
+            _floating(name, value)
+        self._set("reward_components", components)
+
+    def advantages(self) -> None:
+        """Per sequence (N,) or per token (N, T)."""
+        if self.x.advantages is not None:
+            adv = self.tensor("advantages", self.x.advantages)
+            _floating("advantages", adv)
+            if adv.dim() == 1:
+                self.shape.sequence("advantages", adv)
+            else:
+                self.shape.tokens("advantages", adv)
+
+    def on_policy(self) -> None:
+        flag = self.x.on_policy
+        if isinstance(flag, Tensor):
+            if flag.dtype != torch.bool:
+                raise InputError("on_policy", "a Python bool or a (N,) bool tensor", describe(flag))
+            self.shape.sequence("on_policy", self.tensor("on_policy", flag))
+        elif flag is not None and not isinstance(flag, bool):
+            raise InputError("on_policy", "a Python bool or a (N,) bool tensor", describe(flag))
+
+    def scalars(self) -> None:
+        """Numbers (a Python number or a one-element tensor, kept 0-d on its device) and Python ints."""
+        for name in SCALARS:
+            value = getattr(self.x, name)
+            if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+                continue
+            if not isinstance(value, Tensor) or value.numel() != 1:
+                raise InputError(name, "a number or a one-element tensor", describe(value))
+            self._set(name, self.tensor(name, value).reshape(()))
+        for name in INTEGERS:
+            value = getattr(self.x, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise InputError(name, "a Python int", describe(value))
+
+    def parameters(self) -> None:
+        """The sequences of tensors (grads, parameters before and after the update, shape for shape)."""
+        for name in fields_where("tensors"):
+            value = getattr(self.x, name)
+            if value is None:
+                continue
+            if isinstance(value, Tensor) or not all(isinstance(t, Tensor) for t in value):
+                raise InputError(name, "a sequence of tensors", describe(value))
+            self._set(name, list(value))
+        before, after = self.x.params_before, self.x.params_after
+        if (before is None) != (after is None):
+            raise InputError("params_after", "params_before and params_after together", "only one of them")
+        if before is not None:
+            after = after or []
+            if len(before) != len(after) or any(a.shape != b.shape for a, b in zip(after, before, strict=False)):
+                raise InputError(
+                    "params_after",
+                    f"the {len(before)} shapes of params_before {[tuple(t.shape) for t in before][:4]}",
+                    f"{len(after)} tensors of shapes {[tuple(t.shape) for t in after][:4]}",
+                )
 
 
 def _floating(name: str, value: Tensor) -> None:

@@ -49,8 +49,7 @@ from grpo_exporter.runtime.monitor_config import MonitorConfig
 from grpo_exporter.runtime.param_sample import sample_parameters
 from grpo_exporter.runtime.reporting import Reporter
 from grpo_exporter.runtime.run_info import static_values
-from grpo_exporter.runtime.run_state import RunState
-from grpo_exporter.runtime.solve_rates import SolveRates
+from grpo_exporter.runtime.run_state import Prediction, RunState
 from grpo_exporter.serving.collector import CatalogCollector
 from grpo_exporter.serving.publication import Publication, duration_increments
 from grpo_exporter.serving.server import MetricsServer
@@ -61,7 +60,6 @@ from grpo_exporter.step import (
     StepResult,
     compute_step_carrying,
     families_of,
-    host_values,
 )
 from grpo_exporter.stitching import StepStitcher
 
@@ -70,7 +68,6 @@ PreflightReport = ABCReport | AccumulationReport | ReachReport | MaskTableReport
 log = logging.getLogger("grpo_exporter")
 
 _STAGE_BLOCKS = {"rollout": ROLLOUT_BLOCKS, "update": UPDATE_BLOCKS}
-_SOLVE_TERMS = "solve_rate_terms"  # the rollout's solve-rate moment terms, carried to the host with its transfer
 # the loss-mask audit of the rollout is published only when the update does not audit its own mask
 _AUDIT = frozenset(MASK_AUDIT_FAMILIES)
 UPDATE_FIELDS = frozenset(fields_where(update=True))  # what observe_update takes as keywords
@@ -209,8 +206,7 @@ class GRPOMonitor:
             self._advance(step)
             violations += self._publish_held_audit()  # the last step had no update to audit its mask
             inputs: StepInputs | None = None
-            slots = groups = None
-            carry: dict[str, Tensor] = {}
+            prediction, carry = Prediction(), dict[str, Tensor]()
             with self._contained("rollout"):
                 device = next((t.device for t in (rewards, correct, truncated, rollout_logprobs, old_logprobs,
                                                    loss_mask, completion_lengths, completion_ids)
@@ -226,32 +222,15 @@ class GRPOMonitor:
                     old_logprobs=old_logprobs, loss_mask=loss_mask, completion_lengths=completion_lengths,
                     completion_ids=completion_ids, completion_mask=completion_mask,
                 )
-                slots = self._state.solve_rates.slots_of(inputs, prompt_ids)
-                if slots is not None:
-                    with contextlib.suppress(InputError):  # a grouping error is the metric blocks' to count
-                        groups = inputs.groups(self.config.group_size)
-                    outcomes = inputs.correct
-                    if groups is not None and outcomes is not None:
-                        extremes = self._state.solve_rates.predict(slots, groups)
-                        inputs = inputs.replaced(zero_variance_prob=extremes.sum(dim=0).clamp_(0.0, 1.0),
-                                                 all_incorrect_prob=extremes[1])
-                        carry[_SOLVE_TERMS] = SolveRates.moment_terms(outcomes, groups)
+                inputs, prediction, carry = self._state.predict_zero_variance(inputs, prompt_ids)
                 carry |= edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)
             result = self._compute("rollout", inputs, carry)
-            if slots is not None and groups is not None and inputs is not None and inputs.correct is not None:
-                # the groups the prediction used (no second grouping)
+            if inputs is not None:
                 with self._contained("rollout", "solve-rate update"):
-                    terms = result.carried.get(_SOLVE_TERMS)
-                    moments = None if terms is None else host_values(terms)
-                    self._state.solve_rates.update(slots, inputs.correct, groups, moments)
-            if inputs is not None and inputs.completion_ids is not None:
-                self._edit_worker.submit(result.carried, inputs.completion_ids.shape[1])
-            audit = {k: v for k, v in result.metrics.items()
-                     if catalog.family_of(catalog.sample_key(k).sample).name in _AUDIT}
-            self._state.held_audit = audit or None
-            metrics = {k: v for k, v in result.metrics.items() if k not in audit}
-            metrics |= self._state.after_rollout(metrics).gauges
-            violations += self._publish(metrics, result.families - _AUDIT)
+                    self._state.learn_solve_rates(prediction, inputs, result.carried)
+                if inputs.completion_ids is not None:
+                    self._edit_worker.submit(result.carried, inputs.completion_ids.shape[1])
+            violations += self._publish_rollout(result)
             if self._recorder is not None:
                 with self._contained("recorder", "flight recorder"):
                     tokens = None
@@ -260,6 +239,16 @@ class GRPOMonitor:
                     extra = {"prompt_ids": prompt_ids, "prompt_tokens": tokens}
                     self._recorder.observe("rollout", step, inputs, result.metrics, extra)
         self._enforce(violations)
+
+    def _publish_rollout(self, result: StepResult) -> list[guard.Violation]:
+        """The rollout's readings and what the run's state derives from them; its mask audit is held until an
+        update audits the mask it trains with (published at the next step otherwise)."""
+        audit = {k: v for k, v in result.metrics.items()
+                 if catalog.family_of(catalog.sample_key(k).sample).name in _AUDIT}
+        self._state.held_audit = audit or None
+        metrics = {k: v for k, v in result.metrics.items() if k not in audit}
+        metrics |= self._state.after_rollout(metrics).gauges
+        return self._publish(metrics, result.families - _AUDIT)
 
     def observe_update(
         self,

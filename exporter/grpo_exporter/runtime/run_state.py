@@ -10,6 +10,7 @@ and the published preflight verdicts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,13 +18,18 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from grpo_exporter import catalog
+from grpo_exporter.functional.groups import Groups
+from grpo_exporter.inputs import InputError, StepInputs
 from grpo_exporter.runtime.anchors import FrozenMean
 from grpo_exporter.runtime.components import ComponentNames
 from grpo_exporter.runtime.monitor_config import MonitorConfig
 from grpo_exporter.runtime.solve_rates import SolveRates
 from grpo_exporter.runtime.spikes import GradNormSpikes
+from grpo_exporter.step import host_values
 
 log = logging.getLogger("grpo_exporter")
+
+SOLVE_TERMS = "solve_rate_terms"  # the rollout's solve-rate moment terms, carried to the host with its transfer
 
 
 def _key(name: str, **labels: str) -> catalog.SampleKey:
@@ -43,6 +49,15 @@ def engine_gap_notice(run: str, clean: float, stop: float, rollouts: int, runboo
         "judged against this level meanwhile: a jump or a systematic gap pages; this notice does not repeat. "
         f"runbook: {runbook_url}#grpoenginelogprobgapaboveseedline"
     )
+
+
+@dataclass
+class Prediction:
+    """What a rollout's zero-variance prediction used: the prompts' solve-rate slots and the groups (the update
+    of the solve rates reads the same groups, never a second grouping)."""
+
+    slots: Tensor | None = None
+    groups: Groups | None = None
 
 
 @dataclass
@@ -77,6 +92,34 @@ class RunState:
             self.last_step = step
             return True
         return False
+
+    def predict_zero_variance(
+        self, inputs: StepInputs, prompt_ids: Tensor | None
+    ) -> tuple[StepInputs, Prediction, dict[str, Tensor]]:
+        """The rollout's inputs with each sample's predicted zero-variance and all-incorrect chance of its group
+        (from its prompt's solve-rate history: E[p^G + (1-p)^G]), what the prediction used, and the device
+        vectors to carry in the step's transfer (the batch's solve-rate moment terms)."""
+        slots = self.solve_rates.slots_of(inputs, prompt_ids)
+        if slots is None:
+            return inputs, Prediction(), {}
+        groups = None
+        with contextlib.suppress(InputError):  # a grouping error is the metric blocks' to count and log
+            groups = inputs.groups(self.config.group_size)
+        outcomes = inputs.correct
+        if groups is None or outcomes is None:
+            return inputs, Prediction(slots, groups), {}
+        extremes = self.solve_rates.predict(slots, groups)
+        inputs = inputs.replaced(zero_variance_prob=extremes.sum(dim=0).clamp_(0.0, 1.0),
+                                 all_incorrect_prob=extremes[1])
+        return inputs, Prediction(slots, groups), {SOLVE_TERMS: SolveRates.moment_terms(outcomes, groups)}
+
+    def learn_solve_rates(self, prediction: Prediction, inputs: StepInputs, carried: Mapping[str, Tensor]) -> None:
+        """Update the prompts' solve rates with the rollout's outcomes, on the groups the prediction used."""
+        if prediction.slots is None or prediction.groups is None or inputs.correct is None:
+            return
+        terms = carried.get(SOLVE_TERMS)
+        moments = None if terms is None else host_values(terms)
+        self.solve_rates.update(prediction.slots, inputs.correct, prediction.groups, moments)
 
     def after_rollout(self, metrics: Mapping[str, float]) -> Derived:
         """The run's clean engine gap (frozen after ``gap_baseline_steps`` rollouts) and the accepted level the
