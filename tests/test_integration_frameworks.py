@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PYTHON = ROOT / ".venv-frameworks" / "bin" / "python"
-CHECKS = {"verl": 12, "verl_v1": 5, "openrlhf": 7}
+CHECKS = {"verl": 12, "verl_v1": 6, "openrlhf": 7}
 
 
 @pytest.mark.parametrize("framework", sorted(CHECKS))

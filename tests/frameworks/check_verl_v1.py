@@ -239,6 +239,23 @@ def test_local_updates_and_stale_rollouts_give_staleness_and_no_engine_gap(tq: A
     assert sum("policy lag" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_an_async_step_of_one_update_on_older_weights_reads_no_engine_gap(tq: Any, caplog) -> None:
+    """An async trainer's step (one local update) on trajectories generated one version back: the difference
+    between their engine log-probs and the old log-probs is the policy lag, not an engine fault: no gap, said
+    once; the staleness is 1."""
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    keys, tags = put_rollouts(tq, 7, [5] * 12, [1.0, 0.0] * 6, version=5)
+    t = trainer(tq, config(), [(keys, tags)], Workers(tq))
+    batch, _ = run_step(t, 7)
+    m = t.monitor.metrics()
+    t.monitor.close()
+    tq.kv_clear(keys=batch.keys, partition_id="train")
+    assert m["grpo_rollout_staleness_versions"] == 1
+    assert "grpo_engine_logprob_gap_mean_nats" not in m
+    assert m["grpo_completions_total"] == 12
+    assert sum("policy lag" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_the_task_runner_installs_the_monitored_trainer_in_its_process() -> None:
     """verl builds the trainer in its TaskRunnerV1 Ray actor from the registry: monitored_task_runner is that
     actor class, and its run installs the monitored subclass under the configured trainer mode first."""

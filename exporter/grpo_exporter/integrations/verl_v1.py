@@ -69,9 +69,11 @@ def observe_tq_batch(
       extra info ``extra_fields["reward_extra_info"][correct_key]`` the reward loop wrote.
     * ``response_masks``: each key's response mask before rollout correction's rejection sampling (decoupled
       mode writes the kept tokens back into the TransferQueue).
-    * ``engine_gap=False``: the old log-probs were not computed on the weights the engine sampled with (async
-      modes, ``parameter_sync_step > 1``): the engine gap is absent, never the policy lag read as an engine fault.
-    * The tags' ``min_global_steps`` against ``policy_version`` give the rollout staleness.
+    * ``engine_gap=False``: the old log-probs were not computed on the weights the engine sampled with
+      (``parameter_sync_step > 1``): the engine gap is absent, never the policy lag read as an engine fault.
+    * The tags' ``min_global_steps`` against ``policy_version`` give the rollout staleness; a trajectory
+      generated on other weights than ``policy_version`` (async modes) leaves the engine gap absent too
+      (:func:`~grpo_exporter.integrations.verl.observe_dataproto`).
     """
     tq = require("transfer_queue", "verl", TESTED)
     with monitor.contained("rollout", "verl v1 TransferQueue read"):
@@ -92,9 +94,10 @@ def observe_tq_batch(
         for key in ([correct_key] if correct_key else []) + list(component_keys):
             if infos and all(key in info for info in infos):
                 non_tensors[key] = np.array([float(info[key]) for info in infos])
-        versions = [tag.get("min_global_steps") for tag in tags]
-        if all(v is not None for v in versions):
-            non_tensors["min_global_steps"] = np.array(versions, dtype=np.int64)
+        for name in ("min_global_steps", "max_global_steps"):  # staleness, and whether the engine gap is readable
+            versions = [tag.get(name) for tag in tags]
+            if all(v is not None for v in versions):
+                non_tensors[name] = np.array(versions, dtype=np.int64)
         tensors = {name: data[name].to_padded_tensor(padding=0) for name in FIELDS
                    if name in data and isinstance(data[name], Tensor) and data[name].is_nested}
         width = tensors["responses"].shape[1]
@@ -123,9 +126,9 @@ def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = 
 
     The monitor step is verl's ``global_steps``; the policy version is ``global_steps - 1`` (the weights the
     step's rollouts were sampled with when they are fresh: verl's own ``trajectory_staleness`` is
-    ``(global_steps - 1) - max_global_steps``). The engine gap is read only when every row is fresh and the step
-    is one local update (``parameter_sync_step == 1``): otherwise the old log-probs come from weights the engine
-    never had, and the gap would be the policy lag (said once)."""
+    ``(global_steps - 1) - max_global_steps``). The engine gap is read only when every row was generated on that
+    version alone and the step is one local update (``parameter_sync_step == 1``): otherwise the old log-probs
+    come from weights the engine never had, and the gap would be the policy lag (said once)."""
     trainer_base = require("verl.trainer.ppo.v1.trainer_base", "verl", TESTED)
     if base is None:
         base = trainer_base.get_trainer_cls("sync")
@@ -158,19 +161,18 @@ def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = 
             monitor = getattr(self, "monitor", None)
             if monitor is None:
                 return batch
-            step, version = int(self.global_steps), int(self.global_steps) - 1
-            fresh = int(getattr(self, "parameter_sync_step", 1)) == 1 and all(
-                tag.get("min_global_steps", version) == version and tag.get("max_global_steps", version) == version
-                for tag in batch.tags if not tag.get("is_padding", False))
+            step = int(self.global_steps)
+            one_update = int(getattr(self, "parameter_sync_step", 1)) == 1
             bypass = _bypass(self.config)
-            if not fresh and not bypass and _select(self.config, "actor_rollout_ref.rollout.calculate_log_probs"):
-                say_once(monitor, "verl-v1-lag", "grpo_exporter: verl v1 step whose old log-probs were not computed "
-                         "on the weights that sampled its rollouts (async trainer or parameter_sync_step > 1): the "
-                         "engine log-prob gap would be the policy lag and is absent for such steps")
+            if not one_update and not bypass:
+                say_once(monitor, "verl-v1-lag", "grpo_exporter: verl v1 with parameter_sync_step > 1: a step's "
+                         "later local updates compute old log-probs on weights the engine never had, so the engine "
+                         "log-prob gap would be the policy lag and is absent")
             masks, self._grpo_masks = self._grpo_masks, {}
             width = _select(self.config, "actor_rollout_ref.rollout.response_length")
             observe_tq_batch(monitor, batch, step, response_length=None if width is None else int(width),
-                             response_masks=masks or None, engine_gap=fresh, bypass=bypass, policy_version=version,
+                             response_masks=masks or None, engine_gap=one_update, bypass=bypass,
+                             policy_version=step - 1,
                              correct_key=correct_key)
             observe_actor_metrics(monitor, step, metrics, _grad_clip(self.config))
             return batch
