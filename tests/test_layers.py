@@ -102,3 +102,14 @@ def test_every_debt_is_still_an_import() -> None:
     for module, imported in DEBTS:
         path = PACKAGE / f"{module.replace('.', '/')}.py"
         assert imported in _imports(path), (module, imported)
+
+
+def test_the_paths_kept_from_before_the_move_are_the_same_objects() -> None:
+    import grpo_exporter.guard as old_guard
+    import grpo_exporter.monitor as old_monitor
+    import grpo_exporter.monitor_config as old_config
+    from grpo_exporter.runtime import guard, monitor, monitor_config
+
+    assert old_monitor.GRPOMonitor is monitor.GRPOMonitor
+    assert old_config.MonitorConfig is monitor_config.MonitorConfig
+    assert old_guard.engine_verdict is guard.engine_verdict
