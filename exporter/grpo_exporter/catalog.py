@@ -905,6 +905,11 @@ def _is_additive_sample(sample: str) -> bool:
     return family.type is MetricType.COUNTER or sample != family.name
 
 
+def key(name: str, **labels: str) -> SampleKey:
+    """The sample key of family ``name`` with ``labels`` (:meth:`Metric.key` without a suffix)."""
+    return metric(name).key(**labels)
+
+
 def metric(name: str) -> Metric:
     """The catalogue entry called ``name``; ``KeyError`` with close names when there is none."""
     try:

@@ -73,9 +73,6 @@ _AUDIT = frozenset(MASK_AUDIT_FAMILIES)
 UPDATE_FIELDS = frozenset(fields_where(update=True))  # what observe_update takes as keywords
 
 
-def _key(name: str, **labels: str) -> catalog.SampleKey:
-    return catalog.metric(name).key(**labels)
-
 
 def _prompt_tokens(tokens: Tensor | None, inputs: StepInputs | None) -> Tensor | None:
     """``prompt_tokens`` checked for the recorder: (N, S) integers, moved to the inputs' device when they are on
@@ -215,7 +212,7 @@ class GRPOMonitor:
                 prompt_ids = id_tensor("prompt_ids", prompt_ids, device)
                 components, dropped = self._state.components.admit(reward_components)
                 if dropped:
-                    self._publication.add({_key("grpo_dropped_reward_components_total"): float(dropped)})
+                    self._publication.add({catalog.key("grpo_dropped_reward_components_total"): float(dropped)})
                 inputs = StepInputs(
                     rewards=rewards, group_ids=group_ids, correct=correct, truncated=truncated,
                     reward_components=components, rollout_logprobs=rollout_logprobs,
@@ -295,7 +292,7 @@ class GRPOMonitor:
                     self._stitcher.failed = True
                     raise
                 if not self._stitcher.add(step, inputs):
-                    self._publication.add({_key("grpo_dropped_micro_steps_total"): 1.0})
+                    self._publication.add({catalog.key("grpo_dropped_micro_steps_total"): 1.0})
                     if self._report.due("dropped-micro-steps"):
                         log.warning(
                             "grpo-exporter: more than %d micro-steps in step %d; further ones are dropped and "
@@ -404,7 +401,7 @@ class GRPOMonitor:
                 self._recorder.close()
         with self._publication.writing:
             self._publish_held_audit()
-            self._publication.merge({_key("grpo_run_finished"): 1.0})
+            self._publication.merge({catalog.key("grpo_run_finished"): 1.0})
             self._publication.publish()
         self._closed = True
         self._edit_worker.shutdown()
@@ -462,10 +459,10 @@ class GRPOMonitor:
         """Record the step number: ``grpo_steps_total`` counts each new largest step once and
         ``grpo_last_step`` never runs backwards (a late update of step k after rollout k+1 is no new step)."""
         if self._state.advance(step):
-            self._publication.add({_key("grpo_steps_total"): 1.0})
-        self._publication.merge({_key("grpo_last_step"): float(step if self._state.last_step is None
+            self._publication.add({catalog.key("grpo_steps_total"): 1.0})
+        self._publication.merge({catalog.key("grpo_last_step"): float(step if self._state.last_step is None
                                                               else self._state.last_step),
-                                 _key("grpo_last_step_timestamp_seconds"): time.time()})
+                                 catalog.key("grpo_last_step_timestamp_seconds"): time.time()})
 
     def _finish_update(self) -> list[guard.Violation]:
         """Compute the pending update step, if one is open (every rank opens and ends steps alike)."""

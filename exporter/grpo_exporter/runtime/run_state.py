@@ -32,9 +32,6 @@ log = logging.getLogger("grpo_exporter")
 SOLVE_TERMS = "solve_rate_terms"  # the rollout's solve-rate moment terms, carried to the host with its transfer
 
 
-def _key(name: str, **labels: str) -> catalog.SampleKey:
-    return catalog.metric(name).key(**labels)
-
 
 def engine_gap_notice(run: str, clean: float, stop: float, rollouts: int, runbook_url: str) -> str:
     """The one notice of a run whose own clean engine gap sits above the seed's stop line."""
@@ -127,17 +124,17 @@ class RunState:
         freezes above the seed's stop line with no accepted level configured, one notice says so (a bf16/fp16
         engine's noise can sit there; the A/B/C preflight confirms it, and the reference records it)."""
         out = Derived()
-        gap = metrics.get(_key("grpo_engine_logprob_gap_mean_nats"))
+        gap = metrics.get(catalog.key("grpo_engine_logprob_gap_mean_nats"))
         if gap is None:
             return out
         was_frozen = self.clean_gap.value is not None
         clean = self.clean_gap.observe(gap)
         if clean is not None:
-            out.gauges[_key("grpo_engine_logprob_gap_clean_baseline_nats")] = clean
+            out.gauges[catalog.key("grpo_engine_logprob_gap_clean_baseline_nats")] = clean
         reference = self.config.reference_baseline.get("grpo_engine_logprob_gap_mean_nats")
         accepted = reference if reference is not None else clean
         if accepted is not None:
-            out.gauges[_key("grpo_engine_logprob_gap_accepted_nats")] = accepted
+            out.gauges[catalog.key("grpo_engine_logprob_gap_accepted_nats")] = accepted
         if clean is not None and not was_frozen and reference is None and clean >= self.config.engine_gap_stop_nats:
             log.warning(engine_gap_notice(self.config.run, clean, self.config.engine_gap_stop_nats,
                                           self.config.gap_baseline_steps, self.config.runbook_url))
@@ -148,16 +145,16 @@ class RunState:
         signal), the on-policy noise frozen over the run's first steps, and a stale update (rollouts more than
         ``staleness_max_versions`` policy versions old)."""
         out = Derived()
-        norm = metrics.get(_key("grpo_grad_norm_pre_clip"))
-        zero_share = metrics.get(_key("grpo_zero_advantage_tokens_ratio"))
+        norm = metrics.get(catalog.key("grpo_grad_norm_pre_clip"))
+        zero_share = metrics.get(catalog.key("grpo_zero_advantage_tokens_ratio"))
         out.spike = norm is not None and self.spikes.observe(norm, None if zero_share is None else 1.0 - zero_share)
         if out.spike:
-            out.increments[_key("grpo_grad_norm_spike_steps_total")] = 1.0
-        on_policy = metrics.get(_key("grpo_onpolicy_log_ratio_abs_max_nats"))
+            out.increments[catalog.key("grpo_grad_norm_spike_steps_total")] = 1.0
+        on_policy = metrics.get(catalog.key("grpo_onpolicy_log_ratio_abs_max_nats"))
         noise = self.onpolicy_noise.observe(on_policy) if on_policy is not None else None
         if noise is not None:
-            out.gauges[_key("grpo_onpolicy_log_ratio_clean_baseline_nats")] = noise
-        staleness = metrics.get(_key("grpo_rollout_staleness_versions"))
+            out.gauges[catalog.key("grpo_onpolicy_log_ratio_clean_baseline_nats")] = noise
+        staleness = metrics.get(catalog.key("grpo_rollout_staleness_versions"))
         if staleness is not None and staleness > self.config.staleness_max_versions:
-            out.increments[_key("grpo_stale_update_steps_total")] = 1.0
+            out.increments[catalog.key("grpo_stale_update_steps_total")] = 1.0
         return out
