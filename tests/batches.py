@@ -135,6 +135,10 @@ def make_batch(
             dtype,
         ),
     }
+    # a multi-turn loop's own counts, drawn apart so the batch's other values stay as they were
+    loop = np.random.default_rng([seed, 1])
+    arrays["turns"] = loop.integers(1, 6, size=n).astype(np.int64)
+    arrays["partial"] = loop.random(n) < 0.25
     components = {"correctness": correct.astype(np.float64), "format": fmt}
     if shuffled_groups:
         perm = rng.permutation(n)
@@ -148,5 +152,7 @@ def make_batch(
         "loss": 0.25,
         "policy_version": 7,
         "rollout_policy_version": 5,
+        "tool_calls": int(arrays["turns"].sum()) - n,  # a tool call between consecutive turns
+        "tool_failures": (int(arrays["turns"].sum()) - n) // 4,
     }
     return Batch(arrays, components, scalars, dtype)

@@ -16,7 +16,7 @@ from grpo_exporter.inputs import StepInputs
 
 ROLLOUT_FIELDS = (
     "rewards", "group_ids", "correct", "truncated", "rollout_logprobs", "old_logprobs", "loss_mask",
-    "completion_lengths", "completion_ids",
+    "completion_lengths", "completion_ids", "turns", "partial",
 )
 UPDATE_FIELDS = ("logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs", "completion_lengths")
 

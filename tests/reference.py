@@ -232,6 +232,12 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
             for q, v in zip(cfg.length_quantiles, _quantiles(ls, cfg.length_quantiles), strict=True):
                 out[f'grpo_completion_length_tokens{{outcome="{outcome}",quantile="{_q(q)}"}}'] = v
     out["grpo_truncated_completions_total"] = float(a["truncated"].sum())
+    turns = [float(t) for t in a["turns"]]
+    out["grpo_completion_turns_sum"], out["grpo_completion_turns_count"] = float(sum(turns)), float(len(turns))
+    out['grpo_completion_turns{quantile="0"}'], out['grpo_completion_turns{quantile="1"}'] = min(turns), max(turns)
+    out["grpo_partial_completions_total"] = float(sum(bool(p) for p in a["partial"]))
+    out["grpo_tool_calls_total"] = float(sc["tool_calls"])
+    out["grpo_tool_call_failures_total"] = float(sc["tool_failures"])
 
     # ---- layer 3 --------------------------------------------------------------------------------------
     def token_adv(i: int, t: int) -> float:

@@ -188,8 +188,12 @@ class Timeline:
     series: dict[str, list[float | None]] = field(default_factory=dict)
 
     def put(self, index: int, values: dict[str, float]) -> None:
+        series = self.series
         for key, value in values.items():
-            self.series.setdefault(key, [None] * self.scrapes)[index] = value
+            column = series.get(key)
+            if column is None:  # a new series: its column of scrapes is made once, not at every put
+                column = series[key] = [None] * self.scrapes
+            column[index] = value
 
 
 def _exposed(mon: GRPOMonitor, keep: set[str], clock: float, instance: str) -> dict[str, float]:

@@ -96,7 +96,9 @@ def test_probes_count_host_reads_and_python_data_and_restore_torch() -> None:
 
 def test_minor_faults_count_fresh_pages() -> None:
     before = minor_faults()
-    fresh = bytearray(32 * 2**20)  # 32 MiB, above glibc's mmap threshold: fresh pages, zeroed by the kernel
+    # 64 MiB, above glibc's mmap threshold even where earlier frees raised it (to 32 MiB at most): fresh pages,
+    # zeroed by the kernel (32 MiB could come back from the heap, already touched, after other tests)
+    fresh = bytearray(64 * 2**20)
     fresh[:: 4096] = b"x" * len(range(0, len(fresh), 4096))
     assert minor_faults() - before >= 16  # one per touched 4 KiB page, or per 2 MiB huge page (THP)
     del fresh

@@ -111,8 +111,11 @@ def test_one_field_table_describes_every_input():
     from grpo_exporter.stitching import PASSED_THROUGH, PER_ROW
 
     assert sorted(FIELDS) == sorted(f.name for f in dataclasses.fields(StepInputs))
-    assert set(PER_ROW) == {n for n, s in FIELDS.items() if s.axis in ("row", "token", "row or token")} - {
-        "zero_variance_prob", "all_incorrect_prob"}  # the monitor's own predictions, per rollout
+    per_row = {n for n, s in FIELDS.items() if s.axis in ("row", "token", "row or token")}
+    rollout_only = {"zero_variance_prob", "all_incorrect_prob",  # the monitor's own predictions, per rollout
+                    "turns", "partial"}  # what a multi-turn or asynchronous loop counts, per rollout
+    assert set(PER_ROW) == per_row - rollout_only
+    assert {n for n in per_row if not FIELDS[n].update} == rollout_only
     assert "grad_norm_pre_clip" in PASSED_THROUGH
     assert "step" not in UPDATE_FIELDS
     assert "reward_components" not in UPDATE_FIELDS

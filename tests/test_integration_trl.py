@@ -638,7 +638,8 @@ def test_trls_clip_metric_names_are_in_its_source() -> None:
 
     source = inspect.getsource(grpo_trainer)
     for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "cispo_clip_ratio",
-                 "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
+                 "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean",
+                 "tools/call_frequency", "tools/failure_frequency"):
         assert f'"{name}"' in source or f'"{name.rsplit("/", 1)[0]}/' in source, name
     groups = re.findall(r"self\.loss_type in \[([^\]]+)\]", source)
     known = set(re.findall(r'self\.loss_type == "([a-z_]+)"', source)) | {
@@ -768,3 +769,79 @@ def test_trls_off_policy_sequence_mask_leaves_the_sequences_it_drops_out_of_the_
     said = [r.getMessage() for r in caplog.records if "top_entropy_quantile" in r.getMessage()]
     assert len(said) == 1
     assert "count every completion token" in said[0]
+
+
+def test_trls_tool_counts_are_results_4_and_5_of_its_tool_loop() -> None:
+    """The adapter reads TRL's tool calls and failures from ``_tool_call_loop``'s return value, by position: TRL's
+    own source must return (..., tool_call_count, tool_failure_count, ...) there."""
+    import ast
+    import inspect
+    import textwrap
+
+    from trl import GRPOTrainer
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(GRPOTrainer._tool_call_loop)))
+    loop = tree.body[0]
+    assert isinstance(loop, ast.FunctionDef)
+    nested = {id(n) for d in ast.walk(loop) if d is not loop and isinstance(d, ast.AsyncFunctionDef | ast.FunctionDef)
+              for n in ast.walk(d)}
+    returned = [n.value for n in ast.walk(loop) if isinstance(n, ast.Return) and id(n) not in nested]
+    assert len(returned) == 1
+    assert isinstance(returned[0], ast.Tuple)
+    names = [e.id if isinstance(e, ast.Name) else "" for e in returned[0].elts]
+    assert names[4:6] == ["tool_call_count", "tool_failure_count"], names
+
+
+def test_tool_calls_and_failures_are_taken_as_trl_counts_them(model_dir, tmp_path, monkeypatch) -> None:
+    """A tool-calling run (TRL's ``tools``): the tool calls and failures TRL's loop counts are the monitor's
+    counters, over both generation batches of a step (steps_per_generation=2 below gradient accumulation 4), and
+    TRL's own ``tools/call_frequency`` and ``tools/failure_frequency`` read the same from them."""
+    from trl import GRPOTrainer
+
+    counted: list[tuple[int, int]] = []
+
+    def tool_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        """TRL's loop, its tools run elsewhere: a completion calls one tool per 'two' it says, every third fails."""
+        calls = sum(ids.count(tok_two) for ids in completion_ids)
+        failures = calls // 3
+        counted.append((calls, failures))
+        return ([[1] * len(ids) for ids in completion_ids], completions, completion_ids, logprobs, calls, failures,
+                [[] for _ in completion_ids])
+
+    tok_two = model_dir[1].convert_tokens_to_ids("two")
+    monkeypatch.setattr(GRPOTrainer, "_tool_call_loop", tool_loop)
+    monitor = GRPOMonitor(run="trl-test", group_size=G, port=None, strict=True, close_linger_s=0)
+    try:
+        trainer = build(model_dir, tmp_path, monitor=monitor, config={
+            "steps_per_generation": 2, "gradient_accumulation_steps": 4, "num_iterations": 1, "max_steps": 2,
+            "temperature": 3.0})
+        trainer.tools = [len]  # TRL takes the tool path when it has tools; the loop above stands in for running them
+        trainer.train()
+        found = monitor.metrics()
+    finally:
+        monitor.close()
+    calls, failures = sum(c for c, _ in counted), sum(f for _, f in counted)
+    assert len(counted) == 4  # 2 steps x 2 generation batches
+    assert calls > 0
+    assert failures > 0
+    assert found["grpo_tool_calls_total"] == calls
+    assert found["grpo_tool_call_failures_total"] == failures
+    frequency = _logged(trainer, "tools/call_frequency")  # TRL: one mean per logging step over its generations
+    assert sum(frequency) * 2 * 16 == pytest.approx(calls)  # 16 completions per generation, 2 per step
+    assert found["grpo_completions_total"] == 2 * 2 * 16
+
+
+def test_trls_async_trainer_is_refused_naming_what_is_missing() -> None:
+    """TRL's AsyncGRPOTrainer (trl.experimental) is no GRPOTrainer: none of the methods the adapter wraps runs in
+    it. Mixing the adapter into it fails at class definition naming the trainer and the way to monitor instead,
+    never a trainer that trains unmonitored; any other base is refused too."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from grpo_exporter.integrations.trl import GRPOMonitorMixin
+
+    with pytest.raises(IntegrationError, match=r"AsyncGRPOTrainer is not monitored.*tree-packed.*use_vllm=True"):
+        type("MonitoredAsync", (GRPOMonitorMixin, AsyncGRPOTrainer), {})
+    from transformers import Trainer
+
+    with pytest.raises(IntegrationError, match=r"mix it in before a GRPOTrainer subclass.*transformers"):
+        type("MonitoredPlain", (GRPOMonitorMixin, Trainer), {})

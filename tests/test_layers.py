@@ -113,3 +113,30 @@ def test_the_paths_kept_from_before_the_move_are_the_same_objects() -> None:
     assert old_monitor.GRPOMonitor is monitor.GRPOMonitor
     assert old_config.MonitorConfig is monitor_config.MonitorConfig
     assert old_guard.engine_verdict is guard.engine_verdict
+
+
+def test_a_block_joins_the_stages_it_declares_and_no_list_names_it() -> None:
+    """A metric is the catalogue and one block: the block's ``@produces(stages=...)`` puts it in its stages (no
+    hand-kept list to forget), each layer module's blocks in definition order; an unknown stage is refused."""
+    from grpo_exporter.step import compute
+    from grpo_exporter.step.blocks import reward
+    from grpo_exporter.step.registry import Block, produces
+
+    blocks = [b for module in compute.LAYERS for b in vars(module).values() if isinstance(b, Block)]
+    assert len(blocks) == 21
+    for block in blocks:
+        assert (block in compute.ROLLOUT_BLOCKS) == ("rollout" in block.stages), block.name
+        assert (block in compute.UPDATE_BLOCKS) == ("update" in block.stages), block.name
+    assert compute.ROLLOUT_BLOCKS.index(reward.lengths) < compute.ROLLOUT_BLOCKS.index(reward.agent_loop)
+
+    @produces("grpo_completions_total", stages=("update",))
+    def recount(out, ctx) -> None: ...
+
+    reward.recount = recount  # a block added to a layer module runs in its stage, nothing else edited
+    try:
+        assert compute.stage_blocks("update")[-5] is recount  # after reward.advantages, before samples' blocks
+        assert recount not in compute.stage_blocks("rollout")
+    finally:
+        del reward.recount
+    with pytest.raises(ValueError, match="stages"):
+        produces("grpo_completions_total", stages=("later",))

@@ -92,7 +92,7 @@ def test_only_the_steps_own_host_copy_is_exempt(host_calls, monkeypatch):
     import grpo_exporter.step.compute as stages
     from grpo_exporter.step import produces
 
-    @produces()
+    @produces(stages=("rollout", "update"))
     def syncing(out, ctx):
         float(ctx.x.rewards.sum())
 

@@ -212,6 +212,7 @@ def format_quantile(q: float) -> str:
 GAP_QUANTILES = (0.5, 0.99, 0.999, 1.0)
 RATIO_QUANTILES = (0.0, 0.5, 0.95, 0.99, 1.0)
 LENGTH_QUANTILES = (0.99,)
+TURN_QUANTILES = (0.0, 1.0)
 SOLVE_RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 # Classic buckets of the per-token / per-completion histograms: edges of the exporter's fine histogram (floats
 # with at most 7 mantissa bits, :mod:`grpo_exporter.functional.histogram`), so each count is exact.
@@ -540,6 +541,32 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_truncated_completions_total", C,
         "Completions that hit the maximum length (sample level; kept apart from token-level clip fractions).",
         R, "completions", inputs=("truncated",),
+    ),
+    Metric(
+        "grpo_completion_turns", SU,
+        "Model turns per completion of a multi-turn (agent, tool-calling) rollout: quantiles 0 (min) and 1 (max) "
+        "of the last rollout, _sum/_count cumulative (the mean is rate(_sum) / rate(_count)); verl's "
+        "num_turns/min, max and mean.",
+        R, "turns", inputs=("turns",), quantiles=TURN_QUANTILES,
+    ),
+    Metric(
+        "grpo_tool_calls_total", C,
+        "Tool calls the rollouts' completions made, run or failed. Per completion: over grpo_completions_total "
+        "(TRL's tools/call_frequency, verl's tool_call_counts/mean).",
+        R, "calls", inputs=("tool_calls",),
+    ),
+    Metric(
+        "grpo_tool_call_failures_total", C,
+        "Tool calls that failed (the tool raised, was unknown, or the call was malformed). Over "
+        "grpo_tool_calls_total: TRL's tools/failure_frequency. Failing tools turn into reward the model cannot earn.",
+        R, "failures", inputs=("tool_failures",),
+    ),
+    Metric(
+        "grpo_partial_completions_total", C,
+        "Completions generated over more than one policy version (a partial rollout resumed on newer weights; "
+        "verl fully-async's max_global_steps > min_global_steps). Over grpo_completions_total: verl's "
+        "fully_async/partial/partial_ratio.",
+        R, "completions", inputs=("partial",),
     ),
     # ---- layer 3: how many samples decide this update? --------------------------------------------------
     Metric(

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from grpo_exporter.catalog import GAP_QUANTILES, LENGTH_QUANTILES, RATIO_QUANTILES, SOLVE_RATE_BUCKETS
+from grpo_exporter.catalog import GAP_QUANTILES, LENGTH_QUANTILES, RATIO_QUANTILES, SOLVE_RATE_BUCKETS, metric
 
 AdvantageNorm = Literal["unbiased", "population", "none", "batch"]
 RatioLevel = Literal["token", "sequence"]
@@ -134,13 +134,15 @@ class MetricsConfig(BaseModel):
         return tuple(sorted({1, self.group_size, *self.pass_k}))
 
     def quantiles_of(self, summary: str) -> tuple[float, ...]:
-        """The configured quantiles of a catalogue summary."""
-        return {
+        """The quantiles of a catalogue summary: the configured ones where a setting names them, else the
+        catalogue's own (a new summary needs no setting)."""
+        configured = {
             "grpo_engine_logprob_gap_nats": self.gap_quantiles,
             "grpo_importance_weight": self.ratio_quantiles,
             "grpo_rollout_correction_weight": self.ratio_quantiles,
             "grpo_completion_length_tokens": self.length_quantiles,
-        }[summary]
+        }
+        return configured[summary] if summary in configured else metric(summary).quantiles
 
     def buckets_of(self, histogram: str, default: tuple[float, ...]) -> tuple[float, ...]:
         """The configured bucket bounds of a catalogue histogram (``default``: its catalogue buckets)."""

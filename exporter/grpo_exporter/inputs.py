@@ -24,8 +24,9 @@ class FieldSpec:
     """How one :class:`StepInputs` field is validated and carried.
 
     ``axis``: ``"row"`` (N,), ``"token"`` (N, T), ``"row or token"`` (advantages), ``"scalar"`` (a number or
-    one-element tensor), ``"integer"`` (a Python int), ``"tensors"`` (a sequence of tensors), or ``"other"``
-    (validated on its own: the reward components, ``on_policy``, the value checks). ``kind``: ``"float"``,
+    one-element tensor), ``"integer"`` (a Python int), ``"count"`` (a Python int >= 0 the framework counted on
+    the host), ``"tensors"`` (a sequence of tensors), or ``"other"`` (validated on its own: the reward
+    components, ``on_policy``, the value checks). ``kind``: ``"float"``,
     ``"bool"`` (bool, or 0/1 numbers stored as bool) or ``"int"`` for tensors. ``stitched``: how micro-steps of
     one optimizer step join it (``"rows"`` concatenated along N, ``"last"`` the last given, ``""`` not by the
     stitcher). ``update``: accepted by ``observe_update`` as a keyword."""
@@ -46,6 +47,8 @@ FIELDS: dict[str, FieldSpec] = {
     "truncated": FieldSpec("row", "bool", "rows"),
     "group_ids": FieldSpec("row", "int", "rows", what="an integer tensor"),
     "completion_lengths": FieldSpec("row", "int", "rows", what="an integer tensor"),
+    "turns": FieldSpec("row", "int", update=False, what="an integer tensor"),
+    "partial": FieldSpec("row", "bool", update=False),
     "reward_components": FieldSpec("other", update=False),
     "logprobs": FieldSpec("token", "float", "rows"),
     "old_logprobs": FieldSpec("token", "float", "rows"),
@@ -65,6 +68,8 @@ FIELDS: dict[str, FieldSpec] = {
     "policy_version": FieldSpec("integer", stitched="last"),
     "rollout_policy_version": FieldSpec("integer", stitched="last"),
     "step": FieldSpec("integer", update=False),
+    "tool_calls": FieldSpec("count", update=False),
+    "tool_failures": FieldSpec("count", update=False),
     "grads": FieldSpec("tensors"),
     "params_before": FieldSpec("tensors", update=False),
     "params_after": FieldSpec("tensors", update=False),
@@ -86,6 +91,7 @@ TOKEN_FLOATS = fields_where("token", "float")
 TOKEN_BOOLS = fields_where("token", "bool")
 SCALARS = fields_where("scalar")
 INTEGERS = fields_where("integer")
+COUNTS = fields_where("count")
 
 
 class InputError(ValueError):
@@ -120,6 +126,8 @@ class StepInputs:
     zero_variance_prob: Tensor | None = None
     all_incorrect_prob: Tensor | None = None
     completion_lengths: Tensor | None = None
+    turns: Tensor | None = None
+    partial: Tensor | None = None
     completion_mask: Tensor | None = None
     completion_ids: Tensor | None = None
     loss_mask: Tensor | None = None
@@ -141,6 +149,8 @@ class StepInputs:
     policy_version: int | None = None
     rollout_policy_version: int | None = None
     step: int | None = None
+    tool_calls: int | None = None
+    tool_failures: int | None = None
     value_errors: tuple[tuple[str, Tensor], ...] = ()
 
     def __post_init__(self) -> None:
@@ -310,6 +320,13 @@ class _Validator:
             value = getattr(self.x, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise InputError(name, "a Python int", describe(value))
+        for name in COUNTS:
+            value = getattr(self.x, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise InputError(name, "a Python int >= 0 (a count)", describe(value))
+        calls, failures = self.x.tool_calls, self.x.tool_failures
+        if failures is not None and calls is not None and failures > calls:
+            raise InputError("tool_failures", f"at most tool_calls ({calls})", describe(failures))
 
     def parameters(self) -> None:
         """The sequences of tensors (grads, parameters before and after the update, shape for shape)."""

@@ -260,6 +260,10 @@ def test_a_multi_turn_batch_counts_tool_filled_windows_and_leaves_aborted_sample
     data.batch["response_mask"] = model
     data.batch["token_level_scores"] = scores
     data.non_tensor_batch["acc"] = acc.numpy().astype(bool)
+    turns = np.arange(n) % 3 + 1  # the agent loop's __num_turns__: 1-3 turns, 2 tool calls per extra turn
+    turns[aborted] = 5
+    data.non_tensor_batch["__num_turns__"] = turns.astype(np.int32)
+    data.non_tensor_batch["tool_call_counts"] = (2 * (turns - 1)).astype(np.int32)
     monitor = GRPOMonitor(run="verl-agent", group_size=G, port=None, strict=True, close_linger_s=0)
     observe_dataproto(monitor, data, step=1)
     observe_actor_metrics(monitor, 1, {"actor/grad_norm": 1.0})
@@ -271,6 +275,12 @@ def test_a_multi_turn_batch_counts_tool_filled_windows_and_leaves_aborted_sample
     assert m['grpo_completion_length_tokens_sum{outcome="all"}'] == float(model.sum())  # the model's tokens
     assert m["grpo_loss_mask_length_mismatch_sequences_total"] == 0
     assert m["grpo_loss_mask_outside_completion_tokens_total"] == 0
+    # num_turns/* and tool_call_counts/* as verl's metrics read them, over the completions (the aborted one out)
+    kept = np.delete(turns, aborted)
+    assert m["grpo_completion_turns_count"] == n - 1
+    assert m["grpo_completion_turns_sum"] == kept.sum()
+    assert (m['grpo_completion_turns{quantile="0"}'], m['grpo_completion_turns{quantile="1"}']) == (1, 3)
+    assert m["grpo_tool_calls_total"] == 2 * (kept - 1).sum()
 
 
 def test_the_clip_line_is_read_where_verls_engines_read_it() -> None:
@@ -297,7 +307,7 @@ def test_fully_async_batches_give_the_rollout_staleness() -> None:
     the staleness, past staleness_max_versions a stale update step."""
     data, _ = make_batch(6)
     n = len(data)
-    data.non_tensor_batch["min_global_steps"] = np.array([9] * (n - 1) + [3])
+    data.non_tensor_batch["min_global_steps"] = np.array([10] * (n - 3) + [9, 9, 3])
     data.non_tensor_batch["max_global_steps"] = np.full(n, 10)
     monitor = GRPOMonitor(run="verl-async", group_size=G, port=None, strict=True, close_linger_s=0)
     observe_dataproto(monitor, data, step=5, policy_version=10)
@@ -306,6 +316,7 @@ def test_fully_async_batches_give_the_rollout_staleness() -> None:
     monitor.close()
     assert m["grpo_rollout_staleness_versions"] == 7
     assert m["grpo_stale_update_steps_total"] == 1
+    assert m["grpo_partial_completions_total"] == 3  # begun on older weights, finished on 10: partial rollouts
 
 
 def test_every_verl_metric_the_mapping_names_is_in_verls_source() -> None:
@@ -316,7 +327,8 @@ def test_every_verl_metric_the_mapping_names_is_in_verls_source() -> None:
     import verl
 
     root = Path(verl.__file__).parent
-    sources = {p: p.read_text() for p in (root / "trainer" / "ppo").rglob("*.py")}  # v0 and v1
+    sources = {p: p.read_text() for folder in ("trainer/ppo", "experimental/fully_async_policy")  # v0, v1, async
+               for p in (root / folder).rglob("*.py")}
     text = "\n".join(sources.values())
     for key in VERL_METRICS:
         if key.startswith("rollout_corr/"):

@@ -213,6 +213,9 @@ def test_a_multi_turn_step_with_rejection_sampling_reads_every_model_token(tq: A
     assert m['grpo_completion_length_tokens_sum{outcome="all"}'] == model_tokens
     assert m["grpo_loss_mask_length_mismatch_sequences_total"] == 0
     assert m["grpo_loss_mask_outside_completion_tokens_total"] == 0
+    # the agent loop's num_turns (2 a rollout here), read from the TransferQueue as verl's num_turns/* reads it
+    assert (m["grpo_completion_turns_sum"], m["grpo_completion_turns_count"]) == (2 * 12, 12)
+    assert m['grpo_completion_turns{quantile="1"}'] == 2
 
 
 def test_local_updates_and_stale_rollouts_give_staleness_and_no_engine_gap(tq: Any, caplog) -> None:

@@ -74,7 +74,8 @@ def length_stats(
     completion_lengths: Tensor, members: Sequence[Tensor], quantiles: Sequence[float]
 ) -> LengthStats:
     """Sum, count and quantiles of the completion lengths (tokens) of each ``members`` (N,) bool subset (the
-    outcomes: all, correct, incorrect), in one pass: one histogram stack, one read of its quantiles."""
+    outcomes: all, correct, incorrect), in one pass: one histogram stack, one read of its quantiles. Any
+    non-negative per-completion integer reads alike (the turns of a multi-turn completion)."""
     chosen = torch.stack(list(members))
     lengths = completion_lengths.double()
     totals = torch.where(chosen, lengths, 0.0).sum(dim=1)

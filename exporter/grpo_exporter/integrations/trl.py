@@ -67,6 +67,11 @@ check_signature(
     ("self", "model", "input_ids", "attention_mask", "logits_to_keep"), "trl", TESTED,
 )
 check_signature(GRPOTrainer, "_compute_loss", ("self", "model", "inputs"), "trl", TESTED)
+check_signature(  # returns (..., tool_call_count, tool_failure_count, ...) as results 4 and 5
+    GRPOTrainer, "_tool_call_loop",
+    ("self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields"),
+    "trl", TESTED,
+)
 check_signature(  # a staticmethod: called with TRL's keywords to narrow the loss mask
     GRPOTrainer, "get_off_policy_mask",
     ("advantages", "per_token_logps", "sampling_per_token_logps", "mask", "off_policy_threshold"), "trl", TESTED,
@@ -89,6 +94,10 @@ TRL_METRICS: Mapping[str, tuple[str, str]] = {
     "cispo_clip_ratio": (
         'grpo_clipped_tokens_ratio{bound="upper"}', "loss_type='cispo': A>0 tokens whose weight the cap "
         "truncates; TRL divides by all loss tokens, here by A>0 tokens"),
+    "tools/call_frequency": (
+        "increase(grpo_tool_calls_total[w]) / increase(grpo_completions_total[w])", "same"),
+    "tools/failure_frequency": (
+        "increase(grpo_tool_call_failures_total[w]) / increase(grpo_tool_calls_total[w])", "same"),
     "completions/clipped_ratio": (
         "increase(grpo_truncated_completions_total[w]) / increase(grpo_completions_total[w])", "same"),
     "completions/mean_length": (
@@ -190,6 +199,8 @@ def concatenate_rollouts(batches: Sequence[Mapping[str, Any]], prompt_pad: int =
             out[key] = {name: torch.cat([v[name] for v in values]) for name in values[0] if name in names}
         elif isinstance(values[0], list):
             out[key] = [item for v in values for item in v]
+        elif isinstance(values[0], int):  # counts (tool calls): the step's batches add up
+            out[key] = sum(values)
         elif values[0].dim() == 2:
             width = max(v.shape[1] for v in values)
             left = key == "prompt_tokens"
@@ -252,6 +263,26 @@ class GRPOMonitorMixin(_TrainerBase):
     outcome; the component GRPORewardHackSuspected reads); without it those metrics are absent. A monitor you
     hand in that disagrees with TRL's config on these is reported at start.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a trainer whose loop this mixin cannot read (loud, at class definition), naming what is
+        missing: TRL's ``AsyncGRPOTrainer`` is no ``GRPOTrainer``, none of the methods wrapped here runs in it."""
+        super().__init_subclass__(**kwargs)
+        if issubclass(cls, GRPOTrainer):
+            return
+        bases = ", ".join(f"{b.__module__}.{b.__qualname__}" for b in cls.__mro__[1:] if b not in (object, cls))
+        if any(b.__name__ == "AsyncGRPOTrainer" for b in cls.__mro__):
+            raise IntegrationError(
+                f"{cls.__qualname__}: TRL's AsyncGRPOTrainer is not monitored. Its rollouts come from a vLLM "
+                "server's rollout worker and its loss reads tree-packed segments (compute_loss's token_index and "
+                "segment_id), so none of the GRPOTrainer methods this adapter reads (_generate, "
+                "_generate_and_score_completions, _compute_loss) runs; its old log-probs are the engine's, so no "
+                "engine gap could be read either. Monitor trl.GRPOTrainer with use_vllm=True "
+                "(vllm_mode='server' for a separate engine), or call GRPOMonitor.observe_rollout / observe_update "
+                "from your own loop (docs/integrations.md).")
+        raise IntegrationError(
+            f"{cls.__qualname__}: GRPOMonitorMixin wraps methods of trl.GRPOTrainer; mix it in before a GRPOTrainer "
+            f"subclass (class {cls.__qualname__}(GRPOMonitorMixin, GRPOTrainer)), got the bases {bases}")
 
     def __init__(
         self,
@@ -321,6 +352,7 @@ class GRPOMonitorMixin(_TrainerBase):
         self._grpo_preflight = False  # grpo_exporter.integrations.trl_preflight: observe nothing meanwhile
         self._grpo_rollout_step: int | None = None
         self._grpo_generated: tuple[list[bool], list[int]] | None = None
+        self._grpo_tools: tuple[int, int] | None = None
         self._grpo_rewards: Tensor | None = None
         self._grpo_capture: list[tuple[Tensor, Tensor | None]] | None = None
         self._grpo_warned_no_grad_norm = False
@@ -331,6 +363,7 @@ class GRPOMonitorMixin(_TrainerBase):
     # ---- rollout -----------------------------------------------------------------------------------------
 
     def _generate(self, prompts: list[Any]) -> Any:
+        self._grpo_tools = None
         result = super()._generate(prompts)
         self._grpo_generated = None
         if self.model.training:
@@ -342,6 +375,12 @@ class GRPOMonitorMixin(_TrainerBase):
                     [int(sum(m)) for m in tool_mask] if tool_mask is not None else [len(ids) for ids in completion_ids]
                 )
                 self._grpo_generated = (truncated, lengths)
+        return result
+
+    def _tool_call_loop(self, *args: Any, **kwargs: Any) -> Any:
+        result = super()._tool_call_loop(*args, **kwargs)
+        with self.monitor.contained("rollout", "trl _tool_call_loop"):
+            self._grpo_tools = (int(result[4]), int(result[5]))  # this process's calls and failures (tools/*)
         return result
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
@@ -406,6 +445,8 @@ class GRPOMonitorMixin(_TrainerBase):
             rollout["completion_lengths"] = torch.tensor(lengths, dtype=torch.int64, device=device)
         if self._grpo_rewards is not None:
             rollout.update(self._rewards(self._grpo_rewards[first : first + n].to(device)))
+        if self._grpo_tools is not None:
+            rollout["tool_calls"], rollout["tool_failures"] = self._grpo_tools
         return rollout
 
     def _rewards(self, per_func: Tensor) -> dict[str, Any]:

@@ -20,7 +20,7 @@ driver step):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,15 @@ VERL_METRICS: Mapping[str, tuple[str, str]] = {
         "grpo_completions_total",
         "aborted samples (no response token) are no completion here: left out of every reading and count",
     ),
+    # what the agent loop and the fully-async trainer count themselves (observe_dataproto passes them on)
+    "num_turns/mean": ("rate(grpo_completion_turns_sum[w]) / rate(grpo_completion_turns_count[w])",
+                       "same, over completions (verl's batch also holds aborted samples)"),
+    "num_turns/min": ('grpo_completion_turns{quantile="0"}', "same, over completions"),
+    "num_turns/max": ('grpo_completion_turns{quantile="1"}', "same, over completions"),
+    "tool_call_counts/mean": ("increase(grpo_tool_calls_total[w]) / increase(grpo_completions_total[w])", "same"),
+    "fully_async/partial/total_partial_num": ("increase(grpo_partial_completions_total[w])", "same"),
+    "fully_async/partial/partial_ratio": (
+        "increase(grpo_partial_completions_total[w]) / increase(grpo_completions_total[w])", "same"),
 }
 
 
@@ -182,6 +191,7 @@ def observe_dataproto(
         }
         if components:
             rollout["reward_components"] = components
+        rollout |= _agent_loop_counts(extra, take_extra, device)
         monitor.observe_rollout(step, **rollout)
         more: dict[str, Any] = {}
         started = take_extra("min_global_steps") if "min_global_steps" in extra else ()
@@ -193,6 +203,23 @@ def observe_dataproto(
             more["group_ids"] = id_tensor("group_ids", extra["uid"], device)
         observe_rollout_time_update(monitor, step, loss_all, _tensor(batch, "advantages"), old_all,
                                     _tensor(batch, "ref_log_prob"), entropy, more)
+
+
+def _agent_loop_counts(extra: Mapping[str, Any], take_extra: Callable[[str], Any], device: torch.device
+                       ) -> dict[str, Any]:
+    """What verl's loops count per trajectory, as ``observe_rollout`` keywords: the agent loop's
+    ``__num_turns__`` (``num_turns/*``), ``tool_call_counts`` where a tool agent writes them
+    (``tool_call_counts/*``), and partial rollouts: trajectories whose ``max_global_steps`` differs from their
+    ``min_global_steps`` (fully-async's ``partial/partial_ratio``)."""
+    counts: dict[str, Any] = {}
+    if "__num_turns__" in extra:
+        counts["turns"] = torch.as_tensor(take_extra("__num_turns__").astype("int64"), device=device)
+    if "tool_call_counts" in extra:
+        counts["tool_calls"] = int(take_extra("tool_call_counts").astype("int64").sum())
+    if "min_global_steps" in extra and "max_global_steps" in extra:
+        started, ended = take_extra("min_global_steps"), take_extra("max_global_steps")
+        counts["partial"] = torch.as_tensor((ended != started).astype(bool), device=device)
+    return counts
 
 
 def _kept(t: Tensor | None) -> Tensor:

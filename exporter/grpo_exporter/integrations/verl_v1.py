@@ -36,7 +36,7 @@ from grpo_exporter.runtime.monitor import GRPOMonitor
 
 #: the TransferQueue fields read once per global step (absent ones are skipped by the TransferQueue)
 FIELDS = ("uid", "index", "prompts", "responses", "response_mask", "rm_scores", "old_log_probs",
-          "rollout_log_probs", "ref_log_prob", "advantages", "entropy", "extra_fields")
+          "rollout_log_probs", "ref_log_prob", "advantages", "entropy", "extra_fields", "num_turns")
 
 
 def _rows(data: Any, name: str) -> list[Any]:
@@ -94,6 +94,9 @@ def observe_tq_batch(
         for key in ([correct_key] if correct_key else []) + list(component_keys):
             if infos and all(key in info for info in infos):
                 non_tensors[key] = np.array([float(info[key]) for info in infos])
+        turns = _rows(data, "num_turns")
+        if turns:  # the agent loop's count, under v0's name (verl's own num_turns/* metrics do the same)
+            non_tensors["__num_turns__"] = np.array([int(t) for t in turns], dtype=np.int64)
         for name in ("min_global_steps", "max_global_steps"):  # staleness, and whether the engine gap is readable
             versions = [tag.get(name) for tag in tags]
             if all(v is not None for v in versions):

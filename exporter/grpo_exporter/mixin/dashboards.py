@@ -209,6 +209,17 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   (q("run:grpo_truncated_completions:window_ratio"),
                    q("run:grpo_truncated_completions:baseline_ratio", "baseline {{run}}")),
                   "percentunit", thresholds=((c.truncation_surge_floor, "orange"),), min=0),
+        PanelSpec("How many turns and tool calls does a completion take?",
+                  "Multi-turn loops, as the framework counts them: mean and max model turns per completion, tool calls per completion (TRL's tools/call_frequency, verl's num_turns/*).",
+                  (q(f"sum by (run) (rate(grpo_completion_turns_sum{{{SEL}}}[{W}])) / sum by (run) (rate(grpo_completion_turns_count{{{SEL}}}[{W}]))", "turns {{run}}"),
+                   q(f'max by (run) (grpo_completion_turns{{quantile="1",{SEL}}})', "max turns {{run}}"),
+                   q(f"sum by (run) (increase(grpo_tool_calls_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "tool calls {{run}}")),
+                  "none", min=0),
+        PanelSpec("Do tools fail, and do completions span a weight update?",
+                  "Failed share of tool calls (reward the model cannot earn), and completions generated over more than one policy version (partial rollouts resumed on newer weights).",
+                  (q(f"sum by (run) (increase(grpo_tool_call_failures_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_tool_calls_total{{{SEL}}}[{W}]))", "tool failures {{run}}"),
+                   q(f"sum by (run) (increase(grpo_partial_completions_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "partial {{run}}")),
+                  "percentunit", min=0),
     ))
     layer3 = RowSpec("3 · How many samples decide this update?", (
         PanelSpec("How stale are the rollouts?", "Policy versions between the trainer and the rollouts it learns from.",

@@ -190,13 +190,19 @@ class GRPOMonitor:
         completion_mask: Tensor | None = None,
         prompt_ids: Tensor | Sequence[Any] | None = None,
         prompt_tokens: Tensor | None = None,
+        turns: Tensor | None = None,
+        partial: Tensor | None = None,
+        tool_calls: int | None = None,
+        tool_failures: int | None = None,
     ) -> None:
         """Rollout-level metrics, once per rollout batch (one host transfer).
 
         ``group_ids`` and ``prompt_ids`` may be integer tensors or sequences of strings or integers (verl's
         ``uid``, prompt text): strings are hashed stably (:mod:`grpo_exporter.ids`), a host-to-device copy of N
         integers. ``prompt_tokens`` (N, S) prompt token ids are read only by the flight recorder
-        (``recorder_dir``), for its rows."""
+        (``recorder_dir``), for its rows. Multi-turn and asynchronous loops add what they count themselves:
+        ``turns`` (N,) model turns per completion, ``partial`` (N,) completions generated over more than one
+        policy version, ``tool_calls`` and ``tool_failures`` this batch's tool calls and failed ones (ints)."""
         step = self._check_call("observe_rollout", step)
         violations: list[guard.Violation] = []
         with self._stage("rollout"):
@@ -217,7 +223,8 @@ class GRPOMonitor:
                     rewards=rewards, group_ids=group_ids, correct=correct, truncated=truncated,
                     reward_components=components, rollout_logprobs=rollout_logprobs,
                     old_logprobs=old_logprobs, loss_mask=loss_mask, completion_lengths=completion_lengths,
-                    completion_ids=completion_ids, completion_mask=completion_mask,
+                    completion_ids=completion_ids, completion_mask=completion_mask, turns=turns, partial=partial,
+                    tool_calls=tool_calls, tool_failures=tool_failures,
                 )
                 inputs, prediction, carry = self._state.predict_zero_variance(inputs, prompt_ids)
                 carry |= edit_distance_carry(inputs, self.config.edit_distance_groups, self.config.group_size)

@@ -80,34 +80,21 @@ def compute_step_carrying(
     return StepResult(metrics, carried, out.errors, families)
 
 
+#: the layers' block modules, in the order their blocks run and lay out the transfer (each module's blocks in
+#: definition order): a block joins a stage by its ``produces(stages=...)`` declaration alone
+LAYERS = (gradient, reward, samples, diversity)
+
+
+def stage_blocks(stage: str) -> tuple[Block, ...]:
+    """The blocks declared for ``stage`` (:data:`~grpo_exporter.step.registry.STAGES`), layer by layer."""
+    return tuple(block for module in LAYERS for block in vars(module).values()
+                 if isinstance(block, Block) and stage in block.stages)
+
+
 # Rollout-level metrics: once per rollout batch (groups, rewards, outcomes, lengths, engine vs trainer).
-ROLLOUT_BLOCKS: tuple[Block, ...] = (
-    gradient.nonfinite_inputs,
-    gradient.engine_gap,
-    gradient.engine_mismatch,
-    gradient.mask_audit,
-    reward.completions,
-    reward.rewards,
-    reward.lengths,
-    samples.zero_variance,
-    samples.solve_rates,
-    diversity.pass_at_k,
-    diversity.distinct_completions,
-)
+ROLLOUT_BLOCKS: tuple[Block, ...] = stage_blocks("rollout")
 # Update-level metrics: per optimizer step (the ratio, the loss mask actually trained on, advantages, grads).
-UPDATE_BLOCKS: tuple[Block, ...] = (
-    gradient.nonfinite_inputs,
-    gradient.log_ratio_checks,
-    gradient.mask_audit,
-    gradient.kl,
-    gradient.grad_norms,
-    gradient.update_size,
-    reward.advantages,
-    samples.advantage_signs,
-    samples.importance_weights,
-    samples.clipping,
-    diversity.entropy,
-)
+UPDATE_BLOCKS: tuple[Block, ...] = stage_blocks("update")
 # the audit runs where the loss mask and completion lengths meet: the update's mask, else the rollout's
 MASK_AUDIT_FAMILIES: tuple[str, ...] = gradient.mask_audit.families
 BLOCKS: tuple[Block, ...] = (*ROLLOUT_BLOCKS, *(b for b in UPDATE_BLOCKS if b not in ROLLOUT_BLOCKS))

@@ -2,9 +2,10 @@
 
 A block is a function of the step's :class:`~grpo_exporter.step.gather.Gather` (where it adds readings) and
 :class:`~grpo_exporter.step.context.Context` (the inputs and what several blocks share), declared with
-:func:`produces`: the catalogue families it may add, and the ``tensor`` labels of the non-finite counter it
-owns. The stage layout of the rank merge is built from these declarations, and a block that raises drops
-exactly these samples, on every rank (see :attr:`grpo_exporter.ranks.layout.Slot.tags`).
+:func:`produces`: the catalogue families it may add, the stages it runs at, and the ``tensor`` labels of the
+non-finite counter it owns. The stages' block lists and the stage layout of the rank merge are built from these
+declarations, and a block that raises drops exactly these samples, on every rank (see
+:attr:`grpo_exporter.ranks.layout.Slot.tags`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ NONFINITE = "grpo_nonfinite_values_total"
 class Block:
     """One metric block: ``compute`` adds its readings; ``families`` the catalogue families it may add (the
     non-finite counter's when it owns labels of it); ``tags`` what fails with it (its families, and
-    ``grpo_nonfinite_values_total/<tensor>`` per label it owns)."""
+    ``grpo_nonfinite_values_total/<tensor>`` per label it owns); ``stages`` the stages it runs at
+    (:data:`STAGES`)."""
 
     compute: Callable[[Gather, Context], None]
     families: tuple[str, ...]
     tags: tuple[str, ...]
+    stages: tuple[str, ...]
 
     @property
     def name(self) -> str:
@@ -41,9 +44,19 @@ class Block:
         self.compute(out, ctx)
 
 
-def produces(*families: str, nonfinite: tuple[str, ...] = ()) -> Callable[[Callable[[Gather, Context], None]], Block]:
-    """Declare a block: the catalogue families it may add, and the ``tensor`` labels of the non-finite counter it
-    owns (several blocks share that family). Every name is checked against the catalogue at import."""
+#: the step's stages: once per rollout batch, once per optimizer step
+STAGES = ("rollout", "update")
+
+
+def produces(
+    *families: str, stages: tuple[str, ...], nonfinite: tuple[str, ...] = ()
+) -> Callable[[Callable[[Gather, Context], None]], Block]:
+    """Declare a block: the catalogue families it may add, the stages it runs at (it joins them by this
+    declaration alone), and the ``tensor`` labels of the non-finite counter it owns (several blocks share that
+    family). Every name is checked against the catalogue at import."""
+    unknown = set(stages) - set(STAGES)
+    if not stages or unknown:
+        raise ValueError(f"produces(stages=...): expected some of {STAGES}, got {stages!r}")
 
     def declare(compute: Callable[[Gather, Context], None]) -> Block:
         for name in families:
@@ -51,7 +64,7 @@ def produces(*families: str, nonfinite: tuple[str, ...] = ()) -> Callable[[Calla
         for tensor in nonfinite:
             catalog.metric(NONFINITE).key(tensor=tensor)
         return Block(compute, (*families, *((NONFINITE,) if nonfinite else ())),
-                     (*families, *(f"{NONFINITE}/{t}" for t in nonfinite)))
+                     (*families, *(f"{NONFINITE}/{t}" for t in nonfinite)), tuple(stages))
 
     return declare
 

@@ -12,7 +12,7 @@ from grpo_exporter.step.pack import scalar
 from grpo_exporter.step.registry import produces
 
 
-@produces("grpo_entropy_mean_nats", "grpo_entropy_top_mean_nats", "grpo_token_entropy_nats")
+@produces("grpo_entropy_mean_nats", "grpo_entropy_top_mean_nats", "grpo_token_entropy_nats", stages=("update",))
 def entropy(out: Gather, ctx: Context) -> None:
     x = ctx.x
     if x.loss_mask is not None and x.entropy is not None:
@@ -27,14 +27,14 @@ def entropy(out: Gather, ctx: Context) -> None:
         out.add("grpo_entropy_mean_nats", fraction(torch.where(ok, mean, 0.0), ok.double()))
 
 
-@produces("grpo_pass_at_k_ratio")
+@produces("grpo_pass_at_k_ratio", stages=("rollout",))
 def pass_at_k(out: Gather, ctx: Context) -> None:
     if ctx.x.correct is not None and ctx.groups is not None:
         ks = ctx.cfg.pass_ks
         out.each("grpo_pass_at_k_ratio", diversity.pass_at_ks(ctx.x.correct, ctx.groups, ks), "k", [str(k) for k in ks])
 
 
-@produces("grpo_unique_completions_ratio")
+@produces("grpo_unique_completions_ratio", stages=("rollout",))
 def distinct_completions(out: Gather, ctx: Context) -> None:
     x = ctx.x
     if x.completion_ids is None or ctx.groups is None:

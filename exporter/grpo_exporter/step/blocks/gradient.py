@@ -19,7 +19,7 @@ from grpo_exporter.step.registry import produces
 
 @produces("grpo_rollout_unscored_tokens_total",
           nonfinite=("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "advantages",
-                     "rewards", "reward_components", "loss"))
+                     "rewards", "reward_components", "loss"), stages=("rollout", "update"))
 def nonfinite_inputs(out: Gather, ctx: Context) -> None:
     x, mask = ctx.x, ctx.x.loss_mask
     if mask is not None:
@@ -48,7 +48,8 @@ def nonfinite_inputs(out: Gather, ctx: Context) -> None:
         out.add("grpo_nonfinite_values_total", 0.0 if math.isfinite(x.loss) else 1.0, tensor="loss")
 
 
-@produces("grpo_engine_logprob_gap_nats", "grpo_token_engine_logprob_gap_nats", "grpo_engine_logprob_gap_mean_nats")
+@produces("grpo_engine_logprob_gap_nats", "grpo_token_engine_logprob_gap_nats", "grpo_engine_logprob_gap_mean_nats",
+          stages=("rollout",))
 def engine_gap(out: Gather, ctx: Context) -> None:
     x, cfg = ctx.x, ctx.cfg
     difference = ctx.gap_difference
@@ -64,8 +65,7 @@ def engine_gap(out: Gather, ctx: Context) -> None:
     "grpo_mismatch_kl_nats", "grpo_mismatch_chi_square", "grpo_mismatch_log_ppl_diff_nats",
     "grpo_mismatch_ppl_multiple", "grpo_rollout_correction_weight", "grpo_token_rollout_correction_weight",
     "grpo_sequence_rollout_correction_weight", "grpo_rollout_correction_capped_tokens_total",
-    "grpo_rollout_correction_capped_sequences_total", "grpo_rollout_correction_capped_ratio",
-)
+    "grpo_rollout_correction_capped_sequences_total", "grpo_rollout_correction_capped_ratio", stages=("rollout",))
 def engine_mismatch(out: Gather, ctx: Context) -> None:
     """What tells engine noise from a systematic engine fault (:mod:`grpo_exporter.functional.mismatch`)."""
     x, cfg = ctx.x, ctx.cfg
@@ -99,8 +99,7 @@ def engine_mismatch(out: Gather, ctx: Context) -> None:
     "grpo_onpolicy_log_ratio_abs_max_nats",
     "grpo_log_ratio_clamp_hit_tokens_total",
     "grpo_log_ratio_clamp_hit_ratio",
-    nonfinite=("log_ratio", "ratio"),
-)
+    nonfinite=("log_ratio", "ratio"), stages=("update",))
 def log_ratio_checks(out: Gather, ctx: Context) -> None:
     log_ratio, cfg = ctx.log_ratio, ctx.cfg
     if log_ratio is None:
@@ -126,8 +125,7 @@ def log_ratio_checks(out: Gather, ctx: Context) -> None:
 @produces(
     "grpo_loss_mask_length_mismatch_sequences_total",
     "grpo_loss_mask_empty_sequences_total",
-    "grpo_loss_mask_outside_completion_tokens_total",
-)
+    "grpo_loss_mask_outside_completion_tokens_total", stages=("rollout", "update"))
 def mask_audit(out: Gather, ctx: Context) -> None:
     x = ctx.x
     if x.loss_mask is not None and x.completion_lengths is not None:
@@ -137,7 +135,7 @@ def mask_audit(out: Gather, ctx: Context) -> None:
         out.add("grpo_loss_mask_outside_completion_tokens_total", audit.outside_completion)
 
 
-@produces("grpo_kl_ref_nats")
+@produces("grpo_kl_ref_nats", stages=("update",))
 def kl(out: Gather, ctx: Context) -> None:
     d = ctx.kl_difference
     if d is not None:
@@ -149,8 +147,7 @@ def kl(out: Gather, ctx: Context) -> None:
     "grpo_grad_norm_pre_clip",
     "grpo_grad_norm_post_clip",
     "grpo_grad_clip_active_steps_total",
-    nonfinite=("grad_norm",),
-)
+    nonfinite=("grad_norm",), stages=("update",))
 def grad_norms(out: Gather, ctx: Context) -> None:
     x = ctx.x
     pre = x.grad_norm_pre_clip
@@ -173,7 +170,7 @@ def grad_norms(out: Gather, ctx: Context) -> None:
         out.add("grpo_grad_clip_active_steps_total", above.to(torch.int64))
 
 
-@produces("grpo_param_relative_update", "grpo_rollout_staleness_versions")
+@produces("grpo_param_relative_update", "grpo_rollout_staleness_versions", stages=("update",))
 def update_size(out: Gather, ctx: Context) -> None:
     x = ctx.x
     if x.params_before is not None and x.params_after is not None:

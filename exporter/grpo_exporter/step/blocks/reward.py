@@ -14,13 +14,13 @@ from grpo_exporter.step.pack import Element
 from grpo_exporter.step.registry import produces
 
 
-@produces("grpo_completions_total")
+@produces("grpo_completions_total", stages=("rollout",))
 def completions(out: Gather, ctx: Context) -> None:
     if ctx.x.rewards is not None:
         out.add("grpo_completions_total", float(ctx.x.rewards.shape[0]))
 
 
-@produces("grpo_reward_mean", "grpo_reward_group_std_mean", "grpo_reward_group_range_mean")
+@produces("grpo_reward_mean", "grpo_reward_group_std_mean", "grpo_reward_group_range_mean", stages=("rollout",))
 def rewards(out: Gather, ctx: Context) -> None:
     x, groups = ctx.x, ctx.groups
     if groups is None or (x.rewards is None and not x.reward_components):
@@ -34,7 +34,8 @@ def rewards(out: Gather, ctx: Context) -> None:
         out.add("grpo_reward_group_range_mean", stats.group_range_mean, component=component)
 
 
-@produces("grpo_advantage_abs_max", "grpo_advantage_over_bound_sequences_total", "grpo_advantage_bound")
+@produces("grpo_advantage_abs_max", "grpo_advantage_over_bound_sequences_total", "grpo_advantage_bound",
+          stages=("update",))
 def advantages(out: Gather, ctx: Context) -> None:
     x, groups, cfg = ctx.x, ctx.groups, ctx.cfg
     if x.advantages is None or groups is None:
@@ -48,7 +49,7 @@ def advantages(out: Gather, ctx: Context) -> None:
 
 
 @produces("grpo_completion_length_tokens", "grpo_completion_length_distribution_tokens",
-          "grpo_truncated_completions_total")
+          "grpo_truncated_completions_total", stages=("rollout",))
 def lengths(out: Gather, ctx: Context) -> None:
     x, qs = ctx.x, ctx.cfg.length_quantiles
     if x.completion_lengths is not None:
@@ -63,3 +64,22 @@ def lengths(out: Gather, ctx: Context) -> None:
             out.histogram("grpo_completion_length_distribution_tokens", stats.quantiles[i], total, outcome=outcome)
     if x.truncated is not None:
         out.add("grpo_truncated_completions_total", x.truncated.sum())
+
+
+@produces("grpo_completion_turns", "grpo_tool_calls_total", "grpo_tool_call_failures_total",
+          "grpo_partial_completions_total", stages=("rollout",))
+def agent_loop(out: Gather, ctx: Context) -> None:
+    """What multi-turn and asynchronous loops count for themselves (verl's ``num_turns/*``, TRL's ``tools/*``,
+    verl fully-async's ``partial/*``), taken as counted: turns per completion, tool calls and their failures,
+    completions spanning a weight update."""
+    x = ctx.x
+    if x.turns is not None:
+        qs = ctx.cfg.quantiles_of("grpo_completion_turns")
+        stats = reward.length_stats(x.turns, [torch.ones_like(x.turns, dtype=torch.bool)], qs)
+        out.summary("grpo_completion_turns", Element(stats.totals, 0), Element(stats.counts, 0), stats.quantiles[0], qs)
+    if x.tool_calls is not None:
+        out.add("grpo_tool_calls_total", float(x.tool_calls))
+    if x.tool_failures is not None:
+        out.add("grpo_tool_call_failures_total", float(x.tool_failures))
+    if x.partial is not None:
+        out.add("grpo_partial_completions_total", x.partial.sum())

@@ -15,7 +15,7 @@ from grpo_exporter.step.pack import Element
 from grpo_exporter.step.registry import produces
 
 
-@produces("grpo_update_tokens_total", "grpo_zero_advantage_tokens_ratio")
+@produces("grpo_update_tokens_total", "grpo_zero_advantage_tokens_ratio", stages=("update",))
 def advantage_signs(out: Gather, ctx: Context) -> None:
     mask, advantages = ctx.x.loss_mask, ctx.x.advantages
     if mask is None or advantages is None:
@@ -27,7 +27,7 @@ def advantage_signs(out: Gather, ctx: Context) -> None:
     out.add("grpo_zero_advantage_tokens_ratio", fraction(signs.zero, total))
 
 
-@produces("grpo_ess_ratio", "grpo_importance_weight", "grpo_token_importance_weight")
+@produces("grpo_ess_ratio", "grpo_importance_weight", "grpo_token_importance_weight", stages=("update",))
 def importance_weights(out: Gather, ctx: Context) -> None:
     if ctx.log_ratio is None:
         return
@@ -45,8 +45,7 @@ def importance_weights(out: Gather, ctx: Context) -> None:
     "grpo_clipped_tokens_total",
     "grpo_out_of_range_unclipped_tokens_total",
     "grpo_clipped_tokens_ratio",
-    "grpo_upper_clip_reachable_tokens_total",
-)
+    "grpo_upper_clip_reachable_tokens_total", stages=("update",))
 def clipping(out: Gather, ctx: Context) -> None:
     """The clip counts of the loss's own clip: PPO's two bounds, a cap's upper one only (CISPO), none without a
     hard clip (SAPO, VESPO); of the sequence-level ratio under GSPO, whose reach is judged by each row's mean
@@ -76,8 +75,7 @@ def clipping(out: Gather, ctx: Context) -> None:
     "grpo_zero_variance_groups_total",
     "grpo_zero_variance_groups_ratio",
     "grpo_zero_variance_groups_expected_ratio",
-    "grpo_all_incorrect_groups_expected_ratio",
-)
+    "grpo_all_incorrect_groups_expected_ratio", stages=("rollout",))
 def zero_variance(out: Gather, ctx: Context) -> None:
     x, groups = ctx.x, ctx.groups
     if groups is None:
@@ -97,7 +95,7 @@ def zero_variance(out: Gather, ctx: Context) -> None:
                                                                                              groups))
 
 
-@produces("grpo_mixed_group_solve_rate_ratio")
+@produces("grpo_mixed_group_solve_rate_ratio", stages=("rollout",))
 def solve_rates(out: Gather, ctx: Context) -> None:
     x, groups, buckets = ctx.x, ctx.groups, ctx.cfg.solve_rate_buckets
     if x.correct is None or groups is None:
