@@ -8,17 +8,18 @@ bound after it. Healthy runs, a normal end, the gap between two runs and one noi
 At 2 min and 10 min steps a fleet of seventeen runs, one fault each, makes every alert fire for its run
 (rules/tests/*.test.yml checks every alert just before and after its `for` at 1-minute steps).
 
-The replays the selected tests read run first, two at a time (the ``outcomes`` fixture). The scenarios of one
-cadence are replayed side by side, CASES_PER_REPLAY to a promtool run, each on its own runs and targets (the
-rules are per run; promtool's cost is mostly evaluations x rules); each test asserts the expectations of its
-own scenario, read from its own runs.
+The replays the selected tests read start when collection ends, in the suite's background lane
+(tests/batch_lane.py), two at a time; these tests run last and read them (the ``outcomes`` fixture). The
+scenarios of one cadence are replayed side by side, CASES_PER_REPLAY to a promtool run, each on its own runs and
+targets (the rules are per run; promtool's cost is mostly evaluations x rules); each test asserts the
+expectations of its own scenario, read from its own runs.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
-from concurrent.futures import Future, ProcessPoolExecutor
+import tempfile
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+import batch_lane
 from grpo_exporter.mixin.config import MixinConfig
 from replay import (
     SCRAPE_S,
@@ -363,13 +365,21 @@ def _run(key: str, folder: str) -> subprocess.CompletedProcess[str] | dict[str, 
     return _a_day(path) if kind == "day" else _shorter_step(path)
 
 
+def _run_in_temp(key: str) -> subprocess.CompletedProcess[str] | dict[str, list[str]]:
+    with tempfile.TemporaryDirectory(prefix=f"grpo-cadence-{key.replace('/', '-')}-") as folder:
+        return _run(key, folder)
+
+
+def start_in_background(items: list[pytest.Item]) -> dict[str, Future[Any]]:
+    """Every replay the selected tests of this module read, in the suite's background lane (tests/batch_lane.py:
+    two at a time, one per core of the CI machine, at the lowest priority), the longest first. conftest.py
+    calls it after collection; the ``outcomes`` fixture asks again (each replay is submitted once). An error in
+    one replay is raised by its own test."""
+    keys = sorted({k for item in items if (k := _key(item)) is not None}, key=_cost, reverse=True)
+    return {k: batch_lane.submit(f"cadence/{k}", _run_in_temp, k) for k in keys}
+
+
 @pytest.fixture(scope="module")
-def outcomes(request: pytest.FixtureRequest,
-             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Any]]:
-    """Every replay the selected tests of this module read, run two at a time (one per core of the CI machine:
-    a replay is one Python process, then promtool), the longest first; all done when it returns (an error in
-    one replay is raised by its own test)."""
-    keys = sorted({k for item in request.session.items if item.module is request.module
-                   and (k := _key(item)) is not None}, key=_cost, reverse=True)
-    with ProcessPoolExecutor(min(2, os.cpu_count() or 1)) as pool:
-        return {k: pool.submit(_run, k, str(tmp_path_factory.mktemp(k.replace("/", "-")))) for k in keys}
+def outcomes(request: pytest.FixtureRequest) -> dict[str, Future[Any]]:
+    """The replays this module's selected tests read (started in the background lane when collection ended)."""
+    return start_in_background([item for item in request.session.items if item.module is request.module])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,36 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PYTHON = ROOT / ".venv-frameworks" / "bin" / "python"
 CHECKS = {"verl": 12, "verl_v1": 6, "openrlhf": 7}
+# scripts/test.sh makes the virtualenv in the background: the set-up's pid while it runs, its exit code, its output
+PENDING, STATUS, LOG = (ROOT / f".venv-frameworks.{end}" for end in ("pending", "status", "log"))
+SETUP_WAIT_S = 1200
+
+
+def _log_tail() -> str:
+    return LOG.read_text(errors="replace")[-3000:] if LOG.exists() else "(no .venv-frameworks.log)"
+
+
+@pytest.fixture(scope="module")
+def frameworks_venv() -> Path:
+    """The frameworks' virtualenv, once scripts/test.sh's background set-up is done (at once when none runs)."""
+    deadline = time.monotonic() + SETUP_WAIT_S
+    while PENDING.exists() and time.monotonic() < deadline:
+        pid = PENDING.read_text().strip()
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():  # Linux, as the set-up scripts
+            pytest.fail(f"scripts/setup-frameworks.sh (pid {pid}) ended without a status:\n{_log_tail()}")
+        time.sleep(1.0)
+    assert not PENDING.exists(), f"scripts/setup-frameworks.sh still runs after {SETUP_WAIT_S} s:\n{_log_tail()}"
+    if STATUS.exists():
+        code = STATUS.read_text().strip()
+        assert code == "0", f"scripts/setup-frameworks.sh failed (exit {code}):\n{_log_tail()}"
+    assert VENV_PYTHON.exists(), "no .venv-frameworks: run `bash scripts/setup-frameworks.sh` (scripts/test.sh does)"
+    return VENV_PYTHON
 
 
 @pytest.mark.parametrize("framework", sorted(CHECKS))
-def test_adapter_on_the_real_framework(framework: str) -> None:
-    assert VENV_PYTHON.exists(), "no .venv-frameworks: run `bash scripts/setup-frameworks.sh` (scripts/test.sh does)"
+def test_adapter_on_the_real_framework(framework: str, frameworks_venv: Path) -> None:
     done = subprocess.run(
-        [str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--confcutdir=tests/frameworks",
+        [str(frameworks_venv), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--confcutdir=tests/frameworks",
          f"tests/frameworks/check_{framework}.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )

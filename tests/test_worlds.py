@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
+import batch_lane
 from grpo_exporter.demo.worlds import (
     CADENCES,
     FAMILIES,
@@ -25,7 +26,7 @@ from grpo_exporter.demo.worlds import (
     world,
 )
 from grpo_exporter.mixin.config import MixinConfig
-from worlds import Replayed, alert_labels, pages, sweep, table, verdict
+from worlds import Replayed, _job, alert_labels, pages, submit_sweep, sweep, table, verdict
 
 CI_WORLDS = 24
 CONTROL = world(24)  # a loss mask over the padding from half-way: layer 1, GRPOLossMaskMismatch
@@ -40,6 +41,19 @@ SECOND_PATH = replace(world(40), trainer="bf16", old_logprob_rows=1)
 COLLAPSING = collapse_world(9)
 FAULTS = {CONTROL.name: ("mask_covers_padding", True), SECOND_PATH.name: ("old_logprob_temperature", 0.8)}
 KNOWN_FAILURES: dict[str, dict[str, int]] = {}
+SAMPLE = [*(world(i) for i in range(CI_WORLDS)), CONTROL, BATCH_VARIANT, SECOND_PATH, COLLAPSING]
+
+
+def _in_lane(name: str, job: tuple) -> object:
+    """A world's training in the suite's background lane (tests/batch_lane.py), once per world."""
+    return batch_lane.submit(f"worlds/{name}", _job, job)
+
+
+def start_in_background(items: list) -> None:
+    """conftest.py, after collection: the sample's worlds start training in the background lane."""
+    if any(getattr(item, "originalname", "") == "test_healthy_worlds_page_nothing_and_collapsing_ones_only_layer_4"
+           for item in items):
+        submit_sweep(SAMPLE, FAULTS, _in_lane)
 
 
 def test_the_sample_covers_every_axis():
@@ -69,8 +83,7 @@ def test_the_verdict_allows_layer_4_on_a_collapsing_world_and_nothing_else():
 
 
 def test_healthy_worlds_page_nothing_and_collapsing_ones_only_layer_4(capsys):
-    results = sweep([*(world(i) for i in range(CI_WORLDS)), CONTROL, BATCH_VARIANT, SECOND_PATH, COLLAPSING],
-                    faults=FAULTS)
+    results = sweep(SAMPLE, faults=FAULTS, submit=_in_lane)
     labels = alert_labels(MixinConfig())
     with capsys.disabled():
         print("\n" + table(results, labels))

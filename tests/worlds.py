@@ -13,14 +13,15 @@ process per core) and writes the table; tests/test_worlds.py runs a fixed sample
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,24 +150,22 @@ def alert_labels(mixin: MixinConfig) -> dict[str, dict[str, str]]:
             for g in yaml.safe_load(doc)["groups"] for r in g["rules"] if "alert" in r}
 
 
+#: how a sweep hands a world's training to a pool: (the world's name, :func:`_job`'s argument) -> its future
+Submit = Callable[[str, tuple[World, set[str], int, Fault | None]], Future]
+
+
 def sweep(worlds: Sequence[World], faults: dict[str, Fault] | None = None, processes: int | None = None,
-          folder: Path | None = None) -> list[Replayed]:
+          folder: Path | None = None, submit: Submit | None = None) -> list[Replayed]:
     """Train and replay ``worlds`` (``faults``: world name -> a demo Faults switch and the value it takes
-    half-way), one promtool run per cadence and PROMTOOL_WORLDS worlds; returns each world with what fired."""
+    half-way), one promtool run per cadence and PROMTOOL_WORLDS worlds; returns each world with what fired.
+    ``submit``: where each world trains (default: a pool of ``processes``, one per core)."""
     faults = faults or {}
     out: list[Replayed] = []
-    with ProcessPoolExecutor(processes or min(len(worlds), os.cpu_count() or 1)) as pool:
-        by_cadence = {c: [w for w in worlds if w.cadence == c] for c in CADENCES}
-        batches = []
-        for cadence, group in by_cadence.items():
-            mixin = MixinConfig(step_seconds=CADENCES[cadence])
-            keep = rule_metric_names(mixin)
-            for i in range(0, len(group), PROMTOOL_WORLDS):
-                chunk = group[i : i + PROMTOOL_WORLDS]
-                scrapes = _scrapes(cadence, chunk)
-                batches.append((mixin, scrapes,
-                                [pool.submit(_job, (w, keep, scrapes, faults.get(w.name))) for w in chunk]))
-        for mixin, scrapes, jobs in batches:
+    with contextlib.ExitStack() as owned:
+        if submit is None:
+            pool = owned.enter_context(ProcessPoolExecutor(processes or min(len(worlds), os.cpu_count() or 1)))
+            submit = lambda _, job: pool.submit(_job, job)  # noqa: E731
+        for mixin, scrapes, jobs in submit_sweep(worlds, faults, submit):
             timeline = Timeline(scrapes)
             trajectories = []
             for job in jobs:
@@ -177,6 +176,21 @@ def sweep(worlds: Sequence[World], faults: dict[str, Fault] | None = None, proce
                 fired = _fired(mixin, timeline, Path(folder or tmp))
             out += [Replayed(t, fired.get(t.world.name, {}), _label(faults.get(t.world.name))) for t in trajectories]
     return sorted(out, key=lambda r: (r.world.index, r.world.name))
+
+
+def submit_sweep(worlds: Sequence[World], faults: dict[str, Fault], submit: Submit
+                 ) -> list[tuple[MixinConfig, int, list[Future]]]:
+    """Every world's training handed to ``submit``, in promtool batches: (the cadence's rules, scrapes, jobs)."""
+    batches = []
+    by_cadence = {c: [w for w in worlds if w.cadence == c] for c in CADENCES}
+    for cadence, group in by_cadence.items():
+        mixin = MixinConfig(step_seconds=CADENCES[cadence])
+        keep = rule_metric_names(mixin)
+        for i in range(0, len(group), PROMTOOL_WORLDS):
+            chunk = group[i : i + PROMTOOL_WORLDS]
+            scrapes = _scrapes(cadence, chunk)
+            batches.append((mixin, scrapes, [submit(w.name, (w, keep, scrapes, faults.get(w.name))) for w in chunk]))
+    return batches
 
 
 def pages(r: Replayed, labels: dict[str, dict[str, str]]) -> dict[str, int]:
@@ -257,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-__all__ = ["Replayed", "alert_labels", "pages", "sweep", "table", "verdict", "world"]
+__all__ = ["Replayed", "alert_labels", "pages", "submit_sweep", "sweep", "table", "verdict", "world"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
