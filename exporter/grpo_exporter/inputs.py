@@ -168,8 +168,8 @@ class StepInputs:
 
     def replaced(self, **changes: Tensor) -> StepInputs:
         """A copy with tensor fields replaced by tensors of the same shape, dtype and device as validation would
-        accept (a detached copy of a field, the monitor's own per-sample prediction): not validated again
-        (~10 us a validation, on every micro-batch whose log-probs need grad)."""
+        accept (a detached copy of a field, the monitor's own per-sample prediction): not validated again (a
+        validation on every micro-batch whose log-probs need grad would be paid twice)."""
         copy = object.__new__(StepInputs)
         copy.__dict__.update(self.__dict__)
         copy.__dict__.update(changes)

@@ -120,8 +120,8 @@ def _banked_counts(values: Tensor) -> Tensor:
     """(BUCKETS,) int64 counts of the fp32 ``values`` (any shape), by one ``bincount``
     into :data:`BANKS` interleaved copies of the buckets, summed after. Neighbouring positions count into
     different banks: on the CPU ``bincount`` is a serial loop of increments, and a run of equal buckets (the
-    padding's zeros, ratios near 1) makes each increment wait for the last one (~1.7x slower at 64K positions,
-    torch 2.13). The bank is folded into the subtraction the keys take anyway: three passes over the bits
+    padding's zeros, ratios near 1) makes each increment wait for the last one (docs/benchmarks.md,
+    implementation choices). The bank is folded into the subtraction the keys take anyway: three passes over the bits
     (clamp, subtract, shift) and the count."""
     values = values.reshape(1) if values.dim() == 0 else values
     keys = _bucket_keys(values, _bank_offsets(values.shape[-1], values.device))
@@ -282,7 +282,7 @@ def _doubles(t: Tensor) -> ctypes.Array[ctypes.c_double]:
 
 @functools.lru_cache(maxsize=16)
 def _doubles_type(n: int) -> type[ctypes.Array[ctypes.c_double]]:
-    return ctypes.c_double * n  # a new ctypes type costs ~10 us: one per length (a stage has a fixed row count)
+    return ctypes.c_double * n  # one type per length, made once (a stage has a fixed row count)
 
 
 @functools.lru_cache(maxsize=64)

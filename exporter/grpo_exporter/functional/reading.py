@@ -133,9 +133,9 @@ def keep_bits(mask: Tensor) -> Tensor:
 def zeroed(x: Tensor, mask: Tensor) -> Tensor:
     """``x`` in fp32 on ``mask`` (bool, or :func:`keep_bits` of one), +0.0 elsewhere: NaN or +-inf padding never
     survives. On large tensors the fp32 bits ANDed with the mask word: one integer pass at the speed of any
-    elementwise op, where the CPU kernel of ``torch.where`` branches per element: as fast on a prefix mask,
-    ~20x slower on one that alternates (multi-turn tool spans, random masks: 1.9 ms against 0.1 ms at 1.5M
-    values, torch 2.13)."""
+    elementwise op, where the CPU kernel of ``torch.where`` branches per element: as fast on a prefix mask, far
+    slower on one that alternates (multi-turn tool spans, random masks; docs/benchmarks.md, implementation
+    choices)."""
     bits = _bits(x, mask)
     x = x if x.dtype == torch.float32 else x.float()  # a no-op .float() is still an operator call
     if bits.dtype == torch.bool:
@@ -169,8 +169,8 @@ def f32_bits(value: float) -> int:
 
 def finite(x: Tensor) -> Tensor:
     """Bool tensor: ``x`` is neither NaN nor +-Inf: ``|x| < inf``, two elementwise passes (NaN compares false)
-    where ``torch.isfinite`` takes five on CPU and ``x * 0 == 0`` costs 1.5x (a float comparison is the slow
-    part: ~4x an arithmetic pass, torch 2.13); integers and bools are always finite."""
+    where ``torch.isfinite`` takes five on CPU and ``x * 0 == 0`` costs more (a float comparison is the slow
+    part); integers and bools are always finite."""
     if not x.is_floating_point():
         return torch.ones_like(x, dtype=torch.bool)
     return x.abs() < math.inf
@@ -186,8 +186,8 @@ def nonfinite(x: Tensor) -> Tensor:
 def count_nonfinite(x: Tensor, scratch: Tensor | None = None) -> Tensor:
     """Number of NaN / +-Inf entries (int64): ``x - x`` is +0.0 (no bit set) where finite and NaN elsewhere, and
     ``count_nonzero`` of its bits counts the NaNs. One arithmetic pass and one count, no bool tensor (the
-    comparison would cost more than both). Counting integer bits is ~1.5x faster than counting floats (torch
-    2.13, CPU); ``x * 0`` would not do, -0.0 has its sign bit set. ``scratch``: a contiguous tensor of ``x``'s
+    comparison would cost more than both). Counting integer bits is faster than counting floats (CPU); ``x * 0``
+    would not do, -0.0 has its sign bit set. ``scratch``: a contiguous tensor of ``x``'s
     shape and dtype to write ``x - x`` into (a count per tensor of a step reuses one)."""
     if not x.is_floating_point():
         return torch.zeros((), dtype=torch.int64, device=x.device)
@@ -200,9 +200,9 @@ _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 
 def count(mask: Tensor, dim: int | None = None) -> Tensor:
     """True entries of a bool tensor, over ``dim`` or all. All: ``count_nonzero`` (int64), which reads a bool
-    tensor ~4x faster than ``sum``. Along ``dim``: the bytes summed as uint8 into int32 (a count per row of a
-    token tensor, far below 2^31), 3x faster than ``count_nonzero`` along a dimension and 12x than ``any``
-    (torch 2.13, CPU)."""
+    tensor faster than ``sum``. Along ``dim``: the bytes summed as uint8 into int32 (a count per row of a token
+    tensor, far below 2^31), faster than ``count_nonzero`` along a dimension or ``any`` (CPU; the ratios are in
+    docs/benchmarks.md, implementation choices)."""
     if dim is None:
         return torch.count_nonzero(mask)
     if mask.dtype != torch.bool:

@@ -244,123 +244,67 @@ class _EndStep(TrainerCallback):
             self.trainer.monitor.close()
 
 
+def _say_what_differs(args: Any, monitor: GRPOMonitor, owns_monitor: bool, norm: str | None, loss: Mapping[str, Any],
+                      verifier: str | None, engine: bool) -> None:
+    """Where TRL's config and the monitor disagree (a monitor handed in), one warning each: the advantage
+    normalisation, the loss's ratio and clip, the verifier's component, the engine's NaN placeholders; and once,
+    what TRL's top-entropy mask leaves out of the loss."""
+    if norm is not None and monitor.config.advantage_norm != norm:
+        logger.warning(
+            "grpo_exporter: TRL's scale_rewards=%r gives advantages normalised %r, the monitor checks them as "
+            "%r: GRPOAdvantageAboveBound judges them against the wrong bound. Make the monitor with "
+            "advantage_norm=%r (MonitoredGRPOTrainer does when it makes the monitor).",
+            args.scale_rewards, norm, monitor.config.advantage_norm, norm,
+        )
+    differs = [k for k in ("ratio_level", "clip", "ratio_cap")
+               if k in loss and getattr(monitor.config, k) != loss[k]]
+    if differs:
+        logger.warning(
+            "grpo_exporter: TRL's loss (loss_type=%r, importance_sampling_level=%r) weights by %s; the monitor "
+            "has %s: its clip, ratio and ESS metrics measure another loss. Make the monitor with these settings "
+            "(MonitoredGRPOTrainer does when it makes the monitor).", args.loss_type,
+            args.importance_sampling_level, ", ".join(f"{k}={loss[k]!r}" for k in differs),
+            ", ".join(f"{k}={getattr(monitor.config, k)!r}" for k in differs),
+        )
+    if verifier is not None and monitor.config.correctness_component != verifier:
+        logger.warning(
+            "grpo_exporter: the verifier %r measures correctness, the monitor names %r: GRPORewardHackSuspected "
+            "reads the component the monitor names (else the rules' correctness_component). Make the monitor "
+            "with correctness_component=%r (MonitoredGRPOTrainer does when it makes the monitor).",
+            verifier, monitor.config.correctness_component, verifier,
+        )
+    if not owns_monitor and engine and monitor.config.rollout_logprob_nan != "unscored":
+        logger.warning(
+            "grpo_exporter: TRL hands a token its engine returned without a log-prob as NaN; this monitor has "
+            "rollout_logprob_nan=%r and counts each such token as a non-finite value (GRPONonFiniteValues). "
+            "Make it with rollout_logprob_nan='unscored'.", monitor.config.rollout_logprob_nan,
+        )
+    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
+        say_once(monitor, "trl-top-entropy", (
+            f"grpo_exporter: TRL's top_entropy_quantile={args.top_entropy_quantile} trains on the "
+            "highest-entropy tokens only; the ratio, clip and ESS metrics here count every completion token, "
+            "the ones this mask leaves out of the loss included"))
+
+
 #: what the mixin's methods read and call: the GRPOTrainer it is mixed into (typed loosely: TRL's own
 #: annotations leave model, processing_class and args' GRPO fields optional or untyped)
 _TrainerBase: Any = object
 
 
-class GRPOMonitorMixin(_TrainerBase):
-    """The wrappers; mix into a ``GRPOTrainer`` subclass before it (``MonitoredGRPOTrainer`` does).
+class _RolloutReading(_TrainerBase):
+    """The rollout side of :class:`GRPOMonitorMixin`: TRL's generation, tool loop, rewards and scored batch, one
+    ``observe_rollout`` per optimizer step (the state these methods share is made by the mixin's ``__init__``)."""
 
-    ``monitor``: a monitor you made (you close it), else one is made with ``run`` = TRL's ``run_name`` (or the
-    output directory's name), ``group_size`` = ``num_generations``, ``clip_eps`` = (``epsilon``,
-    ``epsilon_high``), ``ratio_level`` and ``clip`` from ``importance_sampling_level`` and ``loss_type`` (GSPO's
-    sequence ratio, CISPO's cap, SAPO's and VESPO's soft weights), ``advantage_norm`` from ``scale_rewards``,
-    ``correctness_component`` = ``verifier``, and
-    ``monitor_settings`` on top (any :class:`~grpo_exporter.runtime.monitor_config.MonitorConfig` field, e.g.
-    ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward function
-    whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates, length by
-    outcome; the component GRPORewardHackSuspected reads); without it those metrics are absent. A monitor you
-    hand in that disagrees with TRL's config on these is reported at start.
-    """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse a trainer whose loop this mixin cannot read (loud, at class definition), naming what is
-        missing: TRL's ``AsyncGRPOTrainer`` is no ``GRPOTrainer``, none of the methods wrapped here runs in it."""
-        super().__init_subclass__(**kwargs)
-        if issubclass(cls, GRPOTrainer):
-            return
-        bases = ", ".join(f"{b.__module__}.{b.__qualname__}" for b in cls.__mro__[1:] if b not in (object, cls))
-        if any(b.__name__ == "AsyncGRPOTrainer" for b in cls.__mro__):
-            raise IntegrationError(
-                f"{cls.__qualname__}: TRL's AsyncGRPOTrainer is not monitored. Its rollouts come from a vLLM "
-                "server's rollout worker and its loss reads tree-packed segments (compute_loss's token_index and "
-                "segment_id), so none of the GRPOTrainer methods this adapter reads (_generate, "
-                "_generate_and_score_completions, _compute_loss) runs; its old log-probs are the engine's, so no "
-                "engine gap could be read either. Monitor trl.GRPOTrainer with use_vllm=True "
-                "(vllm_mode='server' for a separate engine), or call GRPOMonitor.observe_rollout / observe_update "
-                "from your own loop (docs/integrations.md).")
-        raise IntegrationError(
-            f"{cls.__qualname__}: GRPOMonitorMixin wraps methods of trl.GRPOTrainer; mix it in before a GRPOTrainer "
-            f"subclass (class {cls.__qualname__}(GRPOMonitorMixin, GRPOTrainer)), got the bases {bases}")
-
-    def __init__(
-        self,
-        *args: Any,
-        monitor: GRPOMonitor | None = None,
-        monitor_settings: Mapping[str, Any] | None = None,
-        verifier: str | None = None,
-        verifier_threshold: float = 0.5,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        names = list(self.reward_func_names)
-        if verifier is not None and verifier not in names:
-            raise ValueError(f"verifier: expected one of the reward function names {names}, got {verifier!r}")
-        self._grpo_verifier = verifier
-        self._grpo_threshold = float(verifier_threshold)
-        self._grpo_owns_monitor = monitor is None
-        norm = _advantage_norm(self.args)
-        loss = _loss_settings(self.args, self.epsilon_low, self.epsilon_high)
-        if monitor is None:
-            run = self.args.run_name or Path(self.args.output_dir or "trl").name
-            settings = {
-                "run": run, "group_size": self.num_generations, **loss, **_engine_settings(self.args),
-                **({"advantage_norm": norm} if norm else {}),
-                **({"correctness_component": verifier} if verifier else {}), **(monitor_settings or {}),
-            }
-            tok = self.processing_class
-            decode = (lambda ids: tok.decode(ids)) if hasattr(tok, "decode") else None  # the flight recorder's rows
-            monitor = GRPOMonitor(**settings, decode=decode)
-        if norm is not None and monitor.config.advantage_norm != norm:
-            logger.warning(
-                "grpo_exporter: TRL's scale_rewards=%r gives advantages normalised %r, the monitor checks them as "
-                "%r: GRPOAdvantageAboveBound judges them against the wrong bound. Make the monitor with "
-                "advantage_norm=%r (MonitoredGRPOTrainer does when it makes the monitor).",
-                self.args.scale_rewards, norm, monitor.config.advantage_norm, norm,
-            )
-        differs = [k for k in ("ratio_level", "clip", "ratio_cap")
-                   if k in loss and getattr(monitor.config, k) != loss[k]]
-        if differs:
-            logger.warning(
-                "grpo_exporter: TRL's loss (loss_type=%r, importance_sampling_level=%r) weights by %s; the monitor "
-                "has %s: its clip, ratio and ESS metrics measure another loss. Make the monitor with these settings "
-                "(MonitoredGRPOTrainer does when it makes the monitor).", self.args.loss_type,
-                self.args.importance_sampling_level, ", ".join(f"{k}={loss[k]!r}" for k in differs),
-                ", ".join(f"{k}={getattr(monitor.config, k)!r}" for k in differs),
-            )
-        if verifier is not None and monitor.config.correctness_component != verifier:
-            logger.warning(
-                "grpo_exporter: the verifier %r measures correctness, the monitor names %r: GRPORewardHackSuspected "
-                "reads the component the monitor names (else the rules' correctness_component). Make the monitor "
-                "with correctness_component=%r (MonitoredGRPOTrainer does when it makes the monitor).",
-                verifier, monitor.config.correctness_component, verifier,
-            )
-        engine = self.args.use_vllm or self.rollout_func
-        if not self._grpo_owns_monitor and engine and monitor.config.rollout_logprob_nan != "unscored":
-            logger.warning(
-                "grpo_exporter: TRL hands a token its engine returned without a log-prob as NaN; this monitor has "
-                "rollout_logprob_nan=%r and counts each such token as a non-finite value (GRPONonFiniteValues). "
-                "Make it with rollout_logprob_nan='unscored'.", monitor.config.rollout_logprob_nan,
-            )
-        if float(getattr(self.args, "top_entropy_quantile", 1.0)) < 1.0:
-            say_once(monitor, "trl-top-entropy", (
-                f"grpo_exporter: TRL's top_entropy_quantile={self.args.top_entropy_quantile} trains on the "
-                "highest-entropy tokens only; the ratio, clip and ESS metrics here count every completion token, "
-                "the ones this mask leaves out of the loss included"))
-        self.monitor = monitor
-        self._grpo_preflight = False  # grpo_exporter.integrations.trl_preflight: observe nothing meanwhile
-        self._grpo_rollout_step: int | None = None
-        self._grpo_generated: tuple[list[bool], list[int]] | None = None
-        self._grpo_tools: tuple[int, int] | None = None
-        self._grpo_rewards: Tensor | None = None
-        self._grpo_capture: list[tuple[Tensor, Tensor | None]] | None = None
-        self._grpo_warned_no_grad_norm = False
-        self._grpo_pending: list[dict[str, Any]] = []
-        self._grpo_per_step = _generations_per_step(self.args)
-        self.add_callback(_EndStep(self))
-
-    # ---- rollout -----------------------------------------------------------------------------------------
+    monitor: GRPOMonitor
+    _grpo_preflight: bool  # grpo_exporter.integrations.trl_preflight: observe nothing meanwhile
+    _grpo_verifier: str | None
+    _grpo_threshold: float
+    _grpo_rollout_step: int | None  # the optimizer step of the last rollout (read by the update side)
+    _grpo_generated: tuple[list[bool], list[int]] | None  # truncation and lengths of the generation batch
+    _grpo_tools: tuple[int, int] | None  # its tool calls and failures
+    _grpo_rewards: Tensor | None  # its rewards per function
+    _grpo_pending: list[dict[str, Any]]  # the generation batches of the step, not yet observed
+    _grpo_per_step: int
 
     def _generate(self, prompts: list[Any]) -> Any:
         self._grpo_tools = None
@@ -465,7 +409,16 @@ class GRPOMonitorMixin(_TrainerBase):
             result["correct"] = verdict >= self._grpo_threshold  # NaN (not scored) is not correct
         return result
 
-    # ---- update ------------------------------------------------------------------------------------------
+
+class _UpdateReading(_TrainerBase):
+    """The update side of :class:`GRPOMonitorMixin`: each micro-batch's log-probs, entropies, advantages and masks
+    (one ``observe_update``) and the norm TRL clips with."""
+
+    monitor: GRPOMonitor
+    _grpo_preflight: bool
+    _grpo_rollout_step: int | None
+    _grpo_capture: list[tuple[Tensor, Tensor | None]] | None  # the micro-batch's log-probs and entropies
+    _grpo_warned_no_grad_norm: bool
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
         result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
@@ -540,6 +493,84 @@ class GRPOMonitorMixin(_TrainerBase):
             clip: dict[str, Any] = {"max_grad_norm": limit} if limit > 0 else {}
             self.monitor.observe_update(int(self.state.global_step), grad_norm_pre_clip=norm, **clip)
         return found
+
+
+class GRPOMonitorMixin(_RolloutReading, _UpdateReading):
+    """The wrappers; mix into a ``GRPOTrainer`` subclass before it (``MonitoredGRPOTrainer`` does).
+
+    ``monitor``: a monitor you made (you close it), else one is made with ``run`` = TRL's ``run_name`` (or the
+    output directory's name), ``group_size`` = ``num_generations``, ``clip_eps`` = (``epsilon``,
+    ``epsilon_high``), ``ratio_level`` and ``clip`` from ``importance_sampling_level`` and ``loss_type`` (GSPO's
+    sequence ratio, CISPO's cap, SAPO's and VESPO's soft weights), ``advantage_norm`` from ``scale_rewards``,
+    ``correctness_component`` = ``verifier``, and
+    ``monitor_settings`` on top (any :class:`~grpo_exporter.runtime.monitor_config.MonitorConfig` field, e.g.
+    ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward function
+    whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates, length by
+    outcome; the component GRPORewardHackSuspected reads); without it those metrics are absent. A monitor you
+    hand in that disagrees with TRL's config on these is reported at start.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a trainer whose loop this mixin cannot read (loud, at class definition), naming what is
+        missing: TRL's ``AsyncGRPOTrainer`` is no ``GRPOTrainer``, none of the methods wrapped here runs in it."""
+        super().__init_subclass__(**kwargs)
+        if issubclass(cls, GRPOTrainer):
+            return
+        bases = ", ".join(f"{b.__module__}.{b.__qualname__}" for b in cls.__mro__[1:] if b not in (object, cls))
+        if any(b.__name__ == "AsyncGRPOTrainer" for b in cls.__mro__):
+            raise IntegrationError(
+                f"{cls.__qualname__}: TRL's AsyncGRPOTrainer is not monitored. Its rollouts come from a vLLM "
+                "server's rollout worker and its loss reads tree-packed segments (compute_loss's token_index and "
+                "segment_id), so none of the GRPOTrainer methods this adapter reads (_generate, "
+                "_generate_and_score_completions, _compute_loss) runs; its old log-probs are the engine's, so no "
+                "engine gap could be read either. Monitor trl.GRPOTrainer with use_vllm=True "
+                "(vllm_mode='server' for a separate engine), or call GRPOMonitor.observe_rollout / observe_update "
+                "from your own loop (docs/integrations.md).")
+        raise IntegrationError(
+            f"{cls.__qualname__}: GRPOMonitorMixin wraps methods of trl.GRPOTrainer; mix it in before a GRPOTrainer "
+            f"subclass (class {cls.__qualname__}(GRPOMonitorMixin, GRPOTrainer)), got the bases {bases}")
+
+    def __init__(
+        self,
+        *args: Any,
+        monitor: GRPOMonitor | None = None,
+        monitor_settings: Mapping[str, Any] | None = None,
+        verifier: str | None = None,
+        verifier_threshold: float = 0.5,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        names = list(self.reward_func_names)
+        if verifier is not None and verifier not in names:
+            raise ValueError(f"verifier: expected one of the reward function names {names}, got {verifier!r}")
+        self._grpo_verifier = verifier
+        self._grpo_threshold = float(verifier_threshold)
+        self._grpo_owns_monitor = monitor is None
+        norm = _advantage_norm(self.args)
+        loss = _loss_settings(self.args, self.epsilon_low, self.epsilon_high)
+        if monitor is None:
+            run = self.args.run_name or Path(self.args.output_dir or "trl").name
+            settings = {
+                "run": run, "group_size": self.num_generations, **loss, **_engine_settings(self.args),
+                **({"advantage_norm": norm} if norm else {}),
+                **({"correctness_component": verifier} if verifier else {}), **(monitor_settings or {}),
+            }
+            tok = self.processing_class
+            decode = (lambda ids: tok.decode(ids)) if hasattr(tok, "decode") else None  # the flight recorder's rows
+            monitor = GRPOMonitor(**settings, decode=decode)
+        _say_what_differs(self.args, monitor, self._grpo_owns_monitor, norm, loss, verifier,
+                          bool(self.args.use_vllm or self.rollout_func))
+        self.monitor = monitor
+        self._grpo_preflight = False
+        self._grpo_rollout_step = None
+        self._grpo_generated = None
+        self._grpo_tools = None
+        self._grpo_rewards = None
+        self._grpo_capture = None
+        self._grpo_warned_no_grad_norm = False
+        self._grpo_pending = []
+        self._grpo_per_step = _generations_per_step(self.args)
+        self.add_callback(_EndStep(self))
 
 
 class MonitoredGRPOTrainer(GRPOMonitorMixin, GRPOTrainer):

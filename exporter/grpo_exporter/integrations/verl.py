@@ -131,70 +131,31 @@ def observe_dataproto(
         batch, extra = data.batch, data.non_tensor_batch
         responses: Tensor = batch["responses"]
         width = responses.shape[1]
-        loss_mask = response_mask if response_mask is not None else _tensor(batch, "response_mask")
-        window = _tensor(batch, "attention_mask")
-        window = window[:, -width:].bool() if window is not None else None
-        if loss_mask is None:
-            loss_mask = window
-        if loss_mask is None:
-            raise ValueError("verl batch: expected response_mask or attention_mask, found neither")
-        loss_mask = loss_mask.bool()
-        if window is None:
-            window = loss_mask
-        keep = window.any(dim=1)
-        rows: Tensor | None = None if bool(keep.all()) else keep.nonzero().squeeze(1)  # verl's driver: CPU tensors
-
-        def take(t: Tensor | None) -> Tensor | None:
-            return t if t is None or rows is None else t[rows.to(t.device)]
-
-        def take_extra(key: str) -> Any:
-            return extra[key] if rows is None else extra[key][rows.cpu().numpy()]
-
-        loss_all, old_all = loss_mask, _tensor(batch, "old_log_probs")
-        loss_mask, window, responses = _kept(take(loss_mask)), _kept(take(window)), _kept(take(responses))
+        loss_all, window_all = _masks(batch, width, response_mask)
+        rows = _Rows(window_all, extra)
+        loss_mask, window = _kept(rows.take(loss_all)), _kept(rows.take(window_all))
         scores = _tensor(batch, "token_level_scores")
-        if scores is None:
-            scores = batch["token_level_rewards"]
-        old, engine = take(old_all), take(_tensor(batch, "rollout_log_probs"))
-        if engine is not None and (bypass or (old is not None and _same_storage(old, engine))):
-            say_once(monitor, "verl-bypass", "grpo_exporter: verl rollout correction in bypass mode (old_log_probs "
-                     "are the engine's rollout_log_probs): the engine log-prob gap cannot be measured and is absent, "
-                     "not 0")
-            engine = None
+        old_all = _tensor(batch, "old_log_probs")
+        old = rows.take(old_all)
         version = step if policy_version is None else policy_version
-        if engine is not None and not _on_version(extra, version):
-            say_once(monitor, "verl-lag", "grpo_exporter: verl batch with trajectories generated on other weights "
-                     f"than policy version {version} (min_global_steps / max_global_steps): the engine log-prob gap "
-                     "would include the policy lag and is absent for such batches")
-            engine = None
+        engine = _engine_logprobs(monitor, old, rows.take(_tensor(batch, "rollout_log_probs")), bypass, extra, version)
         rollout: dict[str, Any] = {
-            "rewards": _kept(take(scores)).sum(dim=-1).float(),
+            "rewards": _kept(rows.take(batch["token_level_rewards"] if scores is None else scores)).sum(dim=-1).float(),
             "loss_mask": loss_mask,
             "completion_lengths": loss_mask.sum(dim=1),
             "truncated": window.sum(dim=1) >= (width if response_window is None else response_window),
-            "completion_ids": responses,
+            "completion_ids": _kept(rows.take(responses)),
             "completion_mask": window,
             "old_logprobs": old,
             "rollout_logprobs": engine,
-            "prompt_tokens": take(_tensor(batch, "prompts")),  # read by the flight recorder only
+            "prompt_tokens": rows.take(_tensor(batch, "prompts")),  # read by the flight recorder only
         }
-        if "uid" in extra:
-            rollout["group_ids"] = take_extra("uid")
-        if prompt_key is not None and prompt_key in extra:
-            rollout["prompt_ids"] = take_extra(prompt_key)
         device = responses.device
-        if correct_key is not None and correct_key in extra:
-            verdict = torch.as_tensor(take_extra(correct_key).astype("float64"), device=device)
-            rollout["correct"] = verdict >= verifier_threshold
-        components = {
-            k: torch.as_tensor(take_extra(k).astype("float32"), device=device) for k in component_keys if k in extra
-        }
-        if components:
-            rollout["reward_components"] = components
-        rollout |= _agent_loop_counts(extra, take_extra, device)
+        rollout |= _verdicts(rows, correct_key, prompt_key, component_keys, verifier_threshold, device)
+        rollout |= _agent_loop_counts(extra, rows.extra, device)
         monitor.observe_rollout(step, **rollout)
         more: dict[str, Any] = {}
-        started = take_extra("min_global_steps") if "min_global_steps" in extra else ()
+        started = rows.extra("min_global_steps") if "min_global_steps" in extra else ()
         if len(started):
             more = {"policy_version": version, "rollout_policy_version": int(min(started))}
         # the update keeps every row: verl normalised each group's advantages with its aborted samples in it
@@ -203,6 +164,73 @@ def observe_dataproto(
             more["group_ids"] = id_tensor("group_ids", extra["uid"], device)
         observe_rollout_time_update(monitor, step, loss_all, _tensor(batch, "advantages"), old_all,
                                     _tensor(batch, "ref_log_prob"), entropy, more)
+
+
+def _masks(batch: Any, width: int, response_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(loss mask, response window) of every row, bool: the model's tokens (``response_mask`` given, else the
+    batch's, else the window) and every token of the response window (the ``attention_mask``'s last ``width``
+    positions, model and tool tokens; else the loss mask)."""
+    loss_mask = response_mask if response_mask is not None else _tensor(batch, "response_mask")
+    window = _tensor(batch, "attention_mask")
+    window = window[:, -width:].bool() if window is not None else None
+    if loss_mask is None:
+        loss_mask = window
+    if loss_mask is None:
+        raise ValueError("verl batch: expected response_mask or attention_mask, found neither")
+    loss_mask = loss_mask.bool()
+    return loss_mask, window if window is not None else loss_mask
+
+
+class _Rows:
+    """The rows that are completions: an aborted sample (no response token) is none. ``take`` selects them
+    from a tensor, ``extra`` from a ``non_tensor_batch`` entry (verl's driver holds CPU tensors)."""
+
+    def __init__(self, window: Tensor, extra: Mapping[str, Any]) -> None:
+        keep = window.any(dim=1)
+        self.rows: Tensor | None = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+        self.non_tensors = extra
+
+    def take(self, t: Tensor | None) -> Tensor | None:
+        return t if t is None or self.rows is None else t[self.rows.to(t.device)]
+
+    def extra(self, key: str) -> Any:
+        values = self.non_tensors[key]
+        return values if self.rows is None else values[self.rows.cpu().numpy()]
+
+
+def _engine_logprobs(monitor: GRPOMonitor, old: Tensor | None, engine: Tensor | None, bypass: bool,
+                     extra: Mapping[str, Any], version: int) -> Tensor | None:
+    """The engine's log-probs where they measure the engine: absent in bypass mode (they are the old ones) and
+    on trajectories generated on other weights than ``version`` (the difference would be the policy lag)."""
+    if engine is not None and (bypass or (old is not None and _same_storage(old, engine))):
+        say_once(monitor, "verl-bypass", "grpo_exporter: verl rollout correction in bypass mode (old_log_probs "
+                 "are the engine's rollout_log_probs): the engine log-prob gap cannot be measured and is absent, "
+                 "not 0")
+        return None
+    if engine is not None and not _on_version(extra, version):
+        say_once(monitor, "verl-lag", "grpo_exporter: verl batch with trajectories generated on other weights "
+                 f"than policy version {version} (min_global_steps / max_global_steps): the engine log-prob gap "
+                 "would include the policy lag and is absent for such batches")
+        return None
+    return engine
+
+
+def _verdicts(rows: _Rows, correct_key: str | None, prompt_key: str | None, component_keys: Sequence[str],
+              threshold: float, device: torch.device) -> dict[str, Any]:
+    """Groups (``uid``), prompt identity, correctness and reward components from the ``non_tensor_batch``."""
+    extra = rows.non_tensors
+    out: dict[str, Any] = {}
+    if "uid" in extra:
+        out["group_ids"] = rows.extra("uid")
+    if prompt_key is not None and prompt_key in extra:
+        out["prompt_ids"] = rows.extra(prompt_key)
+    if correct_key is not None and correct_key in extra:
+        out["correct"] = torch.as_tensor(rows.extra(correct_key).astype("float64"), device=device) >= threshold
+    components = {k: torch.as_tensor(rows.extra(k).astype("float32"), device=device)
+                  for k in component_keys if k in extra}
+    if components:
+        out["reward_components"] = components
+    return out
 
 
 def _agent_loop_counts(extra: Mapping[str, Any], take_extra: Callable[[str], Any], device: torch.device

@@ -43,7 +43,7 @@ from grpo_exporter.catalog import Merge
 from grpo_exporter.functional.reading import Extreme
 from grpo_exporter.ranks.layout import Layout
 from grpo_exporter.ranks.merges import kind_merges, split
-from grpo_exporter.step import Entry, StepMetrics
+from grpo_exporter.step import Entry, StepMetrics, StepResult
 
 log = logging.getLogger("grpo_exporter")
 
@@ -171,8 +171,16 @@ class StageMerge:
 
     # ---- on the host, after it -------------------------------------------------------------------------
 
+    def apply(self, result: StepResult) -> StepResult:
+        """``result`` of this rank's step, merged across ranks: the merged values, the merge's errors added, and
+        the families every rank replaces (this rank's when the merge fails). Called by the runtime after the
+        step, on every rank, whatever failed on this one (the ranks' collectives stay in step)."""
+        metrics, errors, families = self.merge(result.merge_host or [], result.metrics, set(result.failed))
+        return result._replace(metrics=metrics, errors=[*result.errors, *errors],
+                               families=families if families is not None else result.families)
+
     def merge(
-        self, host: list[float], entries: list[Entry], local: StepMetrics, failed: set[str]
+        self, host: list[float], local: StepMetrics, failed: set[str]
     ) -> tuple[StepMetrics, list[tuple[str, Exception]], frozenset[str] | None]:
         """The merged values of the stage, the errors, and the families to replace (rank-local ``local`` and
         None when the merge fails)."""

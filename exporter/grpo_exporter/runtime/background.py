@@ -52,8 +52,9 @@ def serial_operators() -> None:
 
     A torch operator large enough to go parallel (~32K elements) on a thread other than training's starts a
     second OpenMP thread team; libgomp then counts more threads than cores and makes every team of the
-    process, training's included, sleep between parallel regions instead of spinning (measured on 2 cores:
-    the monitor's step at 256K loss tokens from 13 to 22-25 ms, and training's own CPU operators alike). The
+    process, training's included, sleep between parallel regions instead of spinning: slower steps for the
+    monitor and for training's own CPU operators alike (measured in docs/benchmarks.md, implementation
+    choices). The
     count is a per-thread setting of the OpenMP runtime, set through it directly: ``torch.set_num_threads``
     would also change the default of every thread started later. Torch's own per-thread initialisation runs
     first (it would reset the count). Where no OpenMP runtime is loaded, nothing changes."""

@@ -1,21 +1,25 @@
 """What the exporter says about itself inside training: counted errors, rate-limited log lines, the guard.
 
 An exception of the exporter is counted in ``grpo_exporter_errors_total{stage}`` and logged at most once per
-stage per minute; a failed layer-1 stop criterion is logged once a minute per alert (``guard="warn"``) or
-raised as :class:`~grpo_exporter.runtime.guard.TrainingSignalError` (``guard="raise"``).
+stage per minute (:meth:`Reporter.contained`; ``strict`` raises it instead); a failed layer-1 stop criterion is
+logged once a minute per alert (``guard="warn"``) or raised as
+:class:`~grpo_exporter.runtime.guard.TrainingSignalError` (``guard="raise"``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+
+import torch
 
 from grpo_exporter import catalog
 from grpo_exporter.runtime import guard
 from grpo_exporter.runtime.monitor_config import MonitorConfig
-from grpo_exporter.serving.publication import Publication
+from grpo_exporter.serving.publication import Publication, duration_increments
 
 log = logging.getLogger("grpo_exporter")
 
@@ -23,6 +27,8 @@ LOG_EVERY_SECONDS = 60.0
 
 
 class Reporter:
+    """Counts, logs and contains the exporter's errors and says the guard's verdict, for one monitor."""
+
     def __init__(self, publication: Publication, config: MonitorConfig) -> None:
         self._publication = publication
         self._config = config
@@ -66,3 +72,33 @@ class Reporter:
         for violation, line in zip(violations, lines, strict=True):
             if self.due(f"guard:{violation.alert}"):
                 log.warning(line)
+
+    @contextlib.contextmanager
+    def contained(self, stage: str, where: str = "", publish: bool = False) -> Iterator[None]:
+        """An exception inside is counted and logged under ``stage`` and the call goes on (strict: raised; the
+        guard's own error always passes); ``publish``: publish the count now (outside an observe call, which
+        publishes at its end)."""
+        try:
+            yield
+        except guard.TrainingSignalError:
+            raise
+        except Exception as exc:
+            with self._publication.writing:
+                self.error(stage, exc, where)
+                if publish:
+                    self._publication.publish()
+            if self._config.strict:
+                raise
+
+    @contextlib.contextmanager
+    def stage(self, stage: str) -> Iterator[None]:
+        """One observe call: under the publication's lock, contained, without autograd, timed, and published
+        at its end."""
+        start = time.perf_counter()
+        with self._publication.writing:
+            try:
+                with self.contained(stage), torch.inference_mode():
+                    yield
+            finally:
+                self._publication.add(duration_increments(stage, time.perf_counter() - start))
+                self._publication.publish()

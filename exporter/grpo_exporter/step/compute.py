@@ -2,7 +2,8 @@
 
 :func:`compute_step_carrying` runs a stage's blocks on the inputs (each on its own: a block that raises is
 dropped whole), gathers their readings and moves them to the host in one transfer
-(:class:`~grpo_exporter.step.gather.Gather`); with a merger, the readings are merged across ranks after it.
+(:class:`~grpo_exporter.step.gather.Gather`); with a merger, what the merge across ranks needs rides in that
+transfer, and the runtime merges after the step (:attr:`StepResult.merge_host`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ def compute_step(inputs: StepInputs, config: MetricsConfig) -> StepMetrics:
 class StepResult(NamedTuple):
     """What one computation produced: values of present metrics, carried vectors, the errors of metric
     blocks (non-strict), and every family computed on this rank, present or absent (what the publication
-    replaces; a family that failed keeps describing its last computation)."""
+    replaces; a family that failed keeps describing its last computation). For the merge across ranks, run by
+    the runtime after the step: the tags that ``failed`` here and ``merge_host``, the merger's transferred
+    parts (None without a merger)."""
 
     metrics: StepMetrics
     carried: dict[str, Tensor]
     errors: list[tuple[str, Exception]]
     families: frozenset[str]
+    failed: frozenset[str] = frozenset()
+    merge_host: list[float] | None = None
 
 
 def compute_step_carrying(
@@ -54,8 +59,8 @@ def compute_step_carrying(
     (the monitor carries its solve-rate moment terms and the edit-distance rows this way).
 
     Each metric block runs on its own: with ``strict=False`` a block that raises is dropped whole and
-    returned in the error list, and every other block is still computed and transferred. ``merger`` merges
-    the readings across ranks after the transfer (see :mod:`grpo_exporter.ranks.distributed`). ``blocks`` limits
+    returned in the error list, and every other block is still computed and transferred. ``merger``'s device
+    parts join the transfer; its merge is the caller's (see :mod:`grpo_exporter.ranks.distributed`). ``blocks`` limits
     the computation to one stage (``ROLLOUT_BLOCKS``, ``UPDATE_BLOCKS``), so a tensor handed to both observe
     calls never counts a rollout-level quantity twice. ``failed_inputs``: some of this rank's inputs were
     rejected; the rank still takes part in the merge (so the ranks' collectives stay in step) with every
@@ -74,10 +79,10 @@ def compute_step_carrying(
         # across ranks this rank adds nothing to the others' union
         for block in stage if not inputs.empty else ():
             out.run(block, ctx, strict)
-        metrics, carried, families = out.transfer(merger, tags)
-    if strict and out.errors:
+        done = out.transfer(merger, tags)
+    if strict and out.errors and merger is None:  # with a merger, the caller raises after the ranks merged
         raise out.errors[0][1]
-    return StepResult(metrics, carried, out.errors, families)
+    return StepResult(done.metrics, done.carried, out.errors, done.families, done.failed, done.merge_host)
 
 
 #: the layers' block modules, in the order their blocks run and lay out the transfer (each module's blocks in

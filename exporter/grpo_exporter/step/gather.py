@@ -2,8 +2,9 @@
 
 Metric blocks add readings to a :class:`Gather` under catalogue sample keys; :meth:`Gather.transfer` packs
 them (:mod:`grpo_exporter.step.pack`), moves the block to the host once, and reads every value back there:
-ratios divided, histograms read, the inputs' value checks, the merge across ranks (a :class:`Merger`, called
-on the host after the transfer), and the carried vectors.
+ratios divided, histograms read, the inputs' value checks, and the carried vectors. What the merge across
+ranks needs from the device (a :class:`Merger`'s parts) rides in the same transfer; the merge itself is the
+runtime's to call, after the step (:class:`Transferred` hands it its part of the block).
 """
 
 from __future__ import annotations
@@ -44,14 +45,24 @@ if TYPE_CHECKING:
 
 
 class Merger(Protocol):
-    """Merges a stage's entries across ranks around the step's single transfer (see
-    :mod:`grpo_exporter.ranks.distributed`): device parts go into the one transfer, the merge runs on the host."""
+    """Merges a stage's readings across ranks around the step's single transfer (see
+    :mod:`grpo_exporter.ranks.distributed`): its device parts go into the one transfer; the runtime runs the
+    merge on the host after the step, with the transferred parts (:attr:`Transferred.merge_host`)."""
 
     def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor | None: ...
 
-    def merge(
-        self, host: list[float], entries: list[Entry], local: StepMetrics, failed: set[str]
-    ) -> tuple[StepMetrics, list[tuple[str, Exception]], frozenset[str] | None]: ...
+
+@dataclass(frozen=True)
+class Transferred:
+    """A stage's readings on the host: ``metrics`` (this rank's), ``carried`` vectors, the ``families``
+    computed, the tags that ``failed`` (blocks, input values), and ``merge_host``: the merger's parts of the
+    transferred block (None without a merger)."""
+
+    metrics: StepMetrics
+    carried: dict[str, Tensor]
+    families: frozenset[str]
+    failed: frozenset[str]
+    merge_host: list[float] | None
 
 
 @dataclass(frozen=True)
@@ -163,13 +174,11 @@ class Gather:
             self.failed.update(block.tags)
             self.errors.append((block.name, exc))
 
-    def transfer(
-        self, merger: Merger | None, stage_tags: set[str]
-    ) -> tuple[StepMetrics, dict[str, Tensor], frozenset[str]]:
+    def transfer(self, merger: Merger | None, stage_tags: set[str]) -> Transferred:
         """The single device-to-host transfer of the step: every reading, the value checks of the inputs (a
         numeric mask holding other values than 0 and 1), with ``merger`` what the merge across ranks needs,
-        and the carried vectors; then, on the host, the checks and the merge. The carried vectors stay CPU
-        tensors (views of the transferred block): whoever reads them converts them, off the training thread."""
+        and the carried vectors; then, on the host, the checks. The carried vectors stay CPU tensors (views of
+        the transferred block): whoever reads them converts them, off the training thread."""
         packed_parts = pack(self.entries)
         parts = list(packed_parts.parts)
         if self.checks:
@@ -192,14 +201,15 @@ class Gather:
         host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
         packed = host[: layout.listed].tolist()
         with on_host_copy():
-            return self._read(host, packed, packed_parts, layout, merger, stage_tags)
+            metrics, families = self._read(host, packed, packed_parts, layout, stage_tags)
+        carried = {name: host[start : start + width] for name, start, width in layout.carried_at()}
+        merge_host = packed[layout.merge_at : layout.listed] if extra is not None else None
+        return Transferred(metrics, carried, families, frozenset(self.failed), merge_host)
 
     def _read(
-        self, host: Tensor, packed: list[float], packed_parts: Packed, layout: TransferLayout,
-        merger: Merger | None, stage_tags: set[str],
-    ) -> tuple[StepMetrics, dict[str, Tensor], frozenset[str]]:
-        """After the transfer, on the host: every value (ratios divided, histograms read), the value checks,
-        the merge across ranks, and the carried vectors."""
+        self, host: Tensor, packed: list[float], packed_parts: Packed, layout: TransferLayout, stage_tags: set[str],
+    ) -> tuple[StepMetrics, frozenset[str]]:
+        """After the transfer, on the host: every value (ratios divided, histograms read) and the value checks."""
         positions = packed_parts.positions
         hists = HostHistograms(
             host[layout.listed : layout.listed + layout.histograms],
@@ -236,10 +246,4 @@ class Gather:
                 )))
                 self.failed |= stage_tags
                 out, families = {}, frozenset()  # nothing computed from such a mask: every family keeps its last
-        if merger is not None:
-            out, errors, merged_families = merger.merge(
-                packed[layout.merge_at : layout.listed], self.entries, out, self.failed)
-            self.errors += errors
-            families = merged_families if merged_families is not None else families
-        carried = {name: host[start : start + width] for name, start, width in layout.carried_at()}
-        return out, carried, families
+        return out, families
