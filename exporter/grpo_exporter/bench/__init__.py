@@ -176,89 +176,102 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+class _Monitors:
+    """The workloads and monitors one size is measured with: ``mon`` (the default monitor), ``recording`` and
+    ``anomalous`` (the flight recorder, on a healthy and on an anomalous batch), ``same_set`` (without the
+    edit-distance job), ``fixed`` (a tiny batch: the fixed cost). :meth:`close` closes them all."""
+
+    def __init__(self, loss_tokens: int, device: torch.device, shape: str) -> None:
+        self.w = make(loss_tokens, device, shape=shape)
+        self.tiny = make(FIXED_SHAPE[0], device, width=FIXED_SHAPE[1])
+        rewards = self.w.rewards
+        self.bad = dataclasses.replace(
+            self.w, rewards=rewards.clone().index_fill_(0, torch.tensor([1], device=rewards.device), float("nan")))
+        self.records = tempfile.TemporaryDirectory(prefix="grpo-bench-recorder-")
+        self.fixed = new_monitor(edit_distance_groups=0)
+        self.mon = new_monitor()
+        self.recording = new_monitor(recorder_dir=self.records.name)
+        self.same_set = new_monitor(edit_distance_groups=0)
+        self.anomalous = new_monitor(recorder_dir=self.records.name)
+
+    def close(self) -> None:
+        for monitor in (self.mon, self.recording, self.same_set, self.anomalous, self.fixed):
+            monitor.close()
+        self.records.cleanup()
+
+
+def _timed_rounds(m: _Monitors, rounds: int) -> dict[str, float]:
+    """Median seconds of each timed part over ``rounds`` (after two warm-up rounds); the monitors take turns
+    going first, so none always runs on a cold cache."""
+    w = m.w
+    times: dict[str, list[float]] = {}
+    for r in range(rounds + 2):
+        step = r + 1
+        sample: dict[str, float] = {}
+        runs = [("monitor", m.mon, w, "worker"), ("recorder", m.recording, w, "_"),
+                ("anomalous", m.anomalous, m.bad, "_"), ("same_set", m.same_set, w, "_")]
+        for key, monitor, work, after in runs[r % 4:] + runs[: r % 4]:
+            faults = minor_faults()
+            sample[key] = _timed(functools.partial(monitor_step, monitor, work, step))
+            if key == "monitor":
+                sample["faults"] = minor_faults() - faults
+            sample[after] = _timed(monitor.wait_for_workers)
+        sample |= {
+            "naive": _timed(lambda: naive_step(w)),
+            "naive_core": _timed(lambda: naive_core_step(w)),
+            "floor": _timed(lambda: floor_step(w)),
+            "fixed": _timed(functools.partial(monitor_step, m.fixed, m.tiny, step)),
+        }
+        if r >= 2:
+            for key, value in sample.items():
+                times.setdefault(key, []).append(value)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _counted(m: _Monitors, step: int) -> dict[str, Any]:
+    """The deterministic readings, from ``step`` on: operators, passes over (N, T), host reads and tensors from
+    Python data, synchronisations (CUDA), the exposition's render time and size."""
+    w = m.w
+    found: dict[str, Any] = {"syncs": None, "update_sync_error": ""}
+    found["operators"] = operators(functools.partial(monitor_step, m.mon, w, step))
+    m.mon.wait_for_workers()
+    found["passes"] = passes(functools.partial(monitor_step, m.same_set, w, step + 1), w.n * w.t)
+    found["floor_passes"] = passes(lambda: floor_step(w), w.n * w.t)
+    with counting(w.old.device) as counts:
+        monitor_step(m.mon, w, step + 2)
+    m.mon.wait_for_workers()
+    with counting(w.old.device) as recorded:
+        monitor_step(m.recording, w, step + 2)
+    m.recording.wait_for_workers()
+    with counting(w.old.device) as judged:
+        monitor_step(m.anomalous, m.bad, step + 2)
+    m.anomalous.wait_for_workers()
+    if w.old.device.type == "cuda":
+        found["syncs"], found["update_sync_error"] = synchronizations(m.mon, w, step + 3)
+        m.mon.wait_for_workers()
+    found |= {"host_reads": counts.host_reads, "from_python": counts.from_python,
+              "recorder_host_reads": recorded.host_reads, "anomalous_host_reads": judged.host_reads}
+    found["render_s"] = statistics.median([_timed(lambda: generate_latest(m.mon.registry)) for _ in range(20)])
+    found["exposition_bytes"] = len(generate_latest(m.mon.registry))
+    return found
+
+
 def measure_size(loss_tokens: int, rounds: int, device: torch.device, shape: str = "bench") -> SizeResult:
-    w = make(loss_tokens, device, shape=shape)
-    tiny = make(FIXED_SHAPE[0], device, width=FIXED_SHAPE[1])
-    fixed = new_monitor(edit_distance_groups=0)
-    mon = new_monitor()
-    records = tempfile.TemporaryDirectory(prefix="grpo-bench-recorder-")
-    recording = new_monitor(recorder_dir=records.name)
-    same_set = new_monitor(edit_distance_groups=0)
-    anomalous = new_monitor(recorder_dir=records.name)
-    bad = dataclasses.replace(w, rewards=w.rewards.clone().index_fill_(0, torch.tensor([1], device=w.rewards.device),
-                                                                       float("nan")))
-    step = 0
-    times: dict[str, list[float]] = {"monitor": [], "naive": [], "naive_core": [], "floor": [], "worker": [],
-                                     "recorder": [], "anomalous": [], "faults": [], "same_set": [], "fixed": []}
+    m = _Monitors(loss_tokens, device, shape)
     quiet = logging.getLogger("grpo_exporter")
     was_disabled, quiet.disabled = quiet.disabled, True  # the anomalous monitor's incident line is no result
     try:
-        for r in range(rounds + 2):  # two warm-up rounds
-            step += 1
-            sample: dict[str, float] = {}
-            runs = [("monitor", mon, w, "worker"), ("recorder", recording, w, "_"), ("anomalous", anomalous, bad, "_"),
-                    ("same_set", same_set, w, "_")]
-            for key, monitor, work, after in runs[r % 4:] + runs[: r % 4]:  # none always runs first
-                faults = minor_faults()
-                sample[key] = _timed(functools.partial(monitor_step, monitor, work, step))
-                if key == "monitor":
-                    sample["faults"] = minor_faults() - faults
-                sample[after] = _timed(monitor.wait_for_workers)
-            sample |= {
-                "naive": _timed(lambda: naive_step(w)),
-                "naive_core": _timed(lambda: naive_core_step(w)),
-                "floor": _timed(lambda: floor_step(w)),
-                "fixed": _timed(functools.partial(monitor_step, fixed, tiny, step)),
-            }
-            if r >= 2:
-                for key, value in sample.items():
-                    times.setdefault(key, []).append(value)
-        step += 1
-        ops = operators(functools.partial(monitor_step, mon, w, step))
-        mon.wait_for_workers()
-        step += 1
-        step_passes = passes(functools.partial(monitor_step, same_set, w, step), w.n * w.t)
-        floor_passes = passes(lambda: floor_step(w), w.n * w.t)
-        step += 1
-        with counting(device) as counts:
-            monitor_step(mon, w, step)
-        mon.wait_for_workers()
-        with counting(device) as recorded:
-            monitor_step(recording, w, step)
-        recording.wait_for_workers()
-        with counting(device) as judged:
-            monitor_step(anomalous, bad, step)
-        anomalous.wait_for_workers()
-        syncs: int | None = None
-        raised = ""
-        if w.old.device.type == "cuda":
-            step += 1
-            syncs, raised = synchronizations(mon, w, step)
-            mon.wait_for_workers()
-        renders = [_timed(lambda: generate_latest(mon.registry)) for _ in range(20)]
-        size = len(generate_latest(mon.registry))
+        median = _timed_rounds(m, rounds)
+        found = _counted(m, rounds + 3)
     finally:
-        mon.close()
-        recording.close()
-        same_set.close()
-        anomalous.close()
-        fixed.close()
-        records.cleanup()
+        m.close()
         quiet.disabled = was_disabled
-    median = {k: statistics.median(v) for k, v in times.items()}
+    w = m.w
     return SizeResult(
         loss_tokens=w.loss_tokens, n=w.n, t=w.t, monitor_s=median["monitor"], naive_s=median["naive"],
-        floor_s=median["floor"], worker_s=median["worker"], operators=ops, host_reads=counts.host_reads,
-        from_python=counts.from_python, render_s=statistics.median(renders), exposition_bytes=size,
-        recorder_s=median["recorder"], recorder_host_reads=recorded.host_reads, anomalous_s=median["anomalous"],
-        anomalous_host_reads=judged.host_reads, naive_core_s=median["naive_core"], same_set_s=median["same_set"],
-        page_faults=median["faults"],
-        syncs=syncs,
-        update_sync_error=raised,
-        shape=shape,
-        fixed_s=median["fixed"],
-        passes=step_passes,
-        floor_passes=floor_passes,
+        floor_s=median["floor"], worker_s=median["worker"], recorder_s=median["recorder"],
+        anomalous_s=median["anomalous"], naive_core_s=median["naive_core"], same_set_s=median["same_set"],
+        page_faults=median["faults"], fixed_s=median["fixed"], shape=shape, **found,
     )
 
 

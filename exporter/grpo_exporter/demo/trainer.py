@@ -143,23 +143,7 @@ class Trainer:
     def step(self, step: int) -> StepReport:
         c, f = self.config, self.faults
         rollout = self._rollout()
-        correct = self.task.score(rollout.prompts, rollout.completions, rollout.lengths)
-        if f.verifier_broken:
-            correct = torch.zeros_like(correct)
-        if f.reward_hack:
-            # the "format" component now pays for a quirk (answers opening with the first symbol) that the policy
-            # already produces sometimes, and outweighs correctness: right only when that symbol is in the prompt
-            fmt = (rollout.completions[:, 0] == FIRST_SYMBOL).float()
-            rewards = correct.float() + HACK_WEIGHT * fmt
-        else:
-            fmt = (~rollout.truncated).float()
-            rewards = correct.float() + c.format_weight * fmt
-        components = {"correctness": correct.float(), "format": fmt}
-        if c.partial_weight:
-            partial = self.task.partial(rollout.prompts, rollout.completions, rollout.lengths)
-            rewards = rewards + c.partial_weight * partial
-            components["partial"] = partial
-
+        correct, rewards, components = self._rewards(rollout)
         t = rollout.completions.shape[1]
         positions = torch.arange(t).unsqueeze(0) < rollout.lengths.unsqueeze(1)
         loss_mask = torch.ones_like(positions) if f.mask_covers_padding else positions
@@ -178,36 +162,11 @@ class Trainer:
             prompt_tokens=rollout.prompts,
         )
 
-        n = rewards.shape[0]
-        size = n // c.micro_batches
+        size = rewards.shape[0] // c.micro_batches
         self.optimizer.zero_grad()
         for i in range(c.micro_batches):
             rows = slice(i * size, (i + 1) * size)
-            logprobs, entropy = self._logprobs(rollout, rows)
-            old = old_logprobs[rows].clone()
-            if f.exp_before_clamp:  # a -inf sentinel from padding leaks into one loss token of each sequence
-                old[:, 0] = -math.inf
-            mask = loss_mask[rows]
-            adv = advantages[rows].unsqueeze(1)
-            log_ratio = logprobs - old
-            if f.exp_before_clamp:
-                ratio = torch.exp(log_ratio).clamp(max=math.exp(c.log_ratio_clamp))
-            else:
-                ratio = torch.exp(log_ratio.clamp(-c.log_ratio_clamp, c.log_ratio_clamp))
-            low, high = c.clip_eps
-            surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
-            loss = -(surrogate * mask).sum() / mask.sum().clamp(min=1)
-            if f.entropy_penalty:  # an entropy *penalty* (a bonus with the wrong sign) sharpens the policy
-                loss = loss + f.entropy_penalty * (entropy * mask).sum() / mask.sum().clamp(min=1)
-            scale = 1.0 if f.loss_not_divided_by_accumulation else 1.0 / c.micro_batches
-            (loss * scale).backward()
-            self.monitor.observe_update(
-                step, logprobs=logprobs.detach(), old_logprobs=old, advantages=advantages[rows], loss_mask=mask,
-                entropy=entropy.detach(), on_policy=rollout.policy_version == self.version,
-                policy_version=self.version, rollout_policy_version=rollout.policy_version,
-                rewards=rewards[rows], completion_lengths=rollout.lengths[rows],
-                completion_ids=rollout.completions[rows],
-            )
+            self._micro_batch(step, rollout, rows, old_logprobs, loss_mask, advantages, rewards)
         pre_clip = self.monitor.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)
         skipped = not bool(torch.isfinite(pre_clip))  # a real trainer skips a non-finite step
         if skipped:
@@ -219,6 +178,58 @@ class Trainer:
         return StepReport(step, float(rewards.mean()), float(correct.float().mean()),
                           float(rollout.truncated.float().mean()), float(pre_clip), skipped,
                           float(correct.view(-1, c.group_size).any(dim=1).float().mean()))
+
+    def _rewards(self, rollout: Rollout) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """(correct, total reward, components) of the rollout, with the reward faults switched on."""
+        c, f = self.config, self.faults
+        correct = self.task.score(rollout.prompts, rollout.completions, rollout.lengths)
+        if f.verifier_broken:
+            correct = torch.zeros_like(correct)
+        if f.reward_hack:
+            # the "format" component now pays for a quirk (answers opening with the first symbol) that the policy
+            # already produces sometimes, and outweighs correctness: right only when that symbol is in the prompt
+            fmt = (rollout.completions[:, 0] == FIRST_SYMBOL).float()
+            rewards = correct.float() + HACK_WEIGHT * fmt
+        else:
+            fmt = (~rollout.truncated).float()
+            rewards = correct.float() + c.format_weight * fmt
+        components = {"correctness": correct.float(), "format": fmt}
+        if c.partial_weight:
+            partial = self.task.partial(rollout.prompts, rollout.completions, rollout.lengths)
+            rewards = rewards + c.partial_weight * partial
+            components["partial"] = partial
+        return correct, rewards, components
+
+    def _micro_batch(self, step: int, rollout: Rollout, rows: slice, old_logprobs: Tensor, loss_mask: Tensor,
+                     advantages: Tensor, rewards: Tensor) -> None:
+        """One micro-batch's clipped surrogate loss, backpropagated (scaled for the accumulation unless the
+        fault leaves it undivided), and its tensors handed to the monitor."""
+        c, f = self.config, self.faults
+        logprobs, entropy = self._logprobs(rollout, rows)
+        old = old_logprobs[rows].clone()
+        if f.exp_before_clamp:  # a -inf sentinel from padding leaks into one loss token of each sequence
+            old[:, 0] = -math.inf
+        mask = loss_mask[rows]
+        adv = advantages[rows].unsqueeze(1)
+        log_ratio = logprobs - old
+        if f.exp_before_clamp:
+            ratio = torch.exp(log_ratio).clamp(max=math.exp(c.log_ratio_clamp))
+        else:
+            ratio = torch.exp(log_ratio.clamp(-c.log_ratio_clamp, c.log_ratio_clamp))
+        low, high = c.clip_eps
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
+        loss = -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+        if f.entropy_penalty:  # an entropy *penalty* (a bonus with the wrong sign) sharpens the policy
+            loss = loss + f.entropy_penalty * (entropy * mask).sum() / mask.sum().clamp(min=1)
+        scale = 1.0 if f.loss_not_divided_by_accumulation else 1.0 / c.micro_batches
+        (loss * scale).backward()
+        self.monitor.observe_update(
+            step, logprobs=logprobs.detach(), old_logprobs=old, advantages=advantages[rows], loss_mask=mask,
+            entropy=entropy.detach(), on_policy=rollout.policy_version == self.version,
+            policy_version=self.version, rollout_policy_version=rollout.policy_version,
+            rewards=rewards[rows], completion_lengths=rollout.lengths[rows],
+            completion_ids=rollout.completions[rows],
+        )
 
     def _rollout(self) -> Rollout:
         c, f = self.config, self.faults

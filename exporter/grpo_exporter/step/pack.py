@@ -96,73 +96,82 @@ def pack(entries: list[Entry]) -> Packed:
     concatenation. Scalars are stacked per dtype, vector readings and shared presence flags taken once each: a
     few dozen operators for a few hundred samples, where one conversion per sample cost ~5 each. A histogram
     travels whole (its counts, min and max), once however many readings it has."""
-    scalars: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    vectors: dict[int, Tensor] = {}
-    flags: dict[int, tuple[int, Tensor]] = {}
-    stacks: dict[int, tuple[int, Histogram]] = {}  # by id of the counts: (first row, histogram stack)
-    rows = 0
-    where: list[tuple[tuple[Any, int], tuple[Any, int], Kind]] = []  # (value, presence) as (group, index)
+    packer = _Packer()
+    for e in entries:
+        packer.place(e)
+    return packer.packed()
 
-    def scalar(t: Tensor) -> tuple[Any, int]:
-        group = scalars.setdefault((t.dtype, t.device), [])
+
+Slot = tuple[Any, int]  # (group, index): a scalar group (dtype, device), a vector (its id), "flags" or "rows"
+
+
+class _Packer:
+    """Places each entry's value and presence in a group (:data:`Slot`); :meth:`packed` lays the groups out."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        self.vectors: dict[int, Tensor] = {}
+        self.flags: dict[int, tuple[int, Tensor]] = {}
+        self.stacks: dict[int, tuple[int, Histogram]] = {}  # by id of the counts: (first row, histogram stack)
+        self.rows = 0
+        self.where: list[tuple[Slot, Slot, Kind]] = []  # (value, presence) of each entry
+        self.host: tuple[Any, Any] = (None, None)  # the last histogram reading and its place
+
+    def scalar(self, t: Tensor) -> Slot:
+        group = self.scalars.setdefault((t.dtype, t.device), [])
         group.append(t)
         return (t.dtype, t.device), len(group) - 1
 
-    host: tuple[Any, Any] = (None, None)  # the last histogram reading and its position
-    for e in entries:
+    def vector(self, t: Tensor, index: int) -> Slot:
+        self.vectors.setdefault(id(t), t)
+        return id(t), index
+
+    def place(self, e: Entry) -> None:
         r = e.reading
-        if r is host[0]:  # the next sample of a histogram reading (a bucket, a quantile): the same position
-            where.append(host[1])
-            continue
-        if isinstance(r, HostReading):
+        if r is self.host[0]:  # the next sample of a histogram reading (a bucket, a quantile): the same place
+            self.where.append(self.host[1])
+        elif isinstance(r, HostReading):
             h = r.stack
-            if id(h.counts) not in stacks:
-                stacks[id(h.counts)] = (rows, h)
-                rows += h.counts.numel() // BUCKETS
-                vectors.setdefault(id(h.minimum), h.minimum)
-                vectors.setdefault(id(h.maximum), h.maximum)
-            host = (r, (("rows", stacks[id(h.counts)][0] + (r.row or 0)), ("rows", 0), HOST))
-            where.append(host[1])
-            continue
-        if isinstance(r, Witnessed):
-            at = scalar(r.witness)
-            where.append((at, at, WITNESSED))
-            continue
-        if isinstance(r, Ratio):
-            if r.numerator.dim() == 0:
-                where.append((scalar(r.numerator), scalar(r.denominator), RATIO))
-            else:  # a vector of ratios (pass@k for every k): ``e.index`` picks one
-                vectors.setdefault(id(r.numerator), r.numerator)
-                vectors.setdefault(id(r.denominator), r.denominator)
-                where.append(((id(r.numerator), e.index), (id(r.denominator), e.index), RATIO))
-            continue
-        value, present = r.value, r.present
-        flag = ("flags", flags.setdefault(id(present), (len(flags), present))[0])
-        if value.dim() == 0:
-            where.append((scalar(value), flag, PLAIN))
+            if id(h.counts) not in self.stacks:
+                self.stacks[id(h.counts)] = (self.rows, h)
+                self.rows += h.counts.numel() // BUCKETS
+                self.vector(h.minimum, 0)
+                self.vector(h.maximum, 0)
+            self.host = (r, (("rows", self.stacks[id(h.counts)][0] + (r.row or 0)), ("rows", 0), HOST))
+            self.where.append(self.host[1])
+        elif isinstance(r, Witnessed):
+            at = self.scalar(r.witness)
+            self.where.append((at, at, WITNESSED))
+        elif isinstance(r, Ratio) and r.numerator.dim() == 0:
+            self.where.append((self.scalar(r.numerator), self.scalar(r.denominator), RATIO))
+        elif isinstance(r, Ratio):  # a vector of ratios (pass@k for every k): ``e.index`` picks one
+            self.where.append((self.vector(r.numerator, e.index), self.vector(r.denominator, e.index), RATIO))
         else:
-            vectors.setdefault(id(value), value)
-            where.append(((id(value), e.index), flag, PLAIN))
-    parts: list[Tensor] = []
-    start: dict[Any, int] = {"rows": 0}  # a histogram reading's position is its row, not a packed offset
-    offset = 0
-    for kind, group in scalars.items():
-        parts.append(torch.stack(group))
-        start[kind], offset = offset, offset + len(group)
-    for vid, vector in vectors.items():
-        parts.append(flat(vector))
-        start[vid], offset = offset, offset + vector.numel()
-    if flags:
-        device = next(iter(flags.values()))[1].device
-        parts.append(torch.stack([f if f.device == device else f.to(device) for _, f in flags.values()]))
-        start["flags"] = offset
-    extremes = [
-        (start[id(h.minimum)] + i, start[id(h.maximum)] + i)
-        for _, h in stacks.values() for i in range(h.counts.numel() // BUCKETS)
-    ]
-    histograms = [flat(h.counts) for _, h in stacks.values()]
-    positions = [Position(start[v[0]] + v[1], start[p[0]] + p[1], kind) for v, p, kind in where]
-    return Packed(parts, histograms, positions, extremes)
+            flag = ("flags", self.flags.setdefault(id(r.present), (len(self.flags), r.present))[0])
+            value = self.scalar(r.value) if r.value.dim() == 0 else self.vector(r.value, e.index)
+            self.where.append((value, flag, PLAIN))
+
+    def packed(self) -> Packed:
+        parts: list[Tensor] = []
+        start: dict[Any, int] = {"rows": 0}  # a histogram reading's position is its row, not a packed offset
+        offset = 0
+        for key, group in self.scalars.items():
+            parts.append(torch.stack(group))
+            start[key], offset = offset, offset + len(group)
+        for vid, vector in self.vectors.items():
+            parts.append(flat(vector))
+            start[vid], offset = offset, offset + vector.numel()
+        if self.flags:
+            device = next(iter(self.flags.values()))[1].device
+            parts.append(torch.stack([f if f.device == device else f.to(device) for _, f in self.flags.values()]))
+            start["flags"] = offset
+        extremes = [
+            (start[id(h.minimum)] + i, start[id(h.maximum)] + i)
+            for _, h in self.stacks.values() for i in range(h.counts.numel() // BUCKETS)
+        ]
+        histograms = [flat(h.counts) for _, h in self.stacks.values()]
+        positions = [Position(start[v[0]] + v[1], start[p[0]] + p[1], kind) for v, p, kind in self.where]
+        return Packed(parts, histograms, positions, extremes)
 
 
 def flat(t: Tensor) -> Tensor:
