@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_exporter.functional import histogram as hist
+from grpo_exporter.functional import histogram_host as host
 from grpo_exporter.functional import reading
 from grpo_exporter.functional.reading import filled, keep_bits, sum64, zeroed
 
@@ -37,7 +38,7 @@ def test_documented_error_is_at_most_one_percent():
 def test_quantiles_within_the_documented_error_of_numpy(values, keep):
     x = torch.tensor(values, dtype=torch.float32)
     valid = torch.tensor(keep[: len(values)])
-    r = hist.masked_quantiles(x, valid, QS)
+    r = host.masked_quantiles(x, valid, QS)
     chosen = x[valid].double().numpy()
     assert bool(r.present) is bool(chosen.size)
     if chosen.size:
@@ -57,16 +58,16 @@ def test_heavy_tailed_sample_of_a_million(seed):
     valid = torch.rand(1_000_000, generator=gen) < 0.7
     qs = (0.0, 1e-4, 0.01, 0.25, 0.5, 0.9, 0.99, 0.999, 0.9999, 1.0)
     chosen = x[valid].double().numpy()
-    assert within(hist.masked_quantiles(x, valid, qs).value.double().numpy(), np.quantile(chosen, qs))
+    assert within(host.masked_quantiles(x, valid, qs).value.double().numpy(), np.quantile(chosen, qs))
 
 
 @pytest.mark.parametrize("value", [0.0, 1e-3, 1.0, 1.2, 4096.0])
 def test_constant_input_reads_back_exactly(value):
     x = torch.full((10_000,), value)
     exact = x[0].item()  # the value in fp32
-    r = hist.masked_quantiles(x, torch.ones_like(x, dtype=torch.bool), QS)
+    r = host.masked_quantiles(x, torch.ones_like(x, dtype=torch.bool), QS)
     assert r.value.tolist() == [exact] * len(QS)  # clamped into [min, max] = [value, value]
-    top = hist.top_fraction_mean(x, torch.ones_like(x, dtype=torch.bool), 0.2).value.item()
+    top = host.top_fraction_mean(x, torch.ones_like(x, dtype=torch.bool), 0.2).value.item()
     assert top == pytest.approx(exact, rel=TOL)  # no minimum is kept for it: within the bucket's error
 
 
@@ -74,7 +75,7 @@ def test_constant_input_reads_back_exactly(value):
 @given(values=st.lists(in_range, min_size=1, max_size=200), fraction=st.sampled_from([0.05, 0.2, 0.5, 1.0]))
 def test_top_fraction_mean_within_the_documented_error(values, fraction):
     x = torch.tensor(values, dtype=torch.float32)
-    got = hist.top_fraction_mean(x, torch.ones_like(x, dtype=torch.bool), fraction).value.item()
+    got = host.top_fraction_mean(x, torch.ones_like(x, dtype=torch.bool), fraction).value.item()
     k = max(1, math.ceil(Fraction(str(fraction)) * len(values)))
     want = float(np.mean(np.sort(x.double().numpy())[::-1][:k]))
     assert abs(got - want) <= TOL * want * (1 + 1e-6)
@@ -82,9 +83,9 @@ def test_top_fraction_mean_within_the_documented_error(values, fraction):
 
 def test_infinities_and_empty_samples():
     x = torch.tensor([0.0, 1.0, 1.0, math.inf])
-    r = hist.masked_quantiles(x, torch.ones(4, dtype=torch.bool), (0.0, 0.2, 0.5, 0.9, 1.0))
+    r = host.masked_quantiles(x, torch.ones(4, dtype=torch.bool), (0.0, 0.2, 0.5, 0.9, 1.0))
     assert r.value.tolist() == [0.0, pytest.approx(0.6, rel=TOL), pytest.approx(1.0, rel=TOL), math.inf, math.inf]
-    empty = hist.masked_quantiles(x, torch.zeros(4, dtype=torch.bool), (0.5, 1.0))
+    empty = host.masked_quantiles(x, torch.zeros(4, dtype=torch.bool), (0.5, 1.0))
     assert not empty.present
     assert empty.value.tolist() == [0.0, 0.0]
 
@@ -118,7 +119,7 @@ def test_counts_equal_the_bucket_of_each_value_searched_in_the_edges(shape):
 def test_buckets_are_half_open_from_below_so_le_is_exact():
     bounds = (1.0, 2.0, 256.0)
     x = torch.tensor([0.5, 1.0, 1.0000001, 2.0, 255.0, 256.0, 257.0, 1e12])
-    counts = hist.cumulative_buckets(hist.histogram(x, torch.ones(8, dtype=torch.bool)), bounds)
+    counts = host.cumulative_buckets(hist.histogram(x, torch.ones(8, dtype=torch.bool)), bounds)
     assert counts.tolist() == [2, 4, 6, 8]
 
 
@@ -138,8 +139,8 @@ def test_summed_counts_read_exactly_as_the_concatenated_sample():
     merged = hist.Histogram(sum(p.counts for p in parts), min(p.minimum for p in parts), max(p.maximum for p in parts))
     whole = hist.histogram(x, valid)
     assert torch.equal(merged.counts, whole.counts)
-    assert torch.equal(hist.quantile_values(merged, QS), hist.quantile_values(whole, QS))
-    assert torch.equal(hist.top_mean_value(merged, 0.2), hist.top_mean_value(whole, 0.2))
+    assert torch.equal(host.quantile_values(merged, QS), host.quantile_values(whole, QS))
+    assert torch.equal(host.top_mean_value(merged, 0.2), host.top_mean_value(whole, 0.2))
 
 
 @pytest.mark.parametrize("small", [1 << 16, 0], ids=["where", "bit-masks"])
@@ -203,14 +204,14 @@ def test_a_stack_of_histograms_reads_as_each_one_alone():
     members = torch.stack([torch.ones_like(correct), correct, ~correct, torch.zeros_like(correct)])
     stack = hist.histograms(x, members)
     qs = (0.0, 0.5, 0.99, 1.0)
-    batched = hist.quantile_values(stack, qs)
-    buckets = hist.cumulative_buckets(stack, (32.0, 256.0, 1024.0))
+    batched = host.quantile_values(stack, qs)
+    buckets = host.cumulative_buckets(stack, (32.0, 256.0, 1024.0))
     for i, subset in enumerate(members):
         alone = hist.histogram(x, subset)
         assert torch.equal(stack.counts[i], alone.counts)
         assert stack.minimum[i] == alone.minimum
         assert stack.maximum[i] == alone.maximum
-        assert torch.equal(batched[i], hist.quantile_values(alone, qs))
-        assert torch.equal(buckets[i], hist.cumulative_buckets(alone, (32.0, 256.0, 1024.0)))
+        assert torch.equal(batched[i], host.quantile_values(alone, qs))
+        assert torch.equal(buckets[i], host.cumulative_buckets(alone, (32.0, 256.0, 1024.0)))
     assert batched[3].eq(0).all()
     assert buckets[3].eq(0).all()

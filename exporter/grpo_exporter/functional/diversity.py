@@ -15,7 +15,8 @@ from torch import Tensor
 
 from grpo_exporter.functional.constants import cached_constant, constant
 from grpo_exporter.functional.groups import Groups
-from grpo_exporter.functional.histogram import TopMean, histogram
+from grpo_exporter.functional.histogram import histogram
+from grpo_exporter.functional.histogram_host import TopMean
 from grpo_exporter.functional.reading import Ratio, count, fraction, sum64
 
 

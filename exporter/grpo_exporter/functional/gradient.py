@@ -16,7 +16,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.histogram import Quantiles, histogram
+from grpo_exporter.functional.histogram import histogram
+from grpo_exporter.functional.histogram_host import Quantiles
 from grpo_exporter.functional.reading import (
     Extreme,
     Ratio,

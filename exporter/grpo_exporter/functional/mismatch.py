@@ -30,7 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.histogram import Quantiles, histogram
+from grpo_exporter.functional.histogram import histogram
+from grpo_exporter.functional.histogram_host import Quantiles
 from grpo_exporter.functional.reading import Ratio, count, finite, fraction, keep_bits, sum64, zeroed
 
 LOG_WEIGHT_BOUND = 20.0  # |log w| clamp before exp (verl SAFETY_BOUND): finite readings for any gap

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.groups import Groups, group_stats
-from grpo_exporter.functional.histogram import Quantiles, histograms
+from grpo_exporter.functional.histogram import histograms
+from grpo_exporter.functional.histogram_host import Quantiles
 from grpo_exporter.functional.reading import Extreme, Ratio, count, filled, finite, fraction, masked_max
 
 

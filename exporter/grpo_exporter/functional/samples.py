@@ -18,7 +18,8 @@ from torch import Tensor
 from grpo_exporter.functional.constants import constant
 from grpo_exporter.functional.gradient import LogRatio
 from grpo_exporter.functional.groups import Groups, group_stats
-from grpo_exporter.functional.histogram import Quantiles, histogram
+from grpo_exporter.functional.histogram import histogram
+from grpo_exporter.functional.histogram_host import Quantiles
 from grpo_exporter.functional.reading import (
     Ratio,
     count,

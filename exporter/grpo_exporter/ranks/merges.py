@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.catalog import Merge
-from grpo_exporter.functional import histogram, samples
-from grpo_exporter.functional.histogram import Quantiles, TopMean
+from grpo_exporter.functional import histogram, histogram_host, samples
+from grpo_exporter.functional.histogram_host import Quantiles, TopMean
 from grpo_exporter.functional.reading import Ratio
 from grpo_exporter.ranks.layout import Layout
 from grpo_exporter.step import Entry
@@ -191,7 +191,7 @@ class HistogramMerge(KindMerge):
 
     def finish(self, reduced_max: Tensor, reduced_sum: Tensor, merged: dict[int, float], present: Tensor) -> None:
         extremes = reduced_max.view(-1, 2)
-        hists = histogram.HostHistograms(reduced_sum, (-extremes[:, 1]).tolist(), extremes[:, 0].tolist())
+        hists = histogram_host.HostHistograms(reduced_sum, (-extremes[:, 1]).tolist(), extremes[:, 0].tolist())
         for i in self.slots:
             s = self.layout.slots[i]
             values: list[float] | None
@@ -204,7 +204,7 @@ class HistogramMerge(KindMerge):
             if values is None:
                 present[i] = 0.0
             else:
-                merged[i] = histogram.f32(values[0])
+                merged[i] = histogram_host.f32(values[0])
 
 
 #: the kinds in the order they lie in the transfer and in each reduction

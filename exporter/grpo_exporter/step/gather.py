@@ -20,7 +20,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.catalog import SampleKey, format_quantile
-from grpo_exporter.functional.histogram import Buckets, HostHistograms, HostReading, Quantiles
+from grpo_exporter.functional.histogram_host import Buckets, HostHistograms, HostReading, Quantiles
 from grpo_exporter.functional.reading import Ratio, always
 from grpo_exporter.inputs import InputError
 from grpo_exporter.step.pack import (

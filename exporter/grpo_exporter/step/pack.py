@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.catalog import SampleKey
-from grpo_exporter.functional.histogram import BUCKETS, Histogram, HostReading
+from grpo_exporter.functional.histogram import BUCKETS, Histogram
+from grpo_exporter.functional.histogram_host import HostReading
 from grpo_exporter.functional.reading import Ratio, count_nonfinite
 
 StepMetrics = dict[str, float]  # keyed by SampleKey (a str)
@@ -61,7 +62,7 @@ class Position(NamedTuple):
     """Where an entry's value is after the transfer. ``kind`` PLAIN: ``value`` and ``present`` (a flag) index
     the packed block; RATIO: its numerator (``value``) and denominator (``present``): the host divides, and the
     ratio is absent when the denominator is 0; HOST: ``value`` is the first row of the entry's histogram among
-    the block's histogram rows, read on the host (:class:`~grpo_exporter.functional.histogram.HostHistograms`)."""
+    the block's histogram rows, read on the host (:class:`~grpo_exporter.functional.histogram_host.HostHistograms`)."""
 
     value: int
     present: int
