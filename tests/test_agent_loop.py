@@ -63,3 +63,16 @@ def test_a_wrong_count_names_the_field_and_is_counted_outside_strict_mode(bad, f
         mon.end_step()
         assert registry_value(mon, 'grpo_exporter_errors_total{stage="rollout"}') == 1
     assert f"`{field}`" in caplog.text
+
+
+def test_completions_dropped_as_stale_are_counted_from_the_loops_running_total() -> None:
+    """verl's fully-async rollouter reports a running total (count/dropped_stale_samples); the counter adds what
+    is new at each rollout, and a total that falls (the rollouter restarted) is all new."""
+    with GRPOMonitor(run="async", strict=True, **SETTINGS) as mon:
+        for step, total in enumerate((5, 5, 9, 2)):
+            mon.observe_rollout(step, **rollout([1, 1, 1, 1], [False] * 4), dropped_stale_total=total)
+            mon.end_step()
+        assert registry_value(mon, "grpo_dropped_stale_completions_total") == 5 + 0 + 4 + 2
+    with GRPOMonitor(run="async", strict=True, **SETTINGS) as mon, pytest.raises(InputError) as raised:
+        mon.observe_rollout(0, **rollout([1, 1, 1, 1], [False] * 4), dropped_stale_total=-1)
+    assert raised.value.field == "dropped_stale_total"

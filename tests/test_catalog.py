@@ -70,7 +70,8 @@ def test_every_step_metric_is_computed_from_a_full_batch():
 
 def test_metric_inputs_are_step_fields_or_config():
     known = {f.name for f in dataclasses.fields(StepInputs)} | set(MonitorConfig.model_fields)
-    known |= {"retrieval_scores", "preflight_report"}  # arguments of observe_retrieval and publish_check
+    # arguments of observe_retrieval and publish_check, and observe_rollout's running total the monitor counts
+    known |= {"retrieval_scores", "preflight_report", "dropped_stale_total"}
     for m in CATALOG:
         for spec in m.inputs:
             assert set(spec.split("|")) <= known, (m.name, spec)

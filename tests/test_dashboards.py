@@ -122,7 +122,8 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
                 rollout = rollout_kwargs(x)
                 if step == 3:  # one NaN reward: the flight recorder writes an incident (the evidence panel)
                     rollout["rewards"] = rollout["rewards"].clone().index_fill_(0, torch.tensor([5]), float("nan"))
-                mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8, tool_calls=60, tool_failures=3)
+                mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8, tool_calls=60, tool_failures=3,
+                                    dropped_stale_total=2 * step)
                 mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step)
                 model(torch.randn(5, 4)).square().sum().backward()
                 mon.clip_grad_norm_(model.parameters(), 0.5)

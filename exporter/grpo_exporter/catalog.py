@@ -480,6 +480,13 @@ CATALOG: tuple[Metric, ...] = (
         S, "steps", inputs=("policy_version", "rollout_policy_version"), source=Source.MONITOR,
     ),
     Metric(
+        "grpo_dropped_stale_completions_total", C,
+        "Completions an asynchronous loop generated and then dropped as too stale to train on (verl fully-async's "
+        "fully_async/count/dropped_stale_samples), counted from the loop's own running total: generation that "
+        "never reached the gradient. Over grpo_completions_total: the share of generation wasted to staleness.",
+        S, "completions", inputs=("dropped_stale_total",), source=Source.MONITOR,
+    ),
+    Metric(
         "grpo_kl_ref_nats", GA,
         "Mean per-token KL(pi_theta || pi_ref) over loss tokens with the k3 estimator "
         "exp(ref - logp) - (ref - logp) - 1 (unbiased, non-negative), nats.",

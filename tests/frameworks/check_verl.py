@@ -309,6 +309,7 @@ def test_fully_async_batches_give_the_rollout_staleness() -> None:
     n = len(data)
     data.non_tensor_batch["min_global_steps"] = np.array([10] * (n - 3) + [9, 9, 3])
     data.non_tensor_batch["max_global_steps"] = np.full(n, 10)
+    data.meta_info["count/dropped_stale_samples"] = 4  # what assemble_batch_from_rollout_samples copies in
     monitor = GRPOMonitor(run="verl-async", group_size=G, port=None, strict=True, close_linger_s=0)
     observe_dataproto(monitor, data, step=5, policy_version=10)
     observe_actor_metrics(monitor, 5, {"actor/grad_norm": 1.0})
@@ -317,6 +318,7 @@ def test_fully_async_batches_give_the_rollout_staleness() -> None:
     assert m["grpo_rollout_staleness_versions"] == 7
     assert m["grpo_stale_update_steps_total"] == 1
     assert m["grpo_partial_completions_total"] == 3  # begun on older weights, finished on 10: partial rollouts
+    assert m["grpo_dropped_stale_completions_total"] == 4  # the rollouter's running total, first seen
 
 
 def test_every_verl_metric_the_mapping_names_is_in_verls_source() -> None:

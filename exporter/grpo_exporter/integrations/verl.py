@@ -75,6 +75,10 @@ VERL_METRICS: Mapping[str, tuple[str, str]] = {
     "fully_async/partial/total_partial_num": ("increase(grpo_partial_completions_total[w])", "same"),
     "fully_async/partial/partial_ratio": (
         "increase(grpo_partial_completions_total[w]) / increase(grpo_completions_total[w])", "same"),
+    "fully_async/count/dropped_stale_samples": (
+        "grpo_dropped_stale_completions_total",
+        "same count (the batch's meta_info count/dropped_stale_samples); verl's runs since its rollouter started, "
+        "this counter since the exporter did"),
 }
 
 
@@ -123,7 +127,9 @@ def observe_dataproto(
       ``policy_version`` (default ``step``) give the rollout staleness. The engine gap is read only when every
       trajectory was generated on ``policy_version`` alone (``min_global_steps`` and ``max_global_steps`` equal
       to it): on older weights the difference to the old log-probs is the policy lag, not an engine fault, so
-      the gap is absent for such batches (said once).
+      the gap is absent for such batches (said once). Partial rollouts (``max_global_steps`` above
+      ``min_global_steps``) are counted, and the rollouter's running total of samples it dropped as too stale
+      (``meta_info["count/dropped_stale_samples"]``) is counted as it grows.
     * ``response_window``: the response length at which verl cuts a response (``rollout.response_length``);
       default the batch's width (v0 pads every response to it).
     """
@@ -153,6 +159,9 @@ def observe_dataproto(
         device = responses.device
         rollout |= _verdicts(rows, correct_key, prompt_key, component_keys, verifier_threshold, device)
         rollout |= _agent_loop_counts(extra, rows.extra, device)
+        dropped = data.meta_info.get("count/dropped_stale_samples")  # the fully-async rollouter's running total
+        if dropped is not None:
+            rollout["dropped_stale_total"] = int(dropped)
         monitor.observe_rollout(step, **rollout)
         more: dict[str, Any] = {}
         started = rows.extra("min_global_steps") if "min_global_steps" in extra else ()

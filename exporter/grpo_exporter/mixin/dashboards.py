@@ -215,10 +215,11 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q(f'max by (run) (grpo_completion_turns{{quantile="1",{SEL}}})', "max turns {{run}}"),
                    q(f"sum by (run) (increase(grpo_tool_calls_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "tool calls {{run}}")),
                   "none", min=0),
-        PanelSpec("Do tools fail, and do completions span a weight update?",
-                  "Failed share of tool calls (reward the model cannot earn), and completions generated over more than one policy version (partial rollouts resumed on newer weights).",
+        PanelSpec("Do tools fail, and what does asynchronous generation lose?",
+                  "Failed share of tool calls (reward the model cannot earn); completions generated over more than one policy version (partial rollouts resumed on newer weights) and completions dropped as too stale, per completion trained on.",
                   (q(f"sum by (run) (increase(grpo_tool_call_failures_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_tool_calls_total{{{SEL}}}[{W}]))", "tool failures {{run}}"),
-                   q(f"sum by (run) (increase(grpo_partial_completions_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "partial {{run}}")),
+                   q(f"sum by (run) (increase(grpo_partial_completions_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "partial {{run}}"),
+                   q(f"sum by (run) (increase(grpo_dropped_stale_completions_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "dropped stale {{run}}")),
                   "percentunit", min=0),
     ))
     layer3 = RowSpec("3 · How many samples decide this update?", (

@@ -177,6 +177,7 @@ class GRPOMonitor:
         partial: Tensor | None = None,
         tool_calls: int | None = None,
         tool_failures: int | None = None,
+        dropped_stale_total: int | None = None,
     ) -> None:
         """Rollout-level metrics, once per rollout batch (one host transfer).
 
@@ -185,7 +186,8 @@ class GRPOMonitor:
         integers. ``prompt_tokens`` (N, S) prompt token ids are read only by the flight recorder
         (``recorder_dir``), for its rows. Multi-turn and asynchronous loops add what they count themselves:
         ``turns`` (N,) model turns per completion, ``partial`` (N,) completions generated over more than one
-        policy version, ``tool_calls`` and ``tool_failures`` this batch's tool calls and failed ones (ints)."""
+        policy version, ``tool_calls`` and ``tool_failures`` this batch's tool calls and failed ones (ints), and
+        ``dropped_stale_total`` the loop's running total of completions it dropped as too stale (an int)."""
         step = self._check_call("observe_rollout", step)
         fields = {
             "rewards": rewards, "group_ids": group_ids, "correct": correct, "truncated": truncated,
@@ -197,7 +199,7 @@ class GRPOMonitor:
         violations: list[guard.Violation] = []
         with self._report.stage("rollout"):
             self._stages.advance(step)
-            violations = self._stages.rollout(step, fields, prompt_ids, prompt_tokens)
+            violations = self._stages.rollout(step, fields, prompt_ids, prompt_tokens, dropped_stale_total)
         self._stages.enforce(violations)
 
     def observe_update(

@@ -81,6 +81,14 @@ class RunState:
         self.held_audit: dict[str, float] | None = None
         self.param_snapshot: list[Tensor] | None = None
         self.checks: dict[str, float] = {}
+        self.dropped_stale_total: int | None = None  # the loop's own running total, as last seen
+
+    def dropped_stale(self, total: int) -> Derived:
+        """The completions dropped as stale since the last rollout, from the loop's running ``total`` (a total
+        below the last one is a restarted loop: all of it is new)."""
+        last, self.dropped_stale_total = self.dropped_stale_total, total
+        new = total if last is None or total < last else total - last
+        return Derived(increments={catalog.key("grpo_dropped_stale_completions_total"): float(new)})
 
     def advance(self, step: int) -> bool:
         """Record the step number; whether it is a new largest one (``grpo_steps_total`` counts those once and

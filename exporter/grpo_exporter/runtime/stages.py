@@ -78,10 +78,17 @@ class Stages:
 
     # ---- the rollout -----------------------------------------------------------------------------------
 
-    def rollout(self, step: int, fields: dict[str, Any], prompt_ids: Any, prompt_tokens: Tensor | None
-                ) -> list[guard.Violation]:
+    def rollout(self, step: int, fields: dict[str, Any], prompt_ids: Any, prompt_tokens: Tensor | None,
+                dropped_stale_total: int | None = None) -> list[guard.Violation]:
         """One rollout batch: ``fields`` are observe_rollout's StepInputs keywords (ids as given)."""
         violations = self.publish_held_audit()  # the last step had no update to audit its mask
+        if dropped_stale_total is not None:
+            with self.report.contained("rollout"):
+                if not isinstance(dropped_stale_total, int) or isinstance(dropped_stale_total, bool) or (
+                        dropped_stale_total < 0):
+                    raise InputError("dropped_stale_total", "a Python int >= 0 (the loop's running total)",
+                                     describe(dropped_stale_total))
+                self.publication.add(self.state.dropped_stale(dropped_stale_total).increments)
         inputs: StepInputs | None = None
         prediction, carry = Prediction(), dict[str, Tensor]()
         with self.report.contained("rollout"):
