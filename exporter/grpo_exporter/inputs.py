@@ -102,6 +102,13 @@ class InputError(ValueError):
         super().__init__(f"`{name}`: expected {expected}, got {received}")
 
 
+def check_count(name: str, value: Any, what: str = "a count") -> None:
+    """None, or a Python int >= 0 (a count a framework kept on the host); else :class:`InputError` naming
+    ``name``."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise InputError(name, f"a Python int >= 0 ({what})", describe(value))
+
+
 def describe(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"tensor of shape {tuple(value.shape)}, dtype {value.dtype}, device {value.device}"
@@ -321,9 +328,7 @@ class _Validator:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise InputError(name, "a Python int", describe(value))
         for name in COUNTS:
-            value = getattr(self.x, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise InputError(name, "a Python int >= 0 (a count)", describe(value))
+            check_count(name, getattr(self.x, name))
         calls, failures = self.x.tool_calls, self.x.tool_failures
         if failures is not None and calls is not None and failures > calls:
             raise InputError("tool_failures", f"at most tool_calls ({calls})", describe(failures))

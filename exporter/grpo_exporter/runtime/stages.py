@@ -21,7 +21,7 @@ from torch import Tensor
 from grpo_exporter import catalog
 from grpo_exporter.functional.diversity import retrieval_accuracy
 from grpo_exporter.ids import id_tensor
-from grpo_exporter.inputs import InputError, StepInputs, describe, fields_where
+from grpo_exporter.inputs import InputError, StepInputs, check_count, describe, fields_where
 from grpo_exporter.ranks import distributed
 from grpo_exporter.recorder import FlightRecorder
 from grpo_exporter.runtime import guard
@@ -84,10 +84,7 @@ class Stages:
         violations = self.publish_held_audit()  # the last step had no update to audit its mask
         if dropped_stale_total is not None:
             with self.report.contained("rollout"):
-                if not isinstance(dropped_stale_total, int) or isinstance(dropped_stale_total, bool) or (
-                        dropped_stale_total < 0):
-                    raise InputError("dropped_stale_total", "a Python int >= 0 (the loop's running total)",
-                                     describe(dropped_stale_total))
+                check_count("dropped_stale_total", dropped_stale_total, "the loop's running total")
                 self.publication.add(self.state.dropped_stale(dropped_stale_total).increments)
         inputs: StepInputs | None = None
         prediction, carry = Prediction(), dict[str, Tensor]()

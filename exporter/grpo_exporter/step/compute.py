@@ -8,8 +8,6 @@ transfer, and the runtime merges after the step (:attr:`StepResult.merge_host`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -17,7 +15,7 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.step.blocks import diversity, gradient, reward, samples
 from grpo_exporter.step.context import Context
-from grpo_exporter.step.gather import Gather, Merger
+from grpo_exporter.step.gather import Gather, Merger, StepResult
 from grpo_exporter.step.pack import StepMetrics
 from grpo_exporter.step.registry import Block
 
@@ -29,21 +27,6 @@ def compute_step(inputs: StepInputs, config: MetricsConfig) -> StepMetrics:
     multiple of ``group_size`` without ``group_ids``), and any error of a metric block (strict).
     """
     return compute_step_carrying(inputs, config, {}, strict=True).metrics
-
-
-class StepResult(NamedTuple):
-    """What one computation produced: values of present metrics, carried vectors, the errors of metric
-    blocks (non-strict), and every family computed on this rank, present or absent (what the publication
-    replaces; a family that failed keeps describing its last computation). For the merge across ranks, run by
-    the runtime after the step: the tags that ``failed`` here and ``merge_host``, the merger's transferred
-    parts (None without a merger)."""
-
-    metrics: StepMetrics
-    carried: dict[str, Tensor]
-    errors: list[tuple[str, Exception]]
-    families: frozenset[str]
-    failed: frozenset[str] = frozenset()
-    merge_host: list[float] | None = None
 
 
 def compute_step_carrying(
@@ -79,10 +62,10 @@ def compute_step_carrying(
         # across ranks this rank adds nothing to the others' union
         for block in stage if not inputs.empty else ():
             out.run(block, ctx, strict)
-        done = out.transfer(merger, tags)
-    if strict and out.errors and merger is None:  # with a merger, the caller raises after the ranks merged
-        raise out.errors[0][1]
-    return StepResult(done.metrics, done.carried, out.errors, done.families, done.failed, done.merge_host)
+        result = out.transfer(merger, tags)
+    if strict and result.errors and merger is None:  # with a merger, the caller raises after the ranks merged
+        raise result.errors[0][1]
+    return result
 
 
 #: the layers' block modules, in the order their blocks run and lay out the transfer (each module's blocks in

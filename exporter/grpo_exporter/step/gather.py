@@ -4,7 +4,7 @@ Metric blocks add readings to a :class:`Gather` under catalogue sample keys; :me
 them (:mod:`grpo_exporter.step.pack`), moves the block to the host once, and reads every value back there:
 ratios divided, histograms read, the inputs' value checks, and the carried vectors. What the merge across
 ranks needs from the device (a :class:`Merger`'s parts) rides in the same transfer; the merge itself is the
-runtime's to call, after the step (:class:`Transferred` hands it its part of the block).
+runtime's to call, after the step (:class:`StepResult` hands it its part of the block).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -47,22 +47,24 @@ if TYPE_CHECKING:
 class Merger(Protocol):
     """Merges a stage's readings across ranks around the step's single transfer (see
     :mod:`grpo_exporter.ranks.distributed`): its device parts go into the one transfer; the runtime runs the
-    merge on the host after the step, with the transferred parts (:attr:`Transferred.merge_host`)."""
+    merge on the host after the step, with the transferred parts (:attr:`StepResult.merge_host`)."""
 
     def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor | None: ...
 
 
-@dataclass(frozen=True)
-class Transferred:
-    """A stage's readings on the host: ``metrics`` (this rank's), ``carried`` vectors, the ``families``
-    computed, the tags that ``failed`` (blocks, input values), and ``merge_host``: the merger's parts of the
-    transferred block (None without a merger)."""
+class StepResult(NamedTuple):
+    """What one computation produced: values of present metrics, carried vectors, the errors of metric
+    blocks (non-strict), and every family computed on this rank, present or absent (what the publication
+    replaces; a family that failed keeps describing its last computation). For the merge across ranks, run by
+    the runtime after the step: the tags that ``failed`` here and ``merge_host``, the merger's transferred
+    parts (None without a merger)."""
 
     metrics: StepMetrics
     carried: dict[str, Tensor]
+    errors: list[tuple[str, Exception]]
     families: frozenset[str]
-    failed: frozenset[str]
-    merge_host: list[float] | None
+    failed: frozenset[str] = frozenset()
+    merge_host: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ class Gather:
             self.failed.update(block.tags)
             self.errors.append((block.name, exc))
 
-    def transfer(self, merger: Merger | None, stage_tags: set[str]) -> Transferred:
+    def transfer(self, merger: Merger | None, stage_tags: set[str]) -> StepResult:
         """The single device-to-host transfer of the step: every reading, the value checks of the inputs (a
         numeric mask holding other values than 0 and 1), with ``merger`` what the merge across ranks needs,
         and the carried vectors; then, on the host, the checks. The carried vectors stay CPU tensors (views of
@@ -204,7 +206,7 @@ class Gather:
             metrics, families = self._read(host, packed, packed_parts, layout, stage_tags)
         carried = {name: host[start : start + width] for name, start, width in layout.carried_at()}
         merge_host = packed[layout.merge_at : layout.listed] if extra is not None else None
-        return Transferred(metrics, carried, families, frozenset(self.failed), merge_host)
+        return StepResult(metrics, carried, self.errors, families, frozenset(self.failed), merge_host)
 
     def _read(
         self, host: Tensor, packed: list[float], packed_parts: Packed, layout: TransferLayout, stage_tags: set[str],
