@@ -33,7 +33,7 @@ def test_the_training_graph_backpropagates_after_the_monitor_read_its_tensors():
 
 
 def test_constants_cached_during_a_step_are_normal_tensors_that_autograd_can_save():
-    makers = (reading._true, histogram._midpoints, histogram._zero, histogram._row_offsets, diversity._multipliers,
+    makers = (reading._true, histogram.midpoints, histogram._zero, histogram._row_offsets, diversity._multipliers,
               constants._cached)
     for make_constant in makers:
         make_constant.cache_clear()  # type: ignore[attr-defined]  # filled afresh below, whatever ran before
@@ -46,7 +46,7 @@ def test_constants_cached_during_a_step_are_normal_tensors_that_autograd_can_sav
     cpu = torch.device("cpu")
     cached = [
         reading._true(cpu),
-        histogram._midpoints(cpu),
+        histogram.midpoints(cpu),
         histogram._zero(cpu),
         histogram._row_offsets(3, cpu),
         diversity._multipliers(w.t, "cpu"),
