@@ -32,5 +32,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             start(items)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """A test that keeps time (``keeps_time``) runs, with its fixtures, while the background lane is stopped."""
+    if item.get_closest_marker("keeps_time") is None:
+        return (yield)
+    with batch_lane.paused():
+        return (yield)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     batch_lane.shutdown()

@@ -6,12 +6,13 @@ import ssl
 import urllib.request
 from typing import Any
 
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from batches import make_batch
 from grpo_exporter import GRPOMonitor
-from grpo_exporter.catalog import parse_key
+from grpo_exporter.catalog import is_additive, parse_key
 from grpo_exporter.inputs import StepInputs
 
 ROLLOUT_FIELDS = (
@@ -82,3 +83,23 @@ def expected_step(rollout: StepInputs, update: StepInputs, cfg: Any) -> dict[str
     for key, value in updated.items():
         want[key] = want.get(key, 0.0) + value if is_additive(key) else value
     return want
+
+
+def assert_merged(got: dict[str, float], want: dict[str, float], absent: tuple[str, ...] = ()) -> None:
+    """Ranks' merged readings ``got`` against the single process's ``want`` over the concatenated batch:
+    counts and histogram readings exactly, ratios of fp32 weights to 1e-6, the rest to 1e-9; families in
+    ``absent`` must not be published."""
+    for key, value in want.items():
+        name = parse_key(key)[0]
+        if name.startswith(absent):
+            assert key not in got, key
+            continue
+        assert key in got, key
+        if "quantile" in parse_key(key)[1] or name.startswith("grpo_entropy_top"):
+            assert got[key] == value, key  # read from the summed histogram: the single process's reading
+        elif is_additive(key):
+            assert got[key] == value, key
+        elif key.startswith("grpo_ess_ratio"):  # fp32 weights, shifted by each rank's own max before the merge
+            assert got[key] == pytest.approx(value, rel=1e-6), key
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

@@ -387,7 +387,7 @@ def _promtool(mixin: MixinConfig, timeline: Timeline, tests: list[dict[str, obje
     path = folder / f"{name}.test.yml"
     path.write_text(yaml.safe_dump(doc, width=1 << 30, sort_keys=False))
     return subprocess.run(["promtool", "test", "rules", path.name], cwd=folder, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=1800)
 
 
 def _seconds(duration: str) -> float:

@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batches import make_batch
-from grpo_exporter.catalog import is_additive, parse_key
+from grpo_exporter.catalog import is_additive
 from grpo_exporter.demo.stack import free_port
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.runtime.monitor_config import MonitorConfig
-from monitor_helpers import expected_step, rollout_kwargs, update_kwargs
+from monitor_helpers import assert_merged, expected_step, rollout_kwargs, update_kwargs
 
 WORLD = 2
 TIMEOUT_S = 4.0  # the exporter's collective timeout in these tests
@@ -68,7 +68,7 @@ def _worker(rank: int, scenario: str, port: int, out: str, test_path: str) -> No
             with GRPOMonitor(run="ddp", **(settings | {"distributed": "local"})) as mon:
                 mon.observe_rollout(0, **_shard(rollout_kwargs(x), rows))
                 result["steps"].append(dict(mon.metrics()))
-            result["merging"] = mon._reducer is not None
+            result["merging"] = mon._stages.reducer is not None
         result["seconds"] = time.monotonic() - start
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
@@ -96,7 +96,7 @@ def _worker(rank: int, scenario: str, port: int, out: str, test_path: str) -> No
         result["steps"].append(dict(mon.metrics()))
     mon.close()
     result["seconds"] = time.monotonic() - start
-    result["merging"] = mon._reducer.active
+    result["merging"] = mon._stages.reducer.active
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -133,23 +133,6 @@ def first_step(result: dict) -> dict[str, float]:
     return step_values(result["steps"][0])
 
 
-def assert_union(got: dict[str, float], want: dict[str, float], absent: tuple[str, ...] = ()) -> None:
-    for key, value in want.items():
-        name = parse_key(key)[0]
-        if name.startswith(absent):
-            assert key not in got, key
-            continue
-        assert key in got, key
-        if "quantile" in parse_key(key)[1] or name.startswith("grpo_entropy_top"):
-            assert got[key] == value, key  # read from the summed histogram: the single process's reading
-        elif is_additive(key):
-            assert got[key] == value, key
-        elif key.startswith("grpo_ess_ratio"):  # fp32 weights, shifted by each rank's own max before the merge
-            assert got[key] == pytest.approx(value, rel=1e-6), key
-        else:
-            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
-
-
 def errors(result: dict) -> float:
     return sum(v for k, v in result["steps"][-1].items() if k.startswith(ERRORS)) if result["steps"] else 0.0
 
@@ -158,10 +141,10 @@ def test_an_input_on_one_rank_only_merges_over_the_ranks_that_gave_it(tmp_path):
     ranks = run_scenario("input-on-one-rank", tmp_path)
     got = first_step(ranks[0])
     union_without_entropy = single_process(entropy=True)
-    assert_union(got, union_without_entropy)
+    assert_merged(got, union_without_entropy)
     entropy_of_rank0 = {k: v for k, v in single_process(_half(0)).items() if k.startswith("grpo_entropy")}
     assert entropy_of_rank0
-    assert_union(got, entropy_of_rank0)
+    assert_merged(got, entropy_of_rank0)
     assert first_step(ranks[1]) == got
     assert ranks[0]["merging"]
     assert ranks[1]["merging"]
@@ -193,7 +176,7 @@ def test_an_input_error_on_one_rank_never_aborts_or_hangs(tmp_path, scenario):
 def test_a_block_that_raises_on_one_rank_is_absent_everywhere(tmp_path):
     ranks = run_scenario("block-raises", tmp_path)
     got = first_step(ranks[0])
-    assert_union(got, single_process(), absent=("grpo_entropy", "grpo_token_entropy"))
+    assert_merged(got, single_process(), absent=("grpo_entropy", "grpo_token_entropy"))
     assert first_step(ranks[1]) == got
     assert errors(ranks[1]) >= 1
 
@@ -206,14 +189,14 @@ def test_an_empty_rank_adds_nothing_and_the_others_are_published(tmp_path):
         assert r["merging"]
         assert r["seconds"] < TIMEOUT_S
         assert errors(r) == 0
-    assert_union(first_step(ranks[0]), single_process(_half(0)))
+    assert_merged(first_step(ranks[0]), single_process(_half(0)))
     assert first_step(ranks[1]) == first_step(ranks[0])
 
 
 def test_reward_components_in_another_order_merge_by_name(tmp_path):
     ranks = run_scenario("component-order", tmp_path)
     got = first_step(ranks[0])
-    assert_union(got, single_process())
+    assert_merged(got, single_process())
     key = 'grpo_reward_mean{component="format"}'
     assert got[key] == pytest.approx(single_process()[key])
 

@@ -246,11 +246,11 @@ def test_token_ess_from_the_largest_ratio_equals_the_exact_shift(scale, offset):
     mask = torch.rand(16, 32, generator=gen) < 0.7
     value[0, 0], value[1, 1], value[2, 2] = math.nan, math.inf, -math.inf
     value = torch.where(mask, value, 0.0)
-    lr = gradient.log_ratio_of(value, mask)
-    tokens = lr.valid.sum()
-    largest = histogram(lr.ratio, lr.valid, exact_min=False).maximum
-    fast = samples.ess_ratio(lr, tokens, largest).token
-    exact = samples.ess_ratio(lr).token
+    log_ratios = gradient.log_ratio_of(value, mask)
+    tokens = log_ratios.valid.sum()
+    largest = histogram(log_ratios.ratio, log_ratios.valid, exact_min=False).maximum
+    fast = samples.ess_ratio(log_ratios, tokens, largest).token
+    exact = samples.ess_ratio(log_ratios).token
     assert float(fast.value) == pytest.approx(float(exact.value), rel=1e-6)
 
 

@@ -85,7 +85,7 @@ def test_the_worker_thread_runs_at_the_lowest_priority():
     """On cores training keeps busy the job takes only what training leaves (nice 19 for its thread only)."""
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     with GRPOMonitor(run="nice", group_size=4, port=None, guard="off", close_linger_s=0.0) as mon:
-        job = mon._edit_worker._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        job = mon._stages.edit_worker._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         assert job.result(timeout=10) == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the training thread's: untouched
 

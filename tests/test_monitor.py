@@ -212,15 +212,16 @@ def test_solve_rate_history_predicts_zero_variance():
             predictions.append(mon.metrics()["grpo_zero_variance_groups_expected_ratio"])
         # before any batch: Beta(1, 1) around the 0.5 prior -> P(k=0 or k=4) = 2/5
         assert predictions[0] == pytest.approx(0.4)
-        solved = float(mon._state.solve_rates.predict(torch.tensor([0]), contiguous_groups(g, g)).sum(0)[0])
-        half = float(mon._state.solve_rates.predict(torch.tensor([1]), contiguous_groups(g, g)).sum(0)[0])
-        unseen = float(mon._state.solve_rates.predict(torch.tensor([7]), contiguous_groups(g, g)).sum(0)[0])
+        rates = mon._stages.state.solve_rates
+        solved = float(rates.predict(torch.tensor([0]), contiguous_groups(g, g)).sum(0)[0])
+        half = float(rates.predict(torch.tensor([1]), contiguous_groups(g, g)).sum(0)[0])
+        unseen = float(rates.predict(torch.tensor([7]), contiguous_groups(g, g)).sum(0)[0])
         # shrunk toward the population (p in {1, 0.5}: Beta(6, 2)), within a discounted history of ~25 samples
         assert solved > 0.75, (solved, half, unseen)
         assert half < 0.2, (solved, half, unseen)
         assert half < unseen < solved
         # the parts: a solved prompt's zero-variance chance is all-correct, almost none all-incorrect
-        correct_part, incorrect_part = mon._state.solve_rates.predict(torch.tensor([0]), contiguous_groups(g, g))[:, 0]
+        correct_part, incorrect_part = rates.predict(torch.tensor([0]), contiguous_groups(g, g))[:, 0]
         assert float(correct_part) > 0.75
         assert float(incorrect_part) < 0.01
 
@@ -241,12 +242,13 @@ def test_population_moments_follow_the_discounted_group_shares():
             hits = correct.view(3, g).sum(1).double()
             mean += (1 - keep) * (float((hits / g).mean()) - mean)
             second += (1 - keep) * (float((hits * (hits - 1) / (g * (g - 1))).mean()) - second)
-            assert mon._state.solve_rates.mean == pytest.approx(mean, rel=1e-12), step
-            assert mon._state.solve_rates.second == pytest.approx(second, rel=1e-12), step
+            rates = mon._stages.state.solve_rates
+            assert rates.mean == pytest.approx(mean, rel=1e-12), step
+            assert rates.second == pytest.approx(second, rel=1e-12), step
         single = torch.tensor([True, False, True])
         mon.observe_rollout(12, rewards=single.float(), correct=single, prompt_ids=torch.arange(3),
                             group_ids=torch.arange(3))
-        assert (mon._state.solve_rates.mean, mon._state.solve_rates.second) == pytest.approx((mean, second), rel=1e-12)
+        assert (rates.mean, rates.second) == pytest.approx((mean, second), rel=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(0.3, 0.3), (4.0, 1.0), (0.5, 3.0)], ids=["spread", "mostly-solved", "hard"])

@@ -174,7 +174,7 @@ def test_a_step_that_never_ends_is_bounded_and_holds_no_graph():
         x = tokens(4)
         for _ in range(100):
             mon.observe_update(0, **(x | {"logprobs": x["logprobs"] + weight}))
-        held = mon._stitcher.pending
+        held = mon._stages.stitcher.pending
         assert len(held) == 8
         assert not any(p.logprobs.requires_grad for p in held)  # detached: no autograd graph is kept alive
         assert registry_value(mon, "grpo_dropped_micro_steps_total") == 92

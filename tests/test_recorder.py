@@ -197,7 +197,7 @@ def test_writes_happen_off_the_training_thread_and_never_block_observe(tmp_path)
     cfg = REVERSE
     with GRPOMonitor(run="rec", group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=None, guard="off",
                      log_ratio_clamp=cfg.log_ratio_clamp, recorder_dir=tmp_path, edit_distance_groups=0) as mon:
-        mon._recorder.between_files = slow_disk
+        mon._stages.recorder.between_files = slow_disk
         trainer = Trainer(cfg, mon)
         trainer.restore(warm())
         for step in range(INJECT + 5):
@@ -258,7 +258,7 @@ def test_held_rows_stay_within_the_state_byte_bound(tmp_path):
         for step in range(3):
             mon.observe_rollout(step, **_inputs(step, bad=step == 1, n=512, t=4096))
             held = [sum(t.numel() * t.element_size() for rows in state.rows.values() for t in rows.values())
-                    for state in mon._recorder._open.values()]
+                    for state in mon._stages.recorder._open.values()]
             assert held
             assert max(held) <= bound
     [m] = manifests(tmp_path)
@@ -338,7 +338,7 @@ def test_a_disk_that_cannot_keep_up_drops_incidents_counted_never_blocking(tmp_p
     release = threading.Event()
     with GRPOMonitor(run="q", group_size=8, port=None, guard="off", recorder_dir=tmp_path,
                      edit_distance_groups=0, recorder_cooldown_steps=0) as mon:
-        mon._recorder.between_files = lambda: release.wait(60)
+        mon._stages.recorder.between_files = lambda: release.wait(60)
         for step in range(3 * 6 + 2):  # rollouts only: step 19 seals 17, the last incident's next step
             mon.observe_rollout(step, **_inputs(step, bad=step % 3 == 1))
         assert incidents(tmp_path) == []
@@ -465,7 +465,7 @@ mon = GRPOMonitor(run="k", group_size=8, port=None, guard="off", recorder_dir={r
 def stuck():
     print("one file written", flush=True)
     time.sleep(60)
-mon._recorder.between_files = stuck
+mon._stages.recorder.between_files = stuck
 for step in range(5):  # rollouts only: step 4 seals step 2, the incident's next state
     mon.observe_rollout(step, **_inputs(step, bad=step == 1))
 time.sleep(60)
@@ -622,8 +622,8 @@ def test_two_recorders_of_one_process_on_one_directory_both_write(tmp_path):
 
     kw = {"group_size": 8, "port": None, "guard": "off", "recorder_dir": tmp_path, "edit_distance_groups": 0}
     with GRPOMonitor(run="a", **kw) as a, GRPOMonitor(run="b", **kw) as b:
-        assert a._recorder is not None
-        a._recorder.between_files = hold
+        assert a._stages.recorder is not None
+        a._stages.recorder.between_files = hold
         for mon in (a, b):
             for step in range(5):  # rollouts only: step 4 seals step 2, the incident's next state
                 mon.observe_rollout(step, **_inputs(step, bad=step == 1))

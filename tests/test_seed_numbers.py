@@ -136,8 +136,8 @@ def test_four_sign_side_cases_of_the_ppo_clip(advantage, ratio, truncated, bound
     objective.backward()
     assert (logp.grad.abs().item() == 0.0) is truncated
 
-    lr = gradient.log_ratio(logp.detach(), old, torch.ones(1, 1, dtype=torch.bool))
-    counts = samples.clip_counts(lr, adv, old, 0.2, 0.2)
+    log_ratios = gradient.log_ratio(logp.detach(), old, torch.ones(1, 1, dtype=torch.bool))
+    counts = samples.clip_counts(log_ratios, adv, old, 0.2, 0.2)
     clipped = {"upper": counts.upper.item(), "lower": counts.lower.item()}
     unclipped = {"upper": counts.upper_unclipped.item(), "lower": counts.lower_unclipped.item()}
     assert clipped[bound] == int(truncated)
@@ -151,11 +151,11 @@ def test_the_upper_clip_is_unreachable_for_tokens_the_policy_already_owns():
     p_old = torch.tensor([[0.5, 0.8, 0.83, 0.84, 0.9, 0.99]])
     old = p_old.log()
     best = torch.zeros_like(old)  # the most any update can do: p_new = 1
-    lr = gradient.log_ratio(best, old, torch.ones_like(old, dtype=torch.bool))
-    counts = samples.clip_counts(lr, torch.ones_like(old), old, 0.2, 0.2)
+    log_ratios = gradient.log_ratio(best, old, torch.ones_like(old, dtype=torch.bool))
+    counts = samples.clip_counts(log_ratios, torch.ones_like(old), old, 0.2, 0.2)
     assert counts.reachable.item() == 3  # 0.5, 0.8, 0.83 < 1/1.2
     assert counts.upper.item() == 3  # exactly those can exceed 1.2 even at p_new = 1
-    assert (lr.ratio[p_old >= 1 / 1.2] <= 1.2).all()
+    assert (log_ratios.ratio[p_old >= 1 / 1.2] <= 1.2).all()
 
 
 def test_log_space_asymmetry_of_the_default_clip():

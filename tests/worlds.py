@@ -131,7 +131,7 @@ def _fired(mixin: MixinConfig, timeline: Timeline, folder: Path) -> dict[str, di
     path = folder / "worlds.test.yml"
     path.write_text(yaml.safe_dump(doc, width=1 << 30, sort_keys=False))
     done = subprocess.run(["promtool", "test", "rules", path.name], cwd=folder, capture_output=True, text=True,
-                          timeout=1200)
+                          timeout=2400)
     text = done.stdout + done.stderr
     if done.returncode == 0:
         return {}

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TypeAlias
 
 from grpo_exporter import __version__
+
+# what add_subparsers returns (argparse has no public name for it)
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def _catalog(args: argparse.Namespace) -> int:
@@ -143,13 +147,13 @@ def _scenario_names() -> list[str]:
     return list(SCENARIOS)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-exporter", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"grpo-exporter {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_catalog(commands: Subparsers) -> None:
     catalog = commands.add_parser("catalog", help="print or write the metric reference generated from the catalogue")
     catalog.add_argument("--out", help="write to this file instead of stdout (e.g. docs/metrics.md)")
     catalog.set_defaults(run=_catalog)
+
+
+def _add_rules(commands: Subparsers) -> None:
     rules = commands.add_parser("rules", help="generate the Prometheus rule files and the Alertmanager config")
     rules.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
     rules.add_argument("--out", help="folder of every file written (default: rules/, and deploy/alertmanager/ "
@@ -162,14 +166,23 @@ def build_parser() -> argparse.ArgumentParser:
         "step_seconds; every window, baseline and `for` is sized in steps from it)"
     )
     rules.set_defaults(run=_rules)
+
+
+def _add_dashboards(commands: Subparsers) -> None:
     boards = commands.add_parser("dashboards", help="generate the Grafana dashboards (JSON)")
     boards.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
     boards.add_argument("--out", default="dashboards", help="folder of the dashboards (default: dashboards)")
     boards.set_defaults(run=_dashboards)
+
+
+def _add_kubernetes(commands: Subparsers) -> None:
     k8s = commands.add_parser("kubernetes", help="generate Prometheus Operator manifests (rules, dashboards, scrape)")
     k8s.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
     k8s.add_argument("--out", default="deploy/kubernetes", help="folder of the manifests (default: deploy/kubernetes)")
     k8s.set_defaults(run=_kubernetes)
+
+
+def _add_demo(commands: Subparsers) -> None:
     demo = commands.add_parser("demo", help="a tiny GRPO run with an injected fault, Prometheus and Alertmanager")
     demo.add_argument("--scenario", default="engine-stale-weights", choices=_scenario_names(), metavar="SCENARIO",
                       help="fault to inject, or healthy (docs/demo.md); one of: " + ", ".join(_scenario_names()))
@@ -183,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--record", metavar="DIR", help="flight recorder directory: layer-1 faults write an incident "
                       "there for `grpo-exporter inspect` (e.g. with --scenario exp-before-clamp)")
     demo.set_defaults(run=_demo)
+
+
+def _add_bench(commands: Subparsers) -> None:
     bench = commands.add_parser("bench", help="the monitor's step cost against naive code and the one-pass floor")
     bench.add_argument("--sizes", default="1e4,6.4e4,2.56e5,1e6,4e6", help="loss tokens per step, comma-separated")
     bench.add_argument("--framework-sizes", default="6.4e4,1e6",
@@ -197,15 +213,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--worker-widths", default="256,1024,4096",
                        help="completion widths T for the edit-distance job's cost, comma-separated ('' = skip)")
     bench.set_defaults(run=_bench)
+
+
+def _add_inspect(commands: Subparsers) -> None:
     inspect = commands.add_parser("inspect", help="a flight-recorder incident: the three states, then the rows "
                                   "that drove the trigger")
     inspect.add_argument("dir", metavar="DIR", help="an incident directory, or a recorder_dir (its latest incident)")
     inspect.add_argument("--rows", type=int, default=20, help="rows of the first anomalous step to show (default 20)")
     inspect.add_argument("--json", action="store_true", help="print the incident's manifest as JSON, for tools")
     inspect.set_defaults(run=_inspect)
+
+
+def _add_hash_password(commands: Subparsers) -> None:
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")
     hashing.add_argument("--password", help="the password (prompted for when omitted)")
     hashing.set_defaults(run=_hash_password)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-exporter", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"grpo-exporter {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_catalog, _add_rules, _add_dashboards, _add_kubernetes, _add_demo, _add_bench, _add_inspect,
+                _add_hash_password):
+        add(commands)
     return parser
 
 

@@ -48,10 +48,20 @@ def naive_core_step(w: Workload) -> dict[str, float]:
 
 def _core(w: Workload) -> tuple[dict[str, float], _Tokens]:
     out: dict[str, float] = {}
-    m = w.mask
     if w.new_parts:  # each micro-batch's forward output: naive code concatenates them first, as the monitor does
         w = dataclasses.replace(w, new=torch.cat(w.new_parts), entropy=torch.cat(w.entropy_parts))
-    # layer 1: engine gap, non-finite values, on-policy ratio, clamp hits
+    gap, log_ratio, ratio = _layer_1(w, out)
+    group_std = _layer_2(w, out)
+    adv_t = _layer_3(w, out, ratio, group_std)
+    ent, solved = _layer_4(w, out)
+    out["micro_batches"] = float(MICRO_BATCHES)  # the step's grad norm, as naive code reads it
+    return out, _Tokens(gap, log_ratio, ratio, adv_t, ent, group_std, solved)
+
+
+def _layer_1(w: Workload, out: dict[str, float]) -> tuple[Tensor, Tensor, Tensor]:
+    """Engine gap, non-finite values, on-policy ratio, clamp hits, mask mismatch; the masked gap, log ratio and
+    ratio."""
+    m = w.mask
     gap = (w.rollout - w.old).abs()[m]
     out["gap_mean"] = gap.mean().item()
     for q, v in zip((0.5, 0.99, 0.999, 1.0), _quantiles(gap, (0.5, 0.99, 0.999, 1.0)), strict=True):
@@ -66,14 +76,17 @@ def _core(w: Workload) -> tuple[dict[str, float], _Tokens]:
     out["onpolicy_max_abs"] = log_ratio.abs().max().item()
     out["clamp_hits"] = (log_ratio.abs() > 20).sum().item()
     out["mask_mismatch"] = (m.sum(1) != w.lengths).sum().item()
-    # layer 2: rewards, groups, advantages, lengths, truncation
+    return gap, log_ratio, ratio
+
+
+def _layer_2(w: Workload, out: dict[str, float]) -> Tensor:
+    """Rewards, groups, advantages, lengths, truncation; the groups' reward std."""
     grouped = w.rewards.view(-1, G)
     out["reward_mean"] = w.rewards.mean().item()
     group_std = grouped.std(1)
     out["group_std"] = group_std.mean().item()
     out["group_range"] = (grouped.max(1).values - grouped.min(1).values).mean().item()
-    adv = w.advantages.abs().max().item()
-    out["adv_max"] = adv
+    out["adv_max"] = w.advantages.abs().max().item()
     out["adv_over_bound"] = (w.advantages.abs() > (G - 1) / G**0.5).sum().item()
     lengths = w.lengths.double()
     for outcome, rows in (("all", torch.ones_like(w.correct)), ("correct", w.correct), ("incorrect", ~w.correct)):
@@ -81,7 +94,12 @@ def _core(w: Workload) -> tuple[dict[str, float], _Tokens]:
             out[f"len_q99_{outcome}"] = torch.quantile(lengths[rows], 0.99).item()
             out[f"len_mean_{outcome}"] = lengths[rows].mean().item()
     out["truncated"] = w.truncated.sum().item()
-    # layer 3: ratios, ESS, clipping by bound and sign, zero-variance groups
+    return group_std
+
+
+def _layer_3(w: Workload, out: dict[str, float], ratio: Tensor, group_std: Tensor) -> Tensor:
+    """Ratios, ESS, clipping by bound and sign, zero-variance groups; the tokens' advantages."""
+    m = w.mask
     adv_t = w.advantages[:, None].expand_as(m)[m]
     for q, v in zip((0.0, 0.5, 0.95, 0.99, 1.0), _quantiles(ratio, (0.0, 0.5, 0.95, 0.99, 1.0)), strict=True):
         out[f"ratio_q{q}"] = v
@@ -92,11 +110,15 @@ def _core(w: Workload) -> tuple[dict[str, float], _Tokens]:
     out["clip_upper"] = ((ratio > 1 + EPS_HIGH) & pos).sum().item() / max(pos.sum().item(), 1)
     out["clip_lower"] = ((ratio < 1 - EPS_LOW) & neg).sum().item() / max(neg.sum().item(), 1)
     out["zero_adv_tokens"] = (adv_t == 0).float().mean().item()
-    zero_var = (group_std == 0).float()
-    out["zero_variance"] = zero_var.mean().item()
+    out["zero_variance"] = (group_std == 0).float().mean().item()
     p = w.correct.view(-1, G).float().mean(1)
     out["zero_variance_expected"] = (p**G + (1 - p) ** G).mean().item()
-    # layer 4: entropy, KL, pass@k, distinct completions
+    return adv_t
+
+
+def _layer_4(w: Workload, out: dict[str, float]) -> tuple[Tensor, Tensor]:
+    """Entropy, KL, pass@k, distinct completions; the masked entropy and the groups' outcomes."""
+    m = w.mask
     ent = w.entropy[m]
     out["entropy_mean"] = ent.mean().item()
     k = max(1, int(0.2 * ent.numel()))
@@ -111,9 +133,7 @@ def _core(w: Workload) -> tuple[dict[str, float], _Tokens]:
     for group in ids.view(-1, G, w.t):
         distinct += torch.unique(group, dim=0).shape[0]
     out["distinct"] = distinct / w.n
-    # the step's grad norm, as naive code reads it
-    out["micro_batches"] = float(MICRO_BATCHES)
-    return out, _Tokens(gap, log_ratio, ratio, adv_t, ent, group_std, solved)
+    return ent, solved
 
 
 def _buckets(values: Tensor, family: str) -> list[float]:

@@ -69,20 +69,20 @@ def log_ratio_of(value: Tensor, loss_mask: Tensor, clamp: float | None = None) -
     return LogRatio(value, valid, loss_mask, torch.exp(exponent), exponent, keep_bits(valid))
 
 
-def sequence_log_ratio(lr: LogRatio, row_tokens: Tensor) -> LogRatio:
+def sequence_log_ratio(log_ratios: LogRatio, row_tokens: Tensor) -> LogRatio:
     """The sequence-level log ratio of GSPO, mean_t log r_it over each row's loss tokens, on every one of them:
     the ratio s_i = exp(mean) the loss clips and weights each of the sequence's tokens by (TRL
     ``importance_sampling_level="sequence"``). A row with a non-finite loss token has no ratio (its mean is not
     finite in the loss either): none of its tokens is valid. ``row_tokens``: (N,) loss tokens per row."""
-    whole = count(lr.valid, 1) == row_tokens
+    whole = count(log_ratios.valid, 1) == row_tokens
     rows = row_tokens.clamp(min=1)
-    value = zeroed(lr.value, lr.keep).sum(1) / rows
-    exponent = zeroed(lr.exponent, lr.keep).sum(1) / rows
-    valid = lr.loss_mask & whole.unsqueeze(1)
+    value = zeroed(log_ratios.value, log_ratios.keep).sum(1) / rows
+    exponent = zeroed(log_ratios.exponent, log_ratios.keep).sum(1) / rows
+    valid = log_ratios.loss_mask & whole.unsqueeze(1)
     bits = keep_bits(valid)
-    value_t = zeroed(value.unsqueeze(1).expand_as(lr.value), bits)
-    exponent_t = zeroed(exponent.unsqueeze(1).expand_as(lr.value), bits)
-    return LogRatio(value_t, valid, lr.loss_mask, torch.exp(exponent_t), exponent_t, bits)
+    value_t = zeroed(value.unsqueeze(1).expand_as(log_ratios.value), bits)
+    exponent_t = zeroed(exponent.unsqueeze(1).expand_as(log_ratios.value), bits)
+    return LogRatio(value_t, valid, log_ratios.loss_mask, torch.exp(exponent_t), exponent_t, bits)
 
 
 class EngineGap(NamedTuple):
@@ -119,7 +119,7 @@ class OnPolicyCheck(NamedTuple):
     abs_log_ratio_max: Extreme
 
 
-def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float, rows: Tensor | None = None) -> OnPolicyCheck:
+def onpolicy_check(log_ratios: LogRatio, eps_low: float, eps_high: float, rows: Tensor | None = None) -> OnPolicyCheck:
     """On the first update of a fresh rollout batch the ratio must be 1.
 
     Counts loss tokens whose ratio already lies outside [1-eps_low, 1+eps_high] whatever the advantage
@@ -127,11 +127,12 @@ def onpolicy_check(lr: LogRatio, eps_low: float, eps_high: float, rows: Tensor |
     ``rows`` (N,) bool limits the check to the on-policy sequences. Always per token, whatever ratio the loss
     weights by: the probability path is a per-token property (``MetricsConfig.onpolicy_eps`` gives the band).
     """
-    valid = lr.valid if rows is None else lr.valid & rows.unsqueeze(1)
-    outside = valid & ((lr.ratio > 1.0 + eps_high) | (lr.ratio < 1.0 - eps_low))
+    valid = log_ratios.valid if rows is None else log_ratios.valid & rows.unsqueeze(1)
+    outside = valid & ((log_ratios.ratio > 1.0 + eps_high) | (log_ratios.ratio < 1.0 - eps_low))
     checked, out = count(valid), count(outside)
     present = checked > 0
-    top = largest(zeroed(lr.value.abs(), lr.keep if rows is None else valid), 0.0)  # |x| >= 0: zeros never win
+    # |x| >= 0: zeros never win
+    top = largest(zeroed(log_ratios.value.abs(), log_ratios.keep if rows is None else valid), 0.0)
     return OnPolicyCheck(out, checked, fraction(out, checked),
                          Extreme(torch.where(present, top, 0.0), present, largest=True))
 
@@ -183,14 +184,14 @@ class ClampHits(NamedTuple):
     hit_ratio: Ratio
 
 
-def clamp_hits(lr: LogRatio, bound: float, loss_tokens: Tensor | None = None) -> ClampHits:
+def clamp_hits(log_ratios: LogRatio, bound: float, loss_tokens: Tensor | None = None) -> ClampHits:
     """Loss tokens whose |log ratio| reached the numerical clamp ``bound`` (the fuse; seed 4.2-4.3).
 
     Non-finite log ratios count as hits: they are what the fuse exists for. The log ratio is 0 off the loss
     mask, so the positions below the bound are counted over the whole tensor and the rest are the hits.
     """
-    hits = lr.value.numel() - count(lr.value.abs() < bound * (1.0 - 1e-6))
-    return ClampHits(hits, fraction(hits, count(lr.loss_mask) if loss_tokens is None else loss_tokens))
+    hits = log_ratios.value.numel() - count(log_ratios.value.abs() < bound * (1.0 - 1e-6))
+    return ClampHits(hits, fraction(hits, count(log_ratios.loss_mask) if loss_tokens is None else loss_tokens))
 
 
 def total_norm(tensors: Sequence[Tensor]) -> Tensor:

@@ -126,7 +126,7 @@ class ESS(NamedTuple):
     sequence: Effective
 
 
-def ess_ratio(lr: LogRatio, tokens: Tensor | None = None, largest_ratio: Tensor | None = None,
+def ess_ratio(log_ratios: LogRatio, tokens: Tensor | None = None, largest_ratio: Tensor | None = None,
               geometric: bool = False) -> ESS:
     """ESS ratio of the importance weights of loss tokens, and of sequences with w_i = exp(sum_t log r_it)
     (the sequence-level importance weight) over sequences with at least one finite loss token (``tokens``: the
@@ -139,16 +139,16 @@ def ess_ratio(lr: LogRatio, tokens: Tensor | None = None, largest_ratio: Tensor 
     tokens, which the sequence sums take anyway); where it underflowed to 0 (every log ratio below -103.9) the
     weights do too and the token ESS reads 0. Within those bounds it equals the exact shift to a few ulps (to 4%
     for subnormal ratios), enough to keep every weight <= ~1 and the largest ~1."""
-    kept = zeroed(lr.exponent, lr.keep)
+    kept = zeroed(log_ratios.exponent, log_ratios.keep)
     seq_log_w = kept.sum(dim=1)
     if geometric:
-        seq_log_w = seq_log_w / count(lr.valid, 1).clamp(min=1)
+        seq_log_w = seq_log_w / count(log_ratios.valid, 1).clamp(min=1)
     shift = None
     if largest_ratio is not None:  # log(+inf) and log(0) are not finite: the fallback
         log_largest = largest_ratio.log()  # the histogram maximum: fp32
         shift = torch.where(torch.isfinite(log_largest), log_largest, largest(kept, 0.0).clamp(min=0.0))
-    token = _ess(lr.exponent, lr.valid, lr.keep, tokens, shift)
-    return ESS(token, _ess(seq_log_w, count(lr.valid, 1) > 0))
+    token = _ess(log_ratios.exponent, log_ratios.valid, log_ratios.keep, tokens, shift)
+    return ESS(token, _ess(seq_log_w, count(log_ratios.valid, 1) > 0))
 
 
 class SignCounts(NamedTuple):
@@ -178,7 +178,7 @@ class ClipCounts(NamedTuple):
 
 
 def clip_counts(
-    lr: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float,
+    log_ratios: LogRatio, advantages: Tensor, old_logprobs: Tensor, eps_low: float, eps_high: float,
     row_tokens: Tensor | None = None, old_masked: bool = False, signs: SignedRows | None = None,
     cap: float | None = None,
 ) -> ClipCounts:
@@ -201,16 +201,16 @@ def clip_counts(
     sequence_log_ratio`, GSPO) is counted the same way: each loss token of a sequence beyond a line is cut,
     and ``old_logprobs`` then holds each row's mean old log-prob on its loss tokens.
     """
-    signs = advantage_signs(advantages, lr.loss_mask) if signs is None else signs
+    signs = advantage_signs(advantages, log_ratios.loss_mask) if signs is None else signs
     upper_line = 1.0 + eps_high if cap is None else cap
-    above = lr.valid & (lr.ratio > upper_line)
-    below = lr.valid & (lr.ratio < 1.0 - eps_low) if cap is None else torch.zeros_like(above)
-    old = old_logprobs.float() if old_masked else zeroed(old_logprobs, lr.loss_mask)
+    above = log_ratios.valid & (log_ratios.ratio > upper_line)
+    below = log_ratios.valid & (log_ratios.ratio < 1.0 - eps_low) if cap is None else torch.zeros_like(above)
+    old = old_logprobs.float() if old_masked else zeroed(old_logprobs, log_ratios.loss_mask)
     room = old < -math.log(upper_line)  # 0 off the mask: never below
     if signs.per_row:
         pos, neg = signs.positive.squeeze(1), signs.negative.squeeze(1)
         above_rows, below_rows, room_rows = count(above, 1), count(below, 1), count(room, 1)
-        row_tokens = count(lr.loss_mask, 1) if row_tokens is None else row_tokens
+        row_tokens = count(log_ratios.loss_mask, 1) if row_tokens is None else row_tokens
         upper, lower = (above_rows * pos).sum(), (below_rows * neg).sum()
         return ClipCounts(
             (room_rows * pos).sum(), upper, lower, (above_rows * neg).sum(), (below_rows * pos).sum(),
@@ -238,11 +238,11 @@ class ImportanceWeights(NamedTuple):
     count: Tensor  # type: ignore[assignment]  # a field, shadowing tuple.count
 
 
-def importance_weights(lr: LogRatio, quantiles: Sequence[float], tokens: Tensor) -> ImportanceWeights:
+def importance_weights(log_ratios: LogRatio, quantiles: Sequence[float], tokens: Tensor) -> ImportanceWeights:
     """Quantiles of the per-token ratio exp(log ratio) over finite loss tokens (may be +Inf, never NaN), and
-    the sum and count of its finite values; ``tokens``: the finite loss tokens (``count(lr.valid)``)."""
-    kept = zeroed(lr.ratio, lr.keep)
-    h = histogram(lr.ratio, lr.valid, 0.0 in quantiles, lr.keep, kept, tokens)
+    the sum and count of its finite values; ``tokens``: the finite loss tokens (``count(log_ratios.valid)``)."""
+    kept = zeroed(log_ratios.ratio, log_ratios.keep)
+    h = histogram(log_ratios.ratio, log_ratios.valid, 0.0 in quantiles, log_ratios.keep, kept, tokens)
     weights = Quantiles(h, quantiles)
     return ImportanceWeights(weights, sum64(torch.nan_to_num(kept, posinf=0.0)), tokens - count_nonfinite(kept))
 

@@ -250,9 +250,10 @@ def _describe_row(rows: Mapping[str, Tensor], pos: int, row: int, driver: str | 
     if m is not None:
         r["loss_tokens"] = int(m.sum())
     if "logprobs" in rows and "old_logprobs" in rows:
-        lr = _on_tokens(rows["logprobs"][pos].float() - rows["old_logprobs"][pos].float(), m)
-        if lr.numel():
-            r["log_ratio_min"], r["log_ratio_max"] = json_number(float(lr.min())), json_number(float(lr.max()))
+        on_loss = _on_tokens(rows["logprobs"][pos].float() - rows["old_logprobs"][pos].float(), m)
+        if on_loss.numel():
+            r["log_ratio_min"] = json_number(float(on_loss.min()))
+            r["log_ratio_max"] = json_number(float(on_loss.max()))
     if "old_logprobs" in rows and "rollout_logprobs" in rows:
         gap = _on_tokens(rows["old_logprobs"][pos].float() - rows["rollout_logprobs"][pos].float(), m)
         if gap.numel():

@@ -23,57 +23,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.checks import ABCReport, AccumulationReport, MaskTableReport, ReachReport
-from grpo_exporter.ranks import distributed
-from grpo_exporter.ranks.layout import Layout
-from grpo_exporter.recorder import FlightRecorder
-from grpo_exporter.recorder.store import FreeFloor
 from grpo_exporter.runtime import guard
-from grpo_exporter.runtime.anchors import RunAnchors
-from grpo_exporter.runtime.background import EditDistanceWorker
+from grpo_exporter.runtime.assembly import assemble
 from grpo_exporter.runtime.monitor_config import MonitorConfig
-from grpo_exporter.runtime.reporting import Reporter
-from grpo_exporter.runtime.run_info import static_values
-from grpo_exporter.runtime.run_state import RunState
-from grpo_exporter.runtime.stages import STAGE_BLOCKS, UPDATE_FIELDS, Stages
-from grpo_exporter.serving.collector import CatalogCollector
-from grpo_exporter.serving.publication import Publication
-from grpo_exporter.serving.server import MetricsServer
-from grpo_exporter.step import families_of
-from grpo_exporter.stitching import StepStitcher
+from grpo_exporter.runtime.stages import UPDATE_FIELDS
 
 PreflightReport = ABCReport | AccumulationReport | ReachReport | MaskTableReport
 
 log = logging.getLogger("grpo_exporter")
 
 __all__ = ["UPDATE_FIELDS", "GRPOMonitor", "MonitorClosedError", "PreflightReport"]
-
-
-def _flight_recorder(config: MonitorConfig, rank: int, world: int, publication: Publication, report: Reporter,
-                     decode: Callable[[list[int]], str] | None) -> FlightRecorder | None:
-    """The flight recorder ``recorder_dir`` asks for (None without one)."""
-    if config.recorder_dir is None:
-        return None
-    return FlightRecorder(
-        config.recorder_dir, run=config.run, rank=rank, world=world, rows=config.recorder_rows,
-        history_steps=config.recorder_history_steps, budget_bytes=config.recorder_disk_budget_bytes,
-        triggers=config.recorder_triggers, lines=config.stop_lines, flush_timeout_s=config.recorder_flush_timeout_s,
-        cooldown_steps=config.recorder_cooldown_steps,
-        floor=FreeFloor(config.recorder_min_free_bytes, config.recorder_min_free_ratio),
-        state_bytes=config.recorder_max_state_bytes, publication=publication,
-        on_error=lambda exc: report.error("recorder", exc, "flight recorder"), decode=decode, metrics=config,
-    )
 
 
 def step_number(step: object) -> int:
@@ -113,48 +82,20 @@ class GRPOMonitor:
             config = MonitorConfig.load(config_file, None, **({"run": run} if run is not None else {}), **settings)
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._publication = Publication(RunAnchors(config.anchor_steps))
-        self._report = Reporter(self._publication, config)
-        self._collector = CatalogCollector(
-            self._publication, config.run, self.registry, on_error=lambda exc: self._report.error("scrape", exc)
-        )
-        self._rank, self._world = distributed.world()
-        self._reducer: distributed.Reducer | None = None
-        if self._world > 1 and config.distributed == "merge":
-            layouts = {stage: Layout(families_of(blocks), config) for stage, blocks in STAGE_BLOCKS.items()}
-            self._reducer = distributed.Reducer(layouts, config.distributed_timeout_s)
-            if not self._reducer.active:  # logged by the reducer; counted here
-                self._report.count("distributed")
-        self._state = RunState(config)
-        self._stitcher = StepStitcher(config.max_pending_micro_steps)
+        self._stages, self._endpoint = assemble(config, self.registry, decode)
+        self._publication, self._report = self._stages.publication, self._stages.report
         self._closed = False
-        self._edit_worker = EditDistanceWorker(
-            self._publication, lambda exc: self._report.error("rollout", exc, "edit distance worker"),
-            self.config.edit_distance_budget_s,
-        )
-        self._recorder = _flight_recorder(config, self._rank, self._world, self._publication, self._report, decode)
-        self._stages = Stages(config, self._state, self._publication, self._report, self._reducer, self._stitcher,
-                              self._edit_worker, self._recorder)
-        self._publication.merge(static_values(config))
-        self._publication.publish()
-        self._server: MetricsServer | None = None
-        if self._rank == 0 and config.port is not None:
-            ProcessCollector(registry=self.registry)
-            self._server = MetricsServer(
-                self.registry, config.host, config.port, config.tls_cert, config.tls_key,
-                config.basic_auth_user, config.basic_auth_password_hash,
-            )
 
     # ---- public API ------------------------------------------------------------------------------------
 
     @property
     def port(self) -> int | None:
         """The bound port (the free one picked for ``port=0``), or None when not serving."""
-        return self._server.port if self._server else None
+        return self._endpoint.port
 
     @property
     def url(self) -> str | None:
-        return self._server.url if self._server else None
+        return self._endpoint.url
 
     def observe_rollout(
         self,
@@ -301,9 +242,9 @@ class GRPOMonitor:
     def wait_for_workers(self, timeout: float = 10.0) -> None:
         """Block until the off-thread jobs (the edit-distance job, the flight recorder's writes) are done; for
         tests and shutdown."""
-        self._edit_worker.wait(timeout)
-        if self._recorder is not None:
-            self._recorder.wait(timeout)
+        self._stages.edit_worker.wait(timeout)
+        if self._stages.recorder is not None:
+            self._stages.recorder.wait(timeout)
 
     def close(self) -> None:
         """Publish what is pending, mark the run finished (``grpo_run_finished`` 1: a normal end pages nothing),
@@ -312,30 +253,16 @@ class GRPOMonitor:
             return
         with contextlib.suppress(guard.TrainingSignalError):
             self.end_step()
-        if self._recorder is not None:
+        if self._stages.recorder is not None:
             with self._report.contained("recorder", "flight recorder", publish=True):
-                self._recorder.close()
+                self._stages.recorder.close()
         with self._publication.writing:
             self._stages.publish_held_audit()
             self._publication.merge({catalog.key("grpo_run_finished"): 1.0})
             self._publication.publish()
         self._closed = True
-        self._edit_worker.shutdown()
-        if self._server is not None:
-            self._linger()
-            self._server.close()
-            self._server = None
-
-    def _linger(self) -> None:
-        """Serve until one more scrape has seen the finished run (at most ``close_linger_s``; not at all when
-        nothing ever scraped this exporter): otherwise Prometheus sees the target vanish and cannot tell a
-        normal end from a crash."""
-        seen = self._collector.scrapes
-        if seen == 0:
-            return
-        deadline = time.monotonic() + self.config.close_linger_s
-        while self._collector.scrapes == seen and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self._stages.edit_worker.shutdown()
+        self._endpoint.close(self.config.close_linger_s)
 
     def __enter__(self) -> GRPOMonitor:
         return self

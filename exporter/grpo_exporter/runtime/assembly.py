@@ -1,0 +1,82 @@
+"""A monitor's parts, built once from its validated config: the publication and its reporter, the run's state,
+the rank reducer (several ranks, ``distributed="merge"``), the stitcher, the edit-distance worker, the flight
+recorder (``recorder_dir``), the stages that drive them, and the scrape endpoint (served on rank 0)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client.registry import CollectorRegistry
+
+from grpo_exporter.ranks import distributed
+from grpo_exporter.ranks.layout import Layout
+from grpo_exporter.recorder import FlightRecorder
+from grpo_exporter.recorder.store import FreeFloor
+from grpo_exporter.runtime.anchors import RunAnchors
+from grpo_exporter.runtime.background import EditDistanceWorker
+from grpo_exporter.runtime.monitor_config import MonitorConfig
+from grpo_exporter.runtime.reporting import Reporter
+from grpo_exporter.runtime.run_info import static_values
+from grpo_exporter.runtime.run_state import RunState
+from grpo_exporter.runtime.stages import STAGE_BLOCKS, Stages
+from grpo_exporter.serving.endpoint import Endpoint, Listen
+from grpo_exporter.serving.publication import Publication
+from grpo_exporter.step import families_of
+from grpo_exporter.stitching import StepStitcher
+
+
+def _flight_recorder(config: MonitorConfig, rank: int, world: int, publication: Publication, report: Reporter,
+                     decode: Callable[[list[int]], str] | None) -> FlightRecorder | None:
+    """The flight recorder ``recorder_dir`` asks for (None without one)."""
+    if config.recorder_dir is None:
+        return None
+    return FlightRecorder(
+        config.recorder_dir, run=config.run, rank=rank, world=world, rows=config.recorder_rows,
+        history_steps=config.recorder_history_steps, budget_bytes=config.recorder_disk_budget_bytes,
+        triggers=config.recorder_triggers, lines=config.stop_lines, flush_timeout_s=config.recorder_flush_timeout_s,
+        cooldown_steps=config.recorder_cooldown_steps,
+        floor=FreeFloor(config.recorder_min_free_bytes, config.recorder_min_free_ratio),
+        state_bytes=config.recorder_max_state_bytes, publication=publication,
+        on_error=lambda exc: report.error("recorder", exc, "flight recorder"), decode=decode, metrics=config,
+    )
+
+
+def _reducer(config: MonitorConfig, world: int, report: Reporter) -> distributed.Reducer | None:
+    """The rank merge, with several ranks and ``distributed="merge"`` (one layout per stage)."""
+    if world <= 1 or config.distributed != "merge":
+        return None
+    layouts = {stage: Layout(families_of(blocks), config) for stage, blocks in STAGE_BLOCKS.items()}
+    reducer = distributed.Reducer(layouts, config.distributed_timeout_s)
+    if not reducer.active:  # logged by the reducer; counted here
+        report.count("distributed")
+    return reducer
+
+
+def _listen(config: MonitorConfig) -> Listen | None:
+    if config.port is None:
+        return None
+    return Listen(config.host, config.port, config.tls_cert, config.tls_key, config.basic_auth_user,
+                  config.basic_auth_password_hash)
+
+
+def assemble(config: MonitorConfig, registry: CollectorRegistry,
+             decode: Callable[[list[int]], str] | None) -> tuple[Stages, Endpoint]:
+    """The stages over the run's parts, and its endpoint, serving (on rank 0, with a port) once the run's static
+    values are published. Every rank builds the same parts at the same point of the program."""
+    publication = Publication(RunAnchors(config.anchor_steps))
+    report = Reporter(publication, config)
+    rank, world = distributed.world()
+    edit_worker = EditDistanceWorker(
+        publication, lambda exc: report.error("rollout", exc, "edit distance worker"), config.edit_distance_budget_s,
+    )
+    stages = Stages(config, RunState(config), publication, report, _reducer(config, world, report),
+                    StepStitcher(config.max_pending_micro_steps), edit_worker,
+                    _flight_recorder(config, rank, world, publication, report, decode))
+    publication.merge(static_values(config))
+    publication.publish()
+    endpoint = Endpoint(publication, config.run, registry, lambda exc: report.error("scrape", exc),
+                        _listen(config) if rank == 0 else None)
+    return stages, endpoint
+
+
+__all__ = ["assemble"]
