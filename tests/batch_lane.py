@@ -7,10 +7,10 @@ subprocess). The replays are pure CPU with no clock in them, so they soak up tha
 computes does not depend on when it runs: the results are those of running it in the test itself.
 
 Tests that keep time (marked ``keeps_time``: a training paced at 2 steps/s whose rules judge that pace, a page
-due within two minutes) run with the lane stopped (:func:`paused`, SIGSTOP to each worker's process group, so a
-promtool it started stops too). Nice 19 alone did not protect them: on CI a healthy end-to-end run fell below
-half its pace beside the lane and paged GRPOStepCadenceSlowerThanConfigured, which nice 19 would have prevented
-wherever the kernel honours it.
+due within two minutes) run with one worker of the lane stopped (:func:`paused`, SIGSTOP to the worker's process
+group, so a promtool it started stops too): they then hold a core whatever the scheduler does with nice 19. On
+CI, beside both workers, a healthy end-to-end run fell below half its pace and paged
+GRPOStepCadenceSlowerThanConfigured (it trained five runs at once then, more than one GIL can pace).
 
 A module takes part by defining ``start_in_background(items)`` (its selected tests): conftest.py calls it once,
 after collection; it submits its jobs with :func:`submit`.
@@ -19,8 +19,10 @@ after collection; it submits its jobs with :func:`submit`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
@@ -28,14 +30,24 @@ from typing import Any
 import torch
 
 WORKERS = 2  # one per core of the CI machine
+# workers left running while a keeps_time test runs: the end-to-end fleet holds one core (one GIL, at ~60% of
+# it), and even shared fairly with one worker and Prometheus it keeps 2/3 of a core
+KEEP_WHILE_PAUSED = 1
 _pool: ProcessPoolExecutor | None = None
 _futures: dict[str, Future[Any]] = {}
 
 
 def _lowest_priority() -> None:
     os.setpgrp()  # a group of its own, so that paused() stops the promtool it runs with it
+    _die_with_parent()  # out of the terminal's group, Ctrl-C no longer reaches it
     os.nice(19)  # children (promtool) inherit it
     torch.set_num_threads(1)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this worker when the pytest process ends, however it ends (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def pool() -> ProcessPoolExecutor:
@@ -47,10 +59,21 @@ def pool() -> ProcessPoolExecutor:
 
 
 def submit(key: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """``fn(*args)`` in the lane, once per ``key`` (its future on later calls)."""
+    """``fn(*args)`` in the lane, once per ``key`` (its future on later calls). With ``GRPO_LANE_LOG`` set to a
+    file, each job appends ``key start end`` (Unix seconds) to it: the numbers to order the jobs by."""
     if key not in _futures:
-        _futures[key] = pool().submit(fn, *args)
+        log = os.environ.get("GRPO_LANE_LOG")
+        _futures[key] = pool().submit(_logged, log, key, fn, *args) if log else pool().submit(fn, *args)
     return _futures[key]
+
+
+def _logged(log: str, key: str, fn: Callable[..., Any], *args: Any) -> Any:
+    start = time.time()
+    try:
+        return fn(*args)
+    finally:
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(f"{key} {start:.1f} {time.time():.1f}\n")
 
 
 def worker_pids() -> list[int]:
@@ -58,21 +81,22 @@ def worker_pids() -> list[int]:
     return list((_pool._processes or {}) if _pool is not None else ())  # the executor keeps them by pid
 
 
-def _signal_workers(signum: int) -> None:
-    for pid in worker_pids():
+def _signal_workers(signum: int, pids: list[int]) -> None:
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signum)
 
 
 @contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """The lane stopped (its workers and their children) for the block, resumed after it: its jobs' results do
-    not change (no clock in them), they only come later."""
-    _signal_workers(signal.SIGSTOP)
+def paused(keep: int = KEEP_WHILE_PAUSED) -> Iterator[None]:
+    """All but ``keep`` of the lane's workers stopped (with their children) for the block, resumed after it:
+    their jobs' results do not change (no clock in them), they only come later."""
+    stopped = worker_pids()[keep:]
+    _signal_workers(signal.SIGSTOP, stopped)
     try:
         yield
     finally:
-        _signal_workers(signal.SIGCONT)
+        _signal_workers(signal.SIGCONT, stopped)
 
 
 def shutdown() -> None:

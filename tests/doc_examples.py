@@ -59,5 +59,5 @@ def namespace(fault: str = "healthy") -> dict[str, Any]:
         "engine_lp": old_lp + 1e-5, "old_lp": old_lp, "lp": lp, "ref_lp": old_lp, "mask": mask, "lengths": lengths,
         "ids": torch.randint(0, 50, (n, T), generator=gen), "adv": adv, "ent": torch.rand(n, T, generator=gen),
         "model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=1e-3), "policy_loss": policy_loss,
-        "framework_clip": framework_clip,
+        "framework_clip": framework_clip, "held_ok": torch.rand(64, generator=gen) < 0.95,
     }

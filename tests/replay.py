@@ -71,8 +71,10 @@ class Knobs:
     longer_incorrect: int = 0  # tokens added to incorrect completions (1/|o| loss aggregation)
     format_pays: float = 0.1  # the "format" reward component, paid to every completion
     retrieval: float = 0.9  # share of completions that score highest under their own prompt
+    regression: float = 0.95  # accuracy on the mastered-prompt regression set (64 completions every 5 steps)
 
 
+REGRESSION_EVERY, REGRESSION_SET = 5, 64  # the mastered-prompt regression set: every 5 steps, 64 completions
 Scenario = Callable[[int, float], Knobs]  # (step, hours since the start) -> the step's knobs
 
 
@@ -81,6 +83,7 @@ class SimulatedRun:
 
     def __init__(self, seed: int, prompts: int = 16, group_size: int = 8, width: int = 12) -> None:
         self.rng = np.random.default_rng(seed)
+        self.held_rng = np.random.default_rng(seed + 1_000_003)  # the regression set's own draws
         self.prompts, self.group_size, self.width = prompts, group_size, width
         self.difficulty = self.rng.normal(0.0, 1.5, size=512)  # fixed per prompt: spread solve rates
 
@@ -162,6 +165,8 @@ class SimulatedRun:
         hit = rng.random(n) < k.retrieval
         scores[np.arange(n), own] = np.where(hit, scores.max(axis=1) + 1.0, scores.min(axis=1) - 1.0)
         mon.observe_retrieval(step, t(scores), t(own, torch.long))
+        if step % REGRESSION_EVERY == 0:
+            mon.observe_regression(step, t(self.held_rng.random(REGRESSION_SET) < k.regression, torch.bool))
         mon.wait_for_workers()
 
 

@@ -5,7 +5,7 @@ that cadence (``step_seconds``).
 Every scenario asserts the exact set of alerts that fired over the whole replay, each in exactly one
 episode (no flapping), each first firing no earlier than its ``for`` after the fault's onset and within a
 bound after it. Healthy runs, a normal end, the gap between two runs and one noisy batch must page nothing.
-At 2 min and 10 min steps a fleet of seventeen runs, one fault each, makes every alert fire for its run
+At 2 min and 10 min steps a fleet of eighteen runs, one fault each, makes every alert fire for its run
 (rules/tests/*.test.yml checks every alert just before and after its `for` at 1-minute steps).
 
 The replays the selected tests read start when collection ends, in the suite's background lane
@@ -299,6 +299,8 @@ FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...
     "below-base": ({"same_answer": 1.0}, {"reference_baseline": {'grpo_pass_at_k_ratio{k="8"}': 0.6}},
                    ("GRPOPassAtGBelowBase", "GRPOZeroVarianceAbovePrediction", "GRPOFewGroupsCarrySignal")),
     "template-collapse": ({"retrieval": 0.07}, {}, ("GRPORetrievalNearChance",)),
+    # the mastered prompts fail again (forgetting behind a full batch): 0.95 -> 0.6 on the held set
+    "forgetting": ({"regression": 0.6}, {}, ("GRPOMasteredPromptsRegressed",)),
 }
 
 
@@ -320,7 +322,7 @@ def _fleet(folder: Path, cadence: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("cadence", ["2min", "10min"])
 def test_every_fault_pages_once_at_production_cadence(cadence, outcomes):
-    """Seventeen runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
+    """Eighteen runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
     listed), once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
     floors (5 min windows, 1 h baselines), which rules/tests/*.test.yml check for every alert at 1 min steps."""
     done = outcomes[f"fleet/{cadence}"].result()

@@ -70,8 +70,9 @@ def test_every_step_metric_is_computed_from_a_full_batch():
 
 def test_metric_inputs_are_step_fields_or_config():
     known = {f.name for f in dataclasses.fields(StepInputs)} | set(MonitorConfig.model_fields)
-    # arguments of observe_retrieval and publish_check, and observe_rollout's running total the monitor counts
-    known |= {"retrieval_scores", "preflight_report", "dropped_stale_total"}
+    # arguments of observe_retrieval, observe_regression and publish_check, and observe_rollout's running total
+    # the monitor counts
+    known |= {"retrieval_scores", "regression_correct", "preflight_report", "dropped_stale_total"}
     for m in CATALOG:
         for spec in m.inputs:
             assert set(spec.split("|")) <= known, (m.name, spec)

@@ -128,6 +128,7 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
                 model(torch.randn(5, 4)).square().sum().backward()
                 mon.clip_grad_norm_(model.parameters(), 0.5)
                 mon.observe_retrieval(step, torch.randn(48, 6), torch.arange(48) // 8)
+                mon.observe_regression(step, torch.rand(64) < 0.9)
                 step += 1
                 fed.append(step)
                 stop.wait(0.3)

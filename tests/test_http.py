@@ -145,6 +145,7 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
         model(torch.randn(5, 4)).square().sum().backward()
         mon.clip_grad_norm_(model.parameters(), 0.5)
         mon.observe_retrieval(step, torch.randn(48, 6), torch.arange(48) // 8)
+        mon.observe_regression(step, torch.rand(64) < 0.9)
     mon.observe_update(3, logprobs=x.logprobs[:, :3], old_logprobs=x.old_logprobs)  # counted error
     mon.flush()
     mon.publish_check(mask_table([1, 2], [1, 1], [0, 1], ["prompt", "completion"]))

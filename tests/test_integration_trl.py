@@ -109,7 +109,7 @@ def build(model_dir: tuple[str, PreTrainedTokenizerFast], tmp_path: Path, cls: t
     dataset = Dataset.from_dict({"prompt": [f"add {a} plus {b}" for a, b in itertools.pairwise(WORDS[1:10])]})
     return cls(
         model=path if model is None else model, reward_funcs=[accuracy, brevity], args=args, train_dataset=dataset,
-        processing_class=tok, verifier="accuracy", **kwargs,
+        processing_class=tok, **{"verifier": "accuracy", **kwargs},
     )
 
 
@@ -845,3 +845,29 @@ def test_trls_async_trainer_is_refused_naming_what_is_missing() -> None:
 
     with pytest.raises(IntegrationError, match=r"mix it in before a GRPOTrainer subclass.*transformers"):
         type("MonitoredPlain", (GRPOMonitorMixin, Trainer), {})
+
+
+def test_trls_evaluation_is_the_regression_set_when_asked(model_dir, tmp_path) -> None:
+    """``regression_eval``: each evaluate() TRL runs during training is one observe_regression of the verifier's
+    verdicts on every eval completion; its accuracy is TRL's own eval reward mean of the 0/1 verifier."""
+    # 4 prompts x G = two eval batches of 8: TRL's eval means (a mean of batch means) weigh completions alike
+    held = Dataset.from_dict({"prompt": [f"add {a} plus {b}" for a, b in itertools.pairwise(WORDS[2:7])]})
+    trainer = build(model_dir, tmp_path, regression_eval=True, eval_dataset=held, monitor_settings=QUIET,
+                    config={"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 8})
+    trainer.train()
+    evaluations = _logged(trainer, "eval_rewards/accuracy/mean")
+    assert len(evaluations) == 3  # one per optimizer step
+    m = trainer.monitor.metrics()
+    size = len(held) * G
+    assert m["grpo_regression_evaluated_completions"] == size
+    assert m["grpo_regression_completions_total"] == 3 * size
+    assert m["grpo_regression_accuracy_ratio"] == pytest.approx(evaluations[-1], abs=1e-6)
+    assert m["grpo_regression_correct_completions_total"] == pytest.approx(size * sum(evaluations), abs=1e-4)
+    anchor = m['grpo_run_anchor{metric="grpo_regression_accuracy_ratio",labels=""}']
+    assert anchor == pytest.approx(sum(evaluations) / 3, abs=1e-6)  # the early window: its three evaluations
+    assert m.get('grpo_exporter_errors_total{stage="rollout"}', 0.0) == 0.0
+
+
+def test_regression_eval_needs_a_verifier(model_dir, tmp_path) -> None:
+    with pytest.raises(ValueError, match="regression_eval: the regression set's accuracy needs a verifier"):
+        build(model_dir, tmp_path, regression_eval=True, verifier=None)

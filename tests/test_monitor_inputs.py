@@ -227,7 +227,8 @@ def test_calls_after_close_raise_a_clear_error():
     mon = monitor()
     mon.close()
     for call in (lambda: mon.observe_rollout(0, rewards=torch.zeros(8)), lambda: mon.observe_update(0),
-                 mon.end_step, lambda: mon.observe_retrieval(0, torch.zeros(8, 2), torch.zeros(8, dtype=torch.long))):
+                 mon.end_step, lambda: mon.observe_retrieval(0, torch.zeros(8, 2), torch.zeros(8, dtype=torch.long)),
+                 lambda: mon.observe_regression(0, torch.ones(8, dtype=torch.bool))):
         with pytest.raises(MonitorClosedError, match="after close"):
             call()
     mon.close()  # idempotent

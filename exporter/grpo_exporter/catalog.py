@@ -721,6 +721,30 @@ CATALOG: tuple[Metric, ...] = (
         "Chance level 1/P of the retrieval accuracy for the last evaluated batch.",
         D, "ratio", inputs=("retrieval_scores",), source=Source.MONITOR,
     ),
+    Metric(
+        "grpo_regression_completions_total", C,
+        "Completions of the mastered-prompt regression set evaluated (observe_regression): a small held set of "
+        "prompts the policy already solves, checked every K steps, because a run that filters all-correct groups "
+        "(DAPO dynamic sampling) no longer sees them in training (seed 第 4 篇 (collapse root causes) 4.3).",
+        D, "completions", inputs=("regression_correct",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_regression_correct_completions_total", C,
+        "Correct completions of the mastered-prompt regression set (observe_regression).",
+        D, "completions", inputs=("regression_correct",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_regression_accuracy_ratio", GA,
+        "Accuracy of the last evaluation of the mastered-prompt regression set; its early window (the mean of "
+        "the first regression_anchor_evaluations) is published as grpo_run_anchor. An alarm, not a ruler: a set "
+        "of dozens of prompts moves by several points between evaluations (seed 4.3).",
+        D, "ratio", inputs=("regression_correct",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_regression_evaluated_completions", GA,
+        "Completions in the last evaluation of the regression set: the size that sets its accuracy's noise.",
+        D, "completions", inputs=("regression_correct",), source=Source.MONITOR,
+    ),
     # ---- liveness and the exporter itself ---------------------------------------------------------------
     Metric("grpo_last_step", GA, "Last training step observed.", L, inputs=("step",), source=Source.MONITOR),
     Metric(

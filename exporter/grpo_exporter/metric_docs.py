@@ -72,7 +72,7 @@ def _calls() -> list[str]:
     from grpo_exporter.runtime.monitor import GRPOMonitor
 
     lines = ["## Which call takes which input", "", "| call | inputs |", "|---|---|"]
-    for name in ("observe_rollout", "observe_update", "clip_grad_norm_", "observe_retrieval"):
+    for name in ("observe_rollout", "observe_update", "clip_grad_norm_", "observe_retrieval", "observe_regression"):
         params = [p for p in inspect.signature(getattr(GRPOMonitor, name)).parameters if p not in ("self", "step")]
         shown = ", ".join(f"`{p}`" if p != "more" else "any other step field" for p in params)
         lines.append(f"| `{name}` | {shown} |")

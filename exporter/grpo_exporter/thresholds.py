@@ -100,3 +100,8 @@ class EventLines(BaseModel):
         1e-3, gt=0, description="GRPOOnPolicyRatioDrift applies only above this max |log r|: a trainer that "
         "recomputes exactly (noise 0) must not page on one rounding step",
     )
+    regression_anchor_evaluations: int = Field(
+        3, ge=1, description="evaluations of the mastered-prompt regression set (observe_regression) whose mean "
+        "accuracy makes its anchor (grpo_run_anchor, frozen after them); GRPOMasteredPromptsRegressed weighs the "
+        "anchor's sampling noise as this many evaluations of the set's size",
+    )

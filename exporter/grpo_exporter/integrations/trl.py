@@ -127,6 +127,8 @@ class _RolloutReading(_TrainerBase):
     _grpo_rewards: Tensor | None  # its rewards per function
     _grpo_pending: list[dict[str, Any]]  # the generation batches of the step, not yet observed
     _grpo_per_step: int
+    _grpo_regression_eval: bool  # TRL's evaluation is the mastered-prompt regression set
+    _grpo_regression: list[Tensor] | None  # the verifier's verdicts of the evaluate() call under way
 
     def _generate(self, prompts: list[Any]) -> Any:
         self._grpo_tools = None
@@ -160,7 +162,25 @@ class _RolloutReading(_TrainerBase):
         if self.model.training and not self._grpo_preflight:
             with self.monitor.contained("rollout", "trl _generate_and_score_completions"):
                 self._observe_rollout(inputs, output)
+        elif self._grpo_regression is not None and self._grpo_rewards is not None:
+            with self.monitor.contained("rollout", "trl evaluation batch (the regression set)"):
+                self._grpo_regression.append(self._verdicts(self._grpo_rewards))
         return output
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """TRL's evaluation; with ``regression_eval`` its completions (every process's: TRL gathers the rewards),
+        judged by the verifier, are one evaluation of the mastered-prompt regression set."""
+        if not self._grpo_regression_eval:
+            return super().evaluate(*args, **kwargs)
+        self._grpo_regression = []
+        try:
+            metrics = super().evaluate(*args, **kwargs)
+        finally:
+            verdicts, self._grpo_regression = self._grpo_regression, None
+        if verdicts:
+            with self.monitor.contained("rollout", "trl evaluate (the regression set)"):
+                self.monitor.observe_regression(int(self.state.global_step), torch.cat(verdicts))
+        return metrics
 
     def _observe_rollout(self, inputs: Sequence[Mapping[str, Any]], output: Mapping[str, Any]) -> None:
         """Hold the generation batch's tensors; observe the step's batches as one rollout when the step has all
@@ -227,9 +247,12 @@ class _RolloutReading(_TrainerBase):
         components = {name: per_func[:, i] for i, name in enumerate(names) if not partial[i]}
         result: dict[str, Any] = {"rewards": total, "reward_components": components}
         if self._grpo_verifier is not None:
-            verdict = per_func[:, names.index(self._grpo_verifier)]
-            result["correct"] = verdict >= self._grpo_threshold  # NaN (not scored) is not correct
+            result["correct"] = self._verdicts(per_func)
         return result
+
+    def _verdicts(self, per_func: Tensor) -> Tensor:
+        """Correct: the verifier's reward at or above its threshold (NaN, not scored, is not correct)."""
+        return per_func[:, list(self.reward_func_names).index(str(self._grpo_verifier))] >= self._grpo_threshold
 
 
 class _UpdateReading(_TrainerBase):
@@ -329,7 +352,9 @@ class GRPOMonitorMixin(_RolloutReading, _UpdateReading):
     ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward function
     whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates, length by
     outcome; the component GRPORewardHackSuspected reads); without it those metrics are absent. A monitor you
-    hand in that disagrees with TRL's config on these is reported at start.
+    hand in that disagrees with TRL's config on these is reported at start. ``regression_eval``: TRL's
+    ``eval_dataset`` is a mastered-prompt regression set (a small fixed set of prompts the policy solves; seed
+    第 4 篇 4.3): each ``evaluate()`` is one ``observe_regression`` of the verifier's verdicts.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -359,12 +384,18 @@ class GRPOMonitorMixin(_RolloutReading, _UpdateReading):
         monitor_settings: Mapping[str, Any] | None = None,
         verifier: str | None = None,
         verifier_threshold: float = 0.5,
+        regression_eval: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         names = list(self.reward_func_names)
         if verifier is not None and verifier not in names:
             raise ValueError(f"verifier: expected one of the reward function names {names}, got {verifier!r}")
+        if regression_eval and verifier is None:
+            raise ValueError("regression_eval: the regression set's accuracy needs a verifier (the name of the reward "
+                             "function that says a completion is correct), got verifier=None")
+        self._grpo_regression_eval = bool(regression_eval)
+        self._grpo_regression = None
         self._grpo_verifier = verifier
         self._grpo_threshold = float(verifier_threshold)
         self._grpo_owns_monitor = monitor is None

@@ -126,7 +126,8 @@ class MixinConfig(StopLines, EventLines):
         20, ge=1, description="GRPOGradClippingEveryStep: steps its share is taken over. A healthy run whose "
         "norms sit near the clip is clipped on many steps in a row; 'every step' needs a long run of them."
     )
-    # onpolicy_noise_factor, onpolicy_noise_floor_nats, anchor_steps: EventLines (the exporter's anchors)
+    # onpolicy_noise_factor, onpolicy_noise_floor_nats, anchor_steps, regression_anchor_evaluations: EventLines
+    # (the exporter's anchors)
 
     # ---- layer 2 thresholds ----
     reward_cliff_ratio: float = Field(
@@ -214,6 +215,18 @@ class MixinConfig(StopLines, EventLines):
     )
     retrieval_chance_factor: float = Field(
         1.5, gt=1, description="GRPORetrievalNearChance: retrieval accuracy below this x chance 1/P"
+    )
+    regression_noise_sigmas: float = Field(
+        4.0, gt=0, description="GRPOMasteredPromptsRegressed: the regression set's last accuracy below its early "
+        "window by more than this many standard errors of the difference (binomial over the set's completions "
+        "and the anchor's regression_anchor_evaluations of the same size; an upper bound for a fixed set, "
+        "whose prompts do not change between evaluations). 4: ~3e-5 per evaluation of a healthy run"
+    )
+    regression_min_drop: float = Field(
+        0.05, gt=0, lt=1, description="GRPOMasteredPromptsRegressed: and by at least this much accuracy: a set "
+        "solved without a miss early (pooled p near 1, its noise estimate near 0) must not page on one or two "
+        "misses, and a large set's few-point shift is no forgetting (seed 4.3: dozens of prompts are an alarm, not "
+        "a ruler)"
     )
 
     # ---- paging ----

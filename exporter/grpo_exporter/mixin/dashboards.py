@@ -293,6 +293,11 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   (q(f"max by (run) (grpo_retrieval_accuracy_ratio{{{SEL}}})", "accuracy {{run}}"),
                    q(f"max by (run) (grpo_retrieval_chance_ratio{{{SEL}}})", "chance {{run}}")),
                   "percentunit", min=0),
+        PanelSpec("Are mastered prompts still solved?",
+                  "Accuracy of the mastered-prompt regression set at each evaluation against its early window (its size, grpo_regression_evaluated_completions, sets the noise): with dynamic sampling the batches never show solved prompts again, so forgetting shows here or nowhere. Dozens of prompts are an alarm, not a ruler.",
+                  (q(f"max by (run) (grpo_regression_accuracy_ratio{{{SEL}}})", "accuracy {{run}}"),
+                   q(f'max by (run) (grpo_run_anchor{{metric="grpo_regression_accuracy_ratio",{SEL}}})', "early window {{run}}")),
+                  "percentunit", min=0),
     ))
     return DashboardSpec(
         "grpo-training-health", "GRPO training health",
@@ -384,6 +389,12 @@ NOT_SHOWN: dict[str, str] = {
     "grpo_mismatch_ppl_multiple": "exp of each sequence's log-perplexity difference, which the mismatch panel shows",
     "grpo_rollout_correction_capped_tokens_total": "the capped share per step is shown; the counters are for windows",
     "grpo_rollout_correction_capped_sequences_total": "the capped share per step is shown; the counters are for windows",
+    "grpo_regression_completions_total": "the regression panel shows each evaluation's accuracy; the counters are "
+    "for windows over several evaluations",
+    "grpo_regression_correct_completions_total": "the regression panel shows each evaluation's accuracy; the "
+    "counters are for windows over several evaluations",
+    "grpo_regression_evaluated_completions": "the set's size: it sets the accuracy's noise, which the alert weighs "
+    "(the regression panel's description names it)",
 }
 
 

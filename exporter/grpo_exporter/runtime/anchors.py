@@ -22,6 +22,7 @@ ANCHORED_FAMILIES = (
     "grpo_ess_ratio",
     "grpo_edit_distance_median_ratio",
     "grpo_unique_completions_ratio",
+    "grpo_regression_accuracy_ratio",
 )
 
 
@@ -48,8 +49,10 @@ class FrozenMean:
 class RunAnchors:
     """One :class:`FrozenMean` per sample of the anchored families, published as ``grpo_run_anchor``."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, counts: Mapping[str, int] | None = None) -> None:
+        """``count`` values make an anchor; ``counts`` sets another number for a family (by name)."""
         self.count = count
+        self.counts = dict(counts or {})
         self._means: dict[SampleKey, FrozenMean] = {}
         self._family = catalog.metric("grpo_run_anchor")
         self.samples: dict[str, float] = {}
@@ -62,7 +65,9 @@ class RunAnchors:
             name = catalog.family_of(key.sample).name
             if name not in ANCHORED_FAMILIES or key.sample != name:
                 continue
-            mean = self._means.setdefault(key, FrozenMean(self.count))
+            mean = self._means.get(key)
+            if mean is None:
+                mean = self._means[key] = FrozenMean(self.counts.get(name, self.count))
             if mean.value is not None:
                 continue
             anchored = mean.observe(value)

@@ -63,7 +63,8 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
              decode: Callable[[list[int]], str] | None) -> tuple[Stages, Endpoint]:
     """The stages over the run's parts, and its endpoint, serving (on rank 0, with a port) once the run's static
     values are published. Every rank builds the same parts at the same point of the program."""
-    publication = Publication(RunAnchors(config.anchor_steps))
+    publication = Publication(RunAnchors(
+        config.anchor_steps, {"grpo_regression_accuracy_ratio": config.regression_anchor_evaluations}))
     report = Reporter(publication, config)
     rank, world = distributed.world()
     edit_worker = EditDistanceWorker(

@@ -220,6 +220,17 @@ class GRPOMonitor:
             self._stages.advance(step)
             self._stages.retrieval(scores, own_prompt)
 
+    def observe_regression(self, step: int, correct: Tensor) -> None:
+        """A mastered-prompt regression set (seed 第 4 篇 4.3): ``correct`` (N,) bool or 0/1, one per completion of
+        a small fixed set of prompts the policy already solves, evaluated every K steps. A run that filters
+        all-correct groups (dynamic sampling) never trains on them again, so their forgetting shows here or
+        nowhere. The first ``regression_anchor_evaluations`` make its anchor; GRPOMasteredPromptsRegressed warns
+        on a drop beyond the set's binomial noise. Rank-local: call it on rank 0 with the whole set."""
+        step = self._check_call("observe_regression", step)
+        with self._report.stage("rollout"):
+            self._stages.advance(step)
+            self._stages.regression(correct)
+
     def publish_check(self, report: PreflightReport) -> None:
         """Publish a preflight check's verdict (:mod:`grpo_exporter.checks`) as
         ``grpo_preflight_check_passed{check}`` and ``grpo_preflight_check_cannot_tell{check}``; the last report of

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter import catalog
-from grpo_exporter.functional.diversity import retrieval_accuracy
+from grpo_exporter.functional.diversity import regression_evaluation, retrieval_accuracy
 from grpo_exporter.ids import id_tensor
 from grpo_exporter.inputs import InputError, StepInputs, check_count, describe, fields_where
 from grpo_exporter.ranks import distributed
@@ -207,6 +207,21 @@ class Stages:
         if present:
             values[accuracy.key()] = value
         self.publication.merge(values, [accuracy.name])
+
+    def regression(self, correct: Tensor) -> None:
+        """One evaluation of the mastered-prompt regression set (one host read): counted, its accuracy and size
+        published; the accuracy's first evaluations make its anchor (rank-local)."""
+        expected = "a non-empty (N,) tensor of bool or 0/1 values, one per completion of the regression set"
+        if not isinstance(correct, Tensor) or correct.dim() != 1 or correct.numel() == 0 or correct.is_complex():
+            raise InputError("correct", expected, describe(correct))
+        hits, invalid = torch.stack(list(regression_evaluation(correct))).tolist()
+        n = correct.numel()
+        if invalid:
+            raise InputError("correct", expected, f"{int(invalid)} of its {n} values neither 0 nor 1 (NaN included)")
+        self.publication.add({catalog.key("grpo_regression_completions_total"): float(n),
+                              catalog.key("grpo_regression_correct_completions_total"): hits})
+        self.publication.merge({catalog.key("grpo_regression_accuracy_ratio"): hits / n,
+                                catalog.key("grpo_regression_evaluated_completions"): float(n)})
 
     def check(self, name: str, passed: bool, cannot_tell: bool) -> None:
         """A preflight check's verdict; every check's last verdict stays published."""

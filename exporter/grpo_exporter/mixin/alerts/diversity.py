@@ -99,4 +99,27 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"{c.retrieval_chance_factor:g}x chance " + template_query("max(grpo_retrieval_chance_ratio{run=%q})") + ".",
             trend=True,
         ),
+        _regression(c),
     ]
+
+
+def _regression(c: MixinConfig) -> Alert:
+    """The mastered-prompt regression set's last evaluation against its early window, by more than the
+    difference's binomial noise (pooled accuracy p; the anchor holds E evaluations of the set's N completions,
+    so the variance of the difference is p(1-p)(1 + 1/E)/N) and than a minimum drop."""
+    last = f"max by ({BY}) (grpo_regression_accuracy_ratio{c.matchers()})"
+    early = f'max by ({BY}) (grpo_run_anchor{c.matchers(metric="grpo_regression_accuracy_ratio")})'
+    size = f"max by ({BY}) (grpo_regression_evaluated_completions{c.matchers()})"
+    e = c.regression_anchor_evaluations
+    pooled = f"(({last} + on(job, run) {e} * {early}) / {1 + e})"
+    noise = f"sqrt({pooled} * (1 - {pooled}) * {1 + 1 / e:.6g} / on(job, run) {size})"
+    return Alert(
+        "GRPOMasteredPromptsRegressed", Layer.DIVERSITY, "regression", "warning",
+        f"{last} < on(job, run) ({early} - on(job, run) "
+        f"clamp_min({c.regression_noise_sigmas:g} * {noise}, {c.regression_min_drop:g}))", 600,
+        "Prompts the policy had mastered are failing again: forgetting the training batches cannot show.",
+        "The last evaluation of run {{ $labels.run }}'s regression set scored " + template_value("%.3g") + " over "
+        + template_query("max(grpo_regression_evaluated_completions{run=%q})", "%.0f") + " completions, against "
+        + template_query('max(grpo_run_anchor{run=%q,metric=\\"grpo_regression_accuracy_ratio\\"})')
+        + " over its first " + str(e) + " evaluations: a drop beyond the set's noise.",
+    )
