@@ -7,10 +7,10 @@ subprocess). The replays are pure CPU with no clock in them, so they soak up tha
 computes does not depend on when it runs: the results are those of running it in the test itself.
 
 Tests that keep time (marked ``keeps_time``: a training paced at 2 steps/s whose rules judge that pace, a page
-due within two minutes) run with one worker of the lane stopped (:func:`paused`, SIGSTOP to the worker's process
-group, so a promtool it started stops too): they then hold a core whatever the scheduler does with nice 19. On
-CI, beside both workers, a healthy end-to-end run fell below half its pace and paged
-GRPOStepCadenceSlowerThanConfigured (it trained five runs at once then, more than one GIL can pace).
+due within two minutes) run with the lane stopped (:func:`paused`, SIGSTOP to each worker's process group, so a
+promtool it started stops too), whatever the scheduler does with nice 19. On CI, beside both workers, a healthy
+end-to-end run fell below half its pace and paged GRPOStepCadenceSlowerThanConfigured (it trained five runs at
+once then, more than one GIL can pace).
 
 A module takes part by defining ``start_in_background(items)`` (its selected tests): conftest.py calls it once,
 after collection; it submits its jobs with :func:`submit`.
@@ -30,9 +30,11 @@ from typing import Any
 import torch
 
 WORKERS = 2  # one per core of the CI machine
-# workers left running while a keeps_time test runs: the end-to-end fleet holds one core (one GIL, at ~60% of
-# it), and even shared fairly with one worker and Prometheus it keeps 2/3 of a core
-KEEP_WHILE_PAUSED = 1
+# workers left running while a keeps_time test runs: none. With one left running (the fleet holds one core,
+# one GIL at ~60% of it), a clean run here paged GRPOTrainingStalled on three healthy e2e runs at once: their
+# steps' timestamps went 18 s (the demo's 15 min) without a new sample. Nothing explained it but the worker
+# beside them, so the lane stops whole: ~4 min of one core lost, against a run that must not page
+KEEP_WHILE_PAUSED = 0
 _pool: ProcessPoolExecutor | None = None
 _futures: dict[str, Future[Any]] = {}
 

@@ -34,7 +34,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    """A test that keeps time (``keeps_time``) runs, with its fixtures, while the lane is halved (batch_lane.paused)."""
+    """A test that keeps time (``keeps_time``) runs, with its fixtures, while the lane is stopped (paused)."""
     if item.get_closest_marker("keeps_time") is None:
         return (yield)
     with batch_lane.paused():

@@ -37,11 +37,12 @@ def test_paused_stops_workers_and_their_process_groups_and_resumes_them():
     while [os.getpgid(pid) for pid in workers] != workers and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [os.getpgid(pid) for pid in workers] == workers
-    with batch_lane.paused(keep=0):
-        assert _wait_for({"T"}, workers) == ["T"] * len(workers)
-    assert "T" not in _wait_for({"R", "S", "D"}, workers)
     with batch_lane.paused():  # a keeps_time test: all but KEEP_WHILE_PAUSED stop
         stopped = workers[batch_lane.KEEP_WHILE_PAUSED :]
         assert _wait_for({"T"}, stopped) == ["T"] * len(stopped)
         assert "T" not in [_state(pid) for pid in workers[: batch_lane.KEEP_WHILE_PAUSED]]
+    assert "T" not in _wait_for({"R", "S", "D"}, workers)
+    with batch_lane.paused(keep=1):
+        assert _wait_for({"T"}, workers[1:]) == ["T"] * len(workers[1:])
+        assert _state(workers[0]) != "T"
     assert "T" not in _wait_for({"R", "S", "D"}, workers)

@@ -21,6 +21,7 @@ on 2 cores.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -184,7 +185,9 @@ def _pace(run: Run) -> str:
     window = min(72.0, ends[-1] - ends[0]) if len(ends) > 1 else 0.0
     rates = [sum(1 for t in ends[i:] if t <= ends[i] + window) / window for i in range(len(ends))
              if window > 0 and ends[i] + window <= ends[-1]]
-    return f"slowest {min(rates, default=float('nan')):.2f} of {STEPS_PER_SECOND:g} steps/s"
+    pause = max((b - a for a, b in itertools.pairwise(ends)), default=float("nan"))
+    return (f"slowest {min(rates, default=float('nan')):.2f} of {STEPS_PER_SECOND:g} steps/s, "
+            f"longest step {pause:.1f} s")
 
 
 def _fired_in_prometheus(url: str) -> set[tuple[str, str, str]]:
@@ -210,7 +213,7 @@ def test_fault_pages_its_alert_and_layer(fleet, name):
     scenario = SCENARIOS[name]
     assert run.injected_at is not None, run
     mine = _firing(pages, run)
-    assert [p for p in mine if p.received_at < run.injected_at] == [], "paged before the fault"
+    assert [p for p in mine if p.received_at < run.injected_at] == [], ("paged before the fault", _pace(run))
     hits = [p for p in mine if p.alert == scenario.expected_alerts[0]]
     assert hits, (name, [(p.alert, p.layer) for p in mine])
     page = hits[0]
@@ -260,4 +263,5 @@ def test_every_page_belongs_to_a_run_and_no_normal_end_pages(fleet):
     runs, pages, _, liveness = fleet
     labels = {r.label for r in runs}
     assert [p.line() for p in pages if p.run not in labels] == []
-    assert liveness == set()
+    # a stall page names the runs' own pace: a trainer that stopped stepping, or a Prometheus that saw no step
+    assert liveness == set(), {r.label: _pace(r) for r in runs if any(p.run == r.label for p in pages)}
