@@ -115,6 +115,12 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:120]
 
 
+def not_binary(value: Tensor) -> Tensor:
+    """How many entries of a numeric ``value`` are neither 0 nor 1 (NaN included), counted on its device: the rule
+    of every boolean input (a bool tensor, or numbers holding only 0 and 1)."""
+    return ((value != 0) & (value != 1)).sum()
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """One step's tensors and scalars. Construct with keywords; ``__post_init__`` validates and normalises.
@@ -260,7 +266,7 @@ class _Validator:
             return value
         if value.is_complex():
             raise InputError(name, "a bool tensor, or 0/1 values", describe(value))
-        self.value_errors.append((name, ((value != 0) & (value != 1)).sum()))
+        self.value_errors.append((name, not_binary(value)))
         return value != 0
 
     def per_row(self, axis: str) -> None:

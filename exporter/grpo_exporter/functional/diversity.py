@@ -2,7 +2,7 @@
 
 Seed sections: 第 2 篇 (diversity monitoring) §1 (mean entropy, a coarse alarm), §4 (entropy of the top-20% most
 uncertain positions, a fixed-size set), §3 (pass@k with k = group size, computed before zero-variance filtering),
-§2 (distinct completions within a group); 第 4 篇 (collapse root causes) 4.3 (a mastered-prompt regression set).
+§2 (distinct completions within a group).
 """
 
 from __future__ import annotations
@@ -106,20 +106,3 @@ def retrieval_accuracy(scores: Tensor, own_prompt: Tensor) -> Ratio:
     others = s.scatter(1, own_prompt.long().unsqueeze(1), -torch.inf).amax(dim=1)
     valid = torch.isfinite(own)
     return fraction((valid & (own > others)).sum(), valid.sum())
-
-
-class RegressionEvaluation(NamedTuple):
-    """One evaluation of the regression set, as 0-d fp64 tensors on the input's device."""
-
-    correct: Tensor  # correct completions
-    invalid: Tensor  # values that are neither 0 nor 1 (NaN included): the input is refused when any
-
-
-def regression_evaluation(correct: Tensor) -> RegressionEvaluation:
-    """Correct completions of one evaluation of a mastered-prompt regression set (seed 第 4 篇 4.3: dynamic
-    sampling keeps the batch full while the pool of prompts it can still learn from shrinks, and the all-correct
-    prompts it filters are never seen again in training, so their forgetting shows only on a held set).
-
-    ``correct`` (N,): bool or 0/1 per completion. Accuracy is ``correct / N``; no host read here."""
-    values = correct.double()
-    return RegressionEvaluation(values.sum(), ((values != 0.0) & (values != 1.0)).sum(dtype=torch.float64))

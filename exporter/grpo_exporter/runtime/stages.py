@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from grpo_exporter import catalog
-from grpo_exporter.functional.diversity import regression_evaluation, retrieval_accuracy
+from grpo_exporter.functional.diversity import retrieval_accuracy
 from grpo_exporter.ids import id_tensor
-from grpo_exporter.inputs import InputError, StepInputs, check_count, describe, fields_where
+from grpo_exporter.inputs import InputError, StepInputs, check_count, describe, fields_where, not_binary
 from grpo_exporter.ranks import distributed
 from grpo_exporter.recorder import FlightRecorder
 from grpo_exporter.runtime import guard
@@ -209,12 +209,13 @@ class Stages:
         self.publication.merge(values, [accuracy.name])
 
     def regression(self, correct: Tensor) -> None:
-        """One evaluation of the mastered-prompt regression set (one host read): counted, its accuracy and size
-        published; the accuracy's first evaluations make its anchor (rank-local)."""
+        """One evaluation of the mastered-prompt regression set (seed 第 4 篇 4.3; one host read): counted, its
+        accuracy (correct / N) and size published; the accuracy's first evaluations make its anchor (rank-local)."""
         expected = "a non-empty (N,) tensor of bool or 0/1 values, one per completion of the regression set"
         if not isinstance(correct, Tensor) or correct.dim() != 1 or correct.numel() == 0 or correct.is_complex():
             raise InputError("correct", expected, describe(correct))
-        hits, invalid = torch.stack(list(regression_evaluation(correct))).tolist()
+        values = correct.double()
+        hits, invalid = torch.stack([values.sum(), not_binary(values).double()]).tolist()
         n = correct.numel()
         if invalid:
             raise InputError("correct", expected, f"{int(invalid)} of its {n} values neither 0 nor 1 (NaN included)")
