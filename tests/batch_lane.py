@@ -35,6 +35,9 @@ WORKERS = 2  # one per core of the CI machine
 # steps' timestamps went 18 s (the demo's 15 min) without a new sample. Nothing explained it but the worker
 # beside them, so the lane stops whole: ~4 min of one core lost, against a run that must not page
 KEEP_WHILE_PAUSED = 0
+# a lane job's own waits on the wall clock (a monitor's wait for its worker threads) must outlast a stop: the
+# e2e fleet stops the lane ~8 minutes, and a 10 s wait under way then ran out (a replay raised TimeoutError)
+LANE_STOP_S = 3600.0
 _pool: ProcessPoolExecutor | None = None
 _futures: dict[str, Future[Any]] = {}
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import yaml
 
+from batch_lane import LANE_STOP_S
 from grpo_exporter import GRPOMonitor, MonitorConfig
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.render import rules_outputs
@@ -167,7 +168,7 @@ class SimulatedRun:
         mon.observe_retrieval(step, t(scores), t(own, torch.long))
         if step % REGRESSION_EVERY == 0:
             mon.observe_regression(step, t(self.held_rng.random(REGRESSION_SET) < k.regression, torch.bool))
-        mon.wait_for_workers()
+        mon.wait_for_workers(timeout=LANE_STOP_S)
 
 
 @dataclass
