@@ -3,8 +3,9 @@ when collection ends, in two worker processes at the lowest CPU priority (nice 1
 last, read the results.
 
 Why: on the 2-core CI machine many tests leave a core idle (many wait on Prometheus, Alertmanager or a
-subprocess). The replays are pure CPU with no clock in them, so they soak up that idle time. What a replay
-computes does not depend on when it runs: the results are those of running it in the test itself.
+subprocess). The replays are pure CPU whose results no clock enters, so they soak up that idle time. What a
+replay computes does not depend on when it runs: the results are those of running it in the test itself (its
+only waits on the clock, for a monitor's worker threads, allow LANE_STOP_S, longer than any stop).
 
 Tests that keep time (marked ``keeps_time``: a training paced at 2 steps/s whose rules judge that pace, a page
 due within two minutes) run with the lane stopped (:func:`paused`, SIGSTOP to each worker's process group, so a
@@ -95,7 +96,7 @@ def _signal_workers(signum: int, pids: list[int]) -> None:
 @contextlib.contextmanager
 def paused(keep: int = KEEP_WHILE_PAUSED) -> Iterator[None]:
     """All but ``keep`` of the lane's workers stopped (with their children) for the block, resumed after it:
-    their jobs' results do not change (no clock in them), they only come later."""
+    their jobs' results do not change (no clock enters them), they only come later."""
     stopped = worker_pids()[keep:]
     _signal_workers(signal.SIGSTOP, stopped)
     try:
