@@ -154,5 +154,9 @@ def make_batch(
         "rollout_policy_version": 5,
         "tool_calls": int(arrays["turns"].sum()) - n,  # a tool call between consecutive turns
         "tool_failures": (int(arrays["turns"].sum()) - n) // 4,
+        # a dynamic-sampling loop that generated three batches' worth of groups to fill this one
+        "generated_groups": 3 * prompts,
+        "filtered_all_correct_groups": prompts // 2,
+        "filtered_all_incorrect_groups": prompts,
     }
     return Batch(arrays, components, scalars, dtype)

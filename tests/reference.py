@@ -301,6 +301,10 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
             key = "all_correct" if hits == len(idx) else "all_incorrect" if hits == 0 else "unknown"
             counts[key] += 1
     out["grpo_groups_total"] = float(len(members))
+    out["grpo_generated_groups_total"] = float(sc["generated_groups"])
+    out['grpo_filtered_groups_total{outcome="all_correct"}'] = float(sc["filtered_all_correct_groups"])
+    out['grpo_filtered_groups_total{outcome="all_incorrect"}'] = float(sc["filtered_all_incorrect_groups"])
+    out["grpo_kept_groups_ratio"] = len(members) / sc["generated_groups"]
     for key, value in counts.items():
         out[f'grpo_zero_variance_groups_total{{outcome="{key}"}}'] = float(value)
     out["grpo_zero_variance_groups_ratio"] = sum(counts.values()) / len(members)

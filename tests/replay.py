@@ -73,6 +73,7 @@ class Knobs:
     format_pays: float = 0.1  # the "format" reward component, paid to every completion
     retrieval: float = 0.9  # share of completions that score highest under their own prompt
     regression: float = 0.95  # accuracy on the mastered-prompt regression set (64 completions every 5 steps)
+    dynamic_sampling: bool = False  # DAPO: zero-variance groups dropped, drawn on until the batch is full
 
 
 REGRESSION_EVERY, REGRESSION_SET = 5, 64  # the mastered-prompt regression set: every 5 steps, 64 completions
@@ -88,15 +89,47 @@ class SimulatedRun:
         self.prompts, self.group_size, self.width = prompts, group_size, width
         self.difficulty = self.rng.normal(0.0, 1.5, size=512)  # fixed per prompt: spread solve rates
 
-    def step(self, mon: GRPOMonitor, step: int, k: Knobs) -> None:
-        rng, g, width = self.rng, self.group_size, self.width
+    def _draw(self, k: Knobs) -> tuple[np.ndarray, np.ndarray]:
+        """One generation batch: its prompts and each completion's correctness."""
+        rng, g = self.rng, self.group_size
         ids = rng.choice(len(self.difficulty), size=self.prompts, replace=False)
         logit = math.log(k.solve / (1 - k.solve)) + self.difficulty[ids]
         p = np.repeat(1 / (1 + np.exp(-logit)), g)
         n = len(p)
         correct = rng.random(n) < p
         first = np.repeat(correct.reshape(-1, g)[:, 0], g)
-        correct = np.where(rng.random(n) < k.same_answer, first, correct)  # the same answer, again and again
+        return ids, np.where(rng.random(n) < k.same_answer, first, correct)  # the same answer, again and again
+
+    def _filled(self, k: Knobs) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+        """A DAPO batch: generation batches drawn until ``prompts`` groups with both outcomes are kept (at most
+        64 batches; a pool that cannot fill it is topped up with filtered groups), and the filter's counts."""
+        g, kept_ids, kept = self.group_size, [], []
+        counts = {"generated_groups": 0, "filtered_all_correct_groups": 0, "filtered_all_incorrect_groups": 0}
+        for _ in range(64):
+            ids, correct = self._draw(k)
+            hits = correct.reshape(-1, g).sum(axis=1)
+            counts["generated_groups"] += len(ids)
+            counts["filtered_all_correct_groups"] += int((hits == g).sum())
+            counts["filtered_all_incorrect_groups"] += int((hits == 0).sum())
+            mixed = (hits > 0) & (hits < g)
+            kept_ids += list(ids[mixed])
+            kept += list(correct.reshape(-1, g)[mixed])
+            if len(kept_ids) >= self.prompts:
+                break
+        short = self.prompts - len(kept_ids)
+        if short > 0:
+            kept_ids += list(ids[:short])
+            kept += list(correct.reshape(-1, g)[:short])
+        return np.array(kept_ids[:self.prompts]), np.concatenate(kept[:self.prompts]), counts
+
+    def step(self, mon: GRPOMonitor, step: int, k: Knobs) -> None:
+        rng, g, width = self.rng, self.group_size, self.width
+        counts: dict[str, int] = {}
+        if k.dynamic_sampling:
+            ids, correct, counts = self._filled(k)
+        else:
+            ids, correct = self._draw(k)
+        n = len(correct)
         correctness = np.zeros(n) if k.verifier_zero else correct.astype(float)
         rewards = correctness + k.format_pays
         grouped = rewards.reshape(-1, g)
@@ -149,7 +182,7 @@ class SimulatedRun:
             old_logprobs=t(old), loss_mask=t(mask, torch.bool), completion_lengths=t(lengths, torch.long),
             truncated=t(cut, torch.bool),
             reward_components={"correctness": t(correctness), "format": t(np.full(n, k.format_pays))},
-            completion_ids=t(completion_ids, torch.long), prompt_ids=t(np.repeat(ids, g), torch.long),
+            completion_ids=t(completion_ids, torch.long), prompt_ids=t(np.repeat(ids, g), torch.long), **counts,
         )
         pre = k.grad_norm * float(np.exp(rng.normal(0.0, 0.2)))
         scalars = {"policy_version": step, "rollout_policy_version": step - k.staleness,

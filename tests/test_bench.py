@@ -12,6 +12,7 @@ import torch
 from grpo_exporter import bench, catalog
 from grpo_exporter.bench.naive import floor_step, naive_core_step, naive_step
 from grpo_exporter.bench.probes import counting, minor_faults, operators, passes
+from grpo_exporter.bench.worker import worker_cost
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, make, shape_for
 from grpo_exporter.cli import main
 
@@ -218,7 +219,7 @@ def test_passes_count_operators_that_read_whole_step_tensors() -> None:
 
 
 def test_worker_cost_reports_every_pair_against_the_budgeted_draw() -> None:
-    cost = bench.worker_cost(4096)
+    cost = worker_cost(4096)
     assert cost.full_pairs == 4 * G * (G - 1) // 2
     assert 1 <= cost.budgeted_pairs <= 8  # the pair cap at T = 4096
 

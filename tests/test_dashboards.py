@@ -16,7 +16,8 @@ from grpo_exporter import GRPOMonitor
 from grpo_exporter.catalog import CATALOG, family_of
 from grpo_exporter.checks import mask_table
 from grpo_exporter.mixin.config import MixinConfig
-from grpo_exporter.mixin.dashboards import NOT_SHOWN, build, dashboard_files, specs, training_health
+from grpo_exporter.mixin.dashboards import build, dashboard_files, specs, training_health
+from grpo_exporter.mixin.not_shown import NOT_SHOWN
 from grpo_exporter.mixin.render import rules_outputs
 from grpo_exporter.mixin.rules import recording_rules
 from monitor_helpers import rollout_kwargs, update_kwargs
@@ -123,7 +124,8 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
                 if step == 3:  # one NaN reward: the flight recorder writes an incident (the evidence panel)
                     rollout["rewards"] = rollout["rewards"].clone().index_fill_(0, torch.tensor([5]), float("nan"))
                 mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8, tool_calls=60, tool_failures=3,
-                                    dropped_stale_total=2 * step)
+                                    dropped_stale_total=2 * step, generated_groups=9, filtered_all_correct_groups=2,
+                                    filtered_all_incorrect_groups=1)
                 mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step)
                 model(torch.randn(5, 4)).square().sum().backward()
                 mon.clip_grad_norm_(model.parameters(), 0.5)

@@ -138,7 +138,8 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
         if step == 0:  # a NaN reward: the flight recorder writes an incident once step 1 ends
             rollout["rewards"] = rollout["rewards"].clone().index_fill_(0, torch.tensor([2]), float("nan"))
         mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8, tool_calls=9, tool_failures=1,
-                                dropped_stale_total=step + 1)
+                                dropped_stale_total=step + 1, generated_groups=9, filtered_all_correct_groups=2,
+                                filtered_all_incorrect_groups=1)
         mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step)
         if step == 0:
             mon.observe_update(step, **update_kwargs(x))  # over max_pending_micro_steps: dropped, counted

@@ -119,3 +119,22 @@ def test_one_field_table_describes_every_input():
     assert "grad_norm_pre_clip" in PASSED_THROUGH
     assert "step" not in UPDATE_FIELDS
     assert "reward_components" not in UPDATE_FIELDS
+
+
+def test_the_observe_calls_keywords_are_typed_as_the_table_says():
+    """keywords.RolloutFields/UpdateFields (what a type checker sees) hold exactly the fields the table gives each
+    call, typed as StepInputs types them (the rollout's group ids may also be strings: hashed before)."""
+    from grpo_exporter.inputs import FIELDS
+    from grpo_exporter.keywords import ACCEPTED, TYPED
+
+    declared = StepInputs.__annotations__
+    for call, typed in TYPED.items():
+        assert set(typed.__annotations__) == ACCEPTED[call], call
+        assert ACCEPTED[call] == {n for n, s in FIELDS.items() if getattr(s, call.removeprefix("observe_"))}
+        for name, annotation in typed.__annotations__.items():
+            expected = declared[name]
+            if name == "group_ids" and call == "observe_rollout":
+                expected = "Tensor | Sequence[Any] | None"
+            if name == "reward_components":
+                expected = "Mapping[str, Tensor] | None"  # None reads as none given
+            assert getattr(annotation, "__forward_arg__", annotation) == expected, (call, name)

@@ -243,6 +243,7 @@ PREFLIGHT_CHECKS = ("abc_consistency", "accumulation_equivalence", "nll_reach", 
 CLIP_BOUNDS = ("upper", "lower")
 OUTCOMES = ("correct", "incorrect", "all")
 ZERO_VARIANCE_OUTCOMES = ("all_correct", "all_incorrect", "unknown")
+FILTERED_OUTCOMES = ("all_correct", "all_incorrect")
 ESS_LEVELS = ("token", "sequence")
 STAGES = ("rollout", "update", "grad", "guard", "publish", "scrape", "distributed")
 ERROR_STAGES = (*STAGES, "recorder")  # the flight recorder's writer thread fails apart from any observe call
@@ -671,6 +672,26 @@ CATALOG: tuple[Metric, ...] = (
         "Solve rate (share correct) of groups with mixed outcomes; piled at 0.1 and 0.9 means sigma "
         "normalisation gives the lone minority the largest weight.",
         S, "ratio", inputs=("correct",), buckets=SOLVE_RATE_BUCKETS,
+    ),
+    Metric(
+        "grpo_generated_groups_total", C,
+        "Prompt groups a dynamic-sampling loop (DAPO) generated to fill its batches, the kept ones included "
+        "(verl's train/num_gen_batches x data.gen_batch_size). grpo_groups_total over it is the kept share; its "
+        "inverse the generation overhead, which grows as the prompt pool the policy can still learn from shrinks.",
+        S, "groups", inputs=("generated_groups",),
+    ),
+    Metric(
+        "grpo_filtered_groups_total", C,
+        "Groups a dynamic-sampling filter dropped for zero reward variance, by composition: all_correct (the "
+        "pool being mastered) or all_incorrect (too hard, or a verifier that cannot say yes).",
+        S, "groups", labels=(Label("outcome", FILTERED_OUTCOMES),),
+        inputs=("filtered_all_correct_groups|filtered_all_incorrect_groups",),
+    ),
+    Metric(
+        "grpo_kept_groups_ratio", GA,
+        "Share of the groups generated for the last batch that it kept (its groups over generated_groups; 1 "
+        "without a filter). Frozen early-window anchor in grpo_run_anchor: the batch stays full while this falls.",
+        S, "ratio", inputs=("rewards", "generated_groups"), merge=Merge.RATIO,
     ),
     # ---- layer 4: does the policy still read the question? ----------------------------------------------
     Metric(

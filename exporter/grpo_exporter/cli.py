@@ -115,6 +115,7 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from grpo_exporter import bench
+    from grpo_exporter.bench.worker import worker_cost
 
     sizes = [int(float(s)) for s in args.sizes.split(",") if s]
     framework = [int(float(s)) for s in args.framework_sizes.split(",") if s]
@@ -123,7 +124,7 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"grpo-exporter bench on {platform.machine()}, {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}, device {args.device}; medians of {args.rounds} interleaved rounds; {allocator}\n")
     widths = [int(w) for w in args.worker_widths.split(",") if w]
-    print(bench.table(results, long, [bench.worker_cost(w) for w in widths]))
+    print(bench.table(results, long, [worker_cost(w) for w in widths]))
     return 0
 
 

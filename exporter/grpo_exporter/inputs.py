@@ -29,35 +29,37 @@ class FieldSpec:
     components, ``on_policy``, the value checks). ``kind``: ``"float"``,
     ``"bool"`` (bool, or 0/1 numbers stored as bool) or ``"int"`` for tensors. ``stitched``: how micro-steps of
     one optimizer step join it (``"rows"`` concatenated along N, ``"last"`` the last given, ``""`` not by the
-    stitcher). ``update``: accepted by ``observe_update`` as a keyword."""
+    stitcher). ``update``/``rollout``: accepted by ``observe_update``/``observe_rollout`` as a keyword
+    (:mod:`grpo_exporter.keywords` types them)."""
 
     axis: str
     kind: str = ""
     stitched: str = ""
     update: bool = True
+    rollout: bool = False
     what: str = ""  # the expected value in an error message, when the kind's default does not say it
 
 
 #: every StepInputs field, in validation order (sequence fields, then token fields, as N and T are learnt)
 FIELDS: dict[str, FieldSpec] = {
-    "rewards": FieldSpec("row", "float", "rows"),
+    "rewards": FieldSpec("row", "float", "rows", rollout=True),
     "zero_variance_prob": FieldSpec("row", "float", update=False),
     "all_incorrect_prob": FieldSpec("row", "float", update=False),
-    "correct": FieldSpec("row", "bool", "rows"),
-    "truncated": FieldSpec("row", "bool", "rows"),
-    "group_ids": FieldSpec("row", "int", "rows", what="an integer tensor"),
-    "completion_lengths": FieldSpec("row", "int", "rows", what="an integer tensor"),
-    "turns": FieldSpec("row", "int", update=False, what="an integer tensor"),
-    "partial": FieldSpec("row", "bool", update=False),
-    "reward_components": FieldSpec("other", update=False),
+    "correct": FieldSpec("row", "bool", "rows", rollout=True),
+    "truncated": FieldSpec("row", "bool", "rows", rollout=True),
+    "group_ids": FieldSpec("row", "int", "rows", what="an integer tensor", rollout=True),
+    "completion_lengths": FieldSpec("row", "int", "rows", what="an integer tensor", rollout=True),
+    "turns": FieldSpec("row", "int", update=False, what="an integer tensor", rollout=True),
+    "partial": FieldSpec("row", "bool", update=False, rollout=True),
+    "reward_components": FieldSpec("other", update=False, rollout=True),
     "logprobs": FieldSpec("token", "float", "rows"),
-    "old_logprobs": FieldSpec("token", "float", "rows"),
-    "rollout_logprobs": FieldSpec("token", "float", "rows"),
+    "old_logprobs": FieldSpec("token", "float", "rows", rollout=True),
+    "rollout_logprobs": FieldSpec("token", "float", "rows", rollout=True),
     "ref_logprobs": FieldSpec("token", "float", "rows"),
     "entropy": FieldSpec("token", "float", "rows"),
-    "loss_mask": FieldSpec("token", "bool", "rows"),
-    "completion_mask": FieldSpec("token", "bool", "rows"),
-    "completion_ids": FieldSpec("token", "int", "rows", what="an integer tensor of token ids"),
+    "loss_mask": FieldSpec("token", "bool", "rows", rollout=True),
+    "completion_mask": FieldSpec("token", "bool", "rows", rollout=True),
+    "completion_ids": FieldSpec("token", "int", "rows", what="an integer tensor of token ids", rollout=True),
     "advantages": FieldSpec("row or token", "float", "rows"),
     "on_policy": FieldSpec("other"),
     "grad_norm_pre_clip": FieldSpec("scalar", stitched="last"),
@@ -68,8 +70,11 @@ FIELDS: dict[str, FieldSpec] = {
     "policy_version": FieldSpec("integer", stitched="last"),
     "rollout_policy_version": FieldSpec("integer", stitched="last"),
     "step": FieldSpec("integer", update=False),
-    "tool_calls": FieldSpec("count", update=False),
-    "tool_failures": FieldSpec("count", update=False),
+    "tool_calls": FieldSpec("count", update=False, rollout=True),
+    "tool_failures": FieldSpec("count", update=False, rollout=True),
+    "generated_groups": FieldSpec("count", update=False, rollout=True),
+    "filtered_all_correct_groups": FieldSpec("count", update=False, rollout=True),
+    "filtered_all_incorrect_groups": FieldSpec("count", update=False, rollout=True),
     "grads": FieldSpec("tensors"),
     "params_before": FieldSpec("tensors", update=False),
     "params_after": FieldSpec("tensors", update=False),
@@ -78,11 +83,11 @@ FIELDS: dict[str, FieldSpec] = {
 
 
 def fields_where(axis: str | None = None, kind: str | None = None, stitched: str | None = None,
-                 update: bool | None = None) -> tuple[str, ...]:
+                 update: bool | None = None, rollout: bool | None = None) -> tuple[str, ...]:
     """The field names whose spec matches every given attribute, in table order."""
+    wanted = {"axis": axis, "kind": kind, "stitched": stitched, "update": update, "rollout": rollout}
     return tuple(name for name, spec in FIELDS.items()
-                 if (axis is None or spec.axis == axis) and (kind is None or spec.kind == kind)
-                 and (stitched is None or spec.stitched == stitched) and (update is None or spec.update == update))
+                 if all(value is None or getattr(spec, key) == value for key, value in wanted.items()))
 
 
 SEQUENCE_FLOATS = fields_where("row", "float")
@@ -164,6 +169,9 @@ class StepInputs:
     step: int | None = None
     tool_calls: int | None = None
     tool_failures: int | None = None
+    generated_groups: int | None = None
+    filtered_all_correct_groups: int | None = None
+    filtered_all_incorrect_groups: int | None = None
     value_errors: tuple[tuple[str, Tensor], ...] = ()
 
     def __post_init__(self) -> None:
@@ -338,6 +346,13 @@ class _Validator:
         calls, failures = self.x.tool_calls, self.x.tool_failures
         if failures is not None and calls is not None and failures > calls:
             raise InputError("tool_failures", f"at most tool_calls ({calls})", describe(failures))
+        generated = self.x.generated_groups
+        for name in ("filtered_all_correct_groups", "filtered_all_incorrect_groups"):
+            if getattr(self.x, name) is not None and generated is None:
+                raise InputError(name, "generated_groups beside it (the groups the filter saw)", "none given")
+        filtered = (self.x.filtered_all_correct_groups or 0) + (self.x.filtered_all_incorrect_groups or 0)
+        if generated is not None and filtered > generated:
+            raise InputError("generated_groups", f"at least the groups filtered ({filtered})", describe(generated))
 
     def parameters(self) -> None:
         """The sequences of tensors (grads, parameters before and after the update, shape for shape)."""

@@ -69,13 +69,16 @@ def _calls() -> list[str]:
     """Which GRPOMonitor call takes which input, read from the signatures themselves."""
     import inspect
 
+    from grpo_exporter.keywords import TYPED
     from grpo_exporter.runtime.monitor import GRPOMonitor
 
     lines = ["## Which call takes which input", "", "| call | inputs |", "|---|---|"]
     for name in ("observe_rollout", "observe_update", "clip_grad_norm_", "observe_retrieval", "observe_regression"):
-        params = [p for p in inspect.signature(getattr(GRPOMonitor, name)).parameters if p not in ("self", "step")]
-        shown = ", ".join(f"`{p}`" if p != "more" else "any other step field" for p in params)
-        lines.append(f"| `{name}` | {shown} |")
+        params = inspect.signature(getattr(GRPOMonitor, name)).parameters.values()
+        shown = [p.name for p in params if p.name not in ("self", "step") and p.kind is not p.VAR_KEYWORD]
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            shown = list(TYPED[name].__annotations__) + shown  # the step fields (a TypedDict) come first
+        lines.append(f"| `{name}` | {', '.join(f'`{p}`' for p in shown)} |")
     lines += [
         "",
         "`clip_grad_norm_` supplies `grads`/`grad_norm_pre_clip`, `max_grad_norm` and, from the second call on,",

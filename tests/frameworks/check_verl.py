@@ -365,3 +365,19 @@ def test_the_docs_v0_lines_run_as_written(monkeypatch) -> None:
         assert trainer.monitor.url is not None
     finally:
         trainer.monitor.close()
+
+
+def test_a_dapo_loops_filter_counts_are_published_with_its_kept_batch() -> None:
+    """The DAPO recipe's filter (algorithm.filter_groups) hands the kept batch and what it generated and dropped:
+    observe_dataproto passes the counts on, and the kept share is the batch's groups over those generated."""
+    data, _ = make_batch(7)
+    groups = len(set(data.non_tensor_batch["uid"]))
+    monitor = GRPOMonitor(run="verl-dapo", group_size=G, port=None, strict=True, close_linger_s=0)
+    counts = {"generated_groups": 3 * groups, "filtered_all_correct_groups": groups,
+              "filtered_all_incorrect_groups": 1}
+    observe_dataproto(monitor, data, step=1, filter_counts=counts)
+    m = monitor.metrics()
+    monitor.close()
+    assert m["grpo_generated_groups_total"] == 3 * groups
+    assert m['grpo_filtered_groups_total{outcome="all_correct"}'] == groups
+    assert m["grpo_kept_groups_ratio"] == pytest.approx(1 / 3)

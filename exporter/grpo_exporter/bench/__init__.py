@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import random
 import statistics
 import tempfile
 import time
@@ -30,8 +29,8 @@ from prometheus_client import generate_latest
 
 from grpo_exporter.bench.naive import EPS_HIGH, EPS_LOW, floor_step, naive_core_step, naive_step
 from grpo_exporter.bench.probes import counting, minor_faults, operators, passes, rss_bytes
+from grpo_exporter.bench.worker import WorkerCost
 from grpo_exporter.bench.workload import MICRO_BATCHES, G, Workload, make
-from grpo_exporter.edit_distance import median_normalized_edit_distance, pair_cap
 from grpo_exporter.runtime.monitor import GRPOMonitor
 
 SIZES = (10_000, 64_000, 256_000, 1_000_000, 4_000_000)
@@ -319,33 +318,6 @@ def warm_malloc() -> None:
     block = torch.empty(30 << 20, dtype=torch.uint8)
     block.fill_(0)
     del block
-
-
-WORKER_WIDTHS = (256, 1024, 4096)
-
-
-@dataclass(frozen=True)
-class WorkerCost:
-    """One rollout's edit-distance job (4 groups of G completions of ``width`` tokens): every pair, against
-    the default budget (time and pair cap)."""
-
-    width: int
-    full_s: float
-    full_pairs: int
-    budgeted_s: float
-    budgeted_pairs: int
-
-
-def worker_cost(width: int, budget_s: float = 0.02) -> WorkerCost:
-    gen = random.Random(width)
-    base = [gen.randrange(1000) for _ in range(width)]
-    groups = [[[t if gen.random() > 0.3 else gen.randrange(1000) for t in base] for _ in range(G)] for _ in range(4)]
-    start = time.perf_counter()
-    _, full_pairs = median_normalized_edit_distance(groups)
-    full_s = time.perf_counter() - start
-    start = time.perf_counter()
-    _, pairs = median_normalized_edit_distance(groups, budget_s, pair_cap(width, budget_s))
-    return WorkerCost(width, full_s, full_pairs, time.perf_counter() - start, pairs)
 
 
 def _times(ratio: float) -> str:

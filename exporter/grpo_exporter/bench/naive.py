@@ -143,6 +143,31 @@ def _buckets(values: Tensor, family: str) -> list[float]:
     return [float(c) for c in counts.cumsum(0).tolist()]
 
 
+def _naive_groups(solved: Tensor, group_std: Tensor) -> dict[str, float]:
+    """The group readings, naively: zero-variance groups by composition, the solve-rate histogram, pass@k, and
+    the advantage bound (G-1)/sqrt(G)."""
+    out: dict[str, float] = {}
+    hits = solved.sum(1)
+    out["groups"] = float(hits.shape[0])
+    same = group_std == 0
+    out["zero_variance_all_correct"] = (same & (hits == G)).sum().item()
+    out["zero_variance_all_incorrect"] = (same & (hits == 0)).sum().item()
+    mixed = (hits > 0) & (hits < G)
+    rate = hits[mixed].double() / G
+    for bound in (*catalog.SOLVE_RATE_BUCKETS, float("inf")):
+        out[f"solve_rate_le{bound}"] = (rate <= bound).sum().item()
+    out["solve_rate_sum"] = rate.sum().item()
+    out["solve_rate_count"] = float(rate.numel())
+    for k in sorted({1, G}):
+        misses = G - hits.double()
+        fail = torch.ones_like(misses)
+        for i in range(k):
+            fail = fail * ((misses - i).clamp(min=0) / (G - i))
+        out[f"pass_at_{k}"] = (1 - fail).mean().item()
+    out["advantage_bound"] = (G - 1) / G**0.5
+    return out
+
+
 def naive_step(w: Workload) -> dict[str, float]:
     """The monitor's metric set for one step, as naive code computes it: the core (:func:`naive_core_step`)
     and everything else the monitor publishes for this step (sums and counts, classic buckets, counts by
@@ -183,24 +208,7 @@ def naive_step(w: Workload) -> dict[str, float]:
         out[f"len_count_{outcome}"] = float(picked.numel())
         buckets = _buckets(picked, "grpo_completion_length_distribution_tokens")
         out |= {f"len_{outcome}_le{i}": v for i, v in enumerate(buckets)}
-    hits = shared.solved.sum(1)
-    out["groups"] = float(hits.shape[0])
-    same = shared.group_std == 0
-    out["zero_variance_all_correct"] = (same & (hits == G)).sum().item()
-    out["zero_variance_all_incorrect"] = (same & (hits == 0)).sum().item()
-    mixed = (hits > 0) & (hits < G)
-    rate = hits[mixed].double() / G
-    for bound in (*catalog.SOLVE_RATE_BUCKETS, float("inf")):
-        out[f"solve_rate_le{bound}"] = (rate <= bound).sum().item()
-    out["solve_rate_sum"] = rate.sum().item()
-    out["solve_rate_count"] = float(rate.numel())
-    for k in sorted({1, G}):
-        misses = G - hits.double()
-        fail = torch.ones_like(misses)
-        for i in range(k):
-            fail = fail * ((misses - i).clamp(min=0) / (G - i))
-        out[f"pass_at_{k}"] = (1 - fail).mean().item()
-    out["advantage_bound"] = (G - 1) / G**0.5
+    out |= _naive_groups(shared.solved, shared.group_std)
     out["completions"] = float(w.n)
     pre = torch.ones(())
     out["grad_norm_pre_clip"] = pre.item()

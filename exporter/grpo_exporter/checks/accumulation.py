@@ -83,6 +83,25 @@ def _integer_multiple(ratio: float, candidates: Mapping[str, float]) -> str | No
     return None
 
 
+def _verdict(n1: float, n2: float, multiple: str | None, cosine: float, cosine_min: float, difference: float,
+             norm_rtol: float) -> tuple[bool, str]:
+    """Whether the accumulated gradient (norm ``n2``) is the batch one (``n1``), and if not the likeliest cause."""
+    if n1 == 0 or n2 == 0:
+        return False, (f"a zero gradient ({'batch' if n1 == 0 else 'accumulated'}): nothing reaches the "
+                       "parameters (a detached loss, an all-zero mask, frozen parameters)")
+    if multiple is not None:
+        return False, (f"the accumulated gradient is {multiple}: the loss is scaled once too often or not at all "
+                       "(divide once by the micro-batch count, or by the global token count)")
+    if cosine < cosine_min:
+        return False, (f"the direction differs (cosine {cosine:.4f} < {cosine_min}): the two paths weigh samples "
+                       "differently (a per-micro-batch token mean against a global one, a mask or a reduction "
+                       "that differs)")
+    if difference > norm_rtol:
+        return False, (f"the gradients differ by {difference:.3g} (> {norm_rtol:g}) without an integer multiple: "
+                       "check the loss denominator of each path")
+    return True, "equivalent"
+
+
 def accumulation_equivalence(
     params: Iterable[Tensor],
     batch_loss: Callable[[], Tensor],
@@ -139,20 +158,6 @@ def accumulation_equivalence(
                                   f"cannot tell: the {where} gradient is not finite (a NaN or Inf loss): follow "
                                   f"the numeric path to the first NaN/Inf, then run this check again ({numbers})",
                                   cannot_tell=True)
-    if n1 == 0 or n2 == 0:
-        passed, why = False, f"a zero gradient ({'batch' if n1 == 0 else 'accumulated'}): nothing reaches the " \
-                             "parameters (a detached loss, an all-zero mask, frozen parameters)"
-    elif multiple is not None:
-        passed, why = False, f"the accumulated gradient is {multiple}: the loss is scaled once too often or " \
-                             "not at all (divide once by the micro-batch count, or by the global token count)"
-    elif cosine < cosine_min:
-        passed, why = False, f"the direction differs (cosine {cosine:.4f} < {cosine_min}): the two paths weigh " \
-                             "samples differently (a per-micro-batch token mean against a global one, a mask " \
-                             "or a reduction that differs)"
-    elif difference > norm_rtol:
-        passed, why = False, f"the gradients differ by {difference:.3g} (> {norm_rtol:g}) without an integer " \
-                             "multiple: check the loss denominator of each path"
-    else:
-        passed, why = True, "equivalent"
+    passed, why = _verdict(n1, n2, multiple, cosine, cosine_min, difference, norm_rtol)
     return AccumulationReport(len(micro_losses), cosine, ratio, difference, delta, multiple, passed,
                               f"{why} ({numbers})")

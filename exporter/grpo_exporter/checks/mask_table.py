@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -65,6 +65,39 @@ def _positions(rows: Sequence[MaskRow], keep: Callable[[MaskRow], bool], limit: 
     return ", ".join(map(str, hits[:limit])) + (f" (+{len(hits) - limit} more)" if len(hits) > limit else "")
 
 
+def _as_list(values: Sequence[Any] | Tensor) -> list[Any]:
+    return values.tolist() if isinstance(values, Tensor) else list(values)
+
+
+def _rows(
+    token_ids: Sequence[int] | Tensor, attention_mask: Sequence[int] | Tensor, loss_mask: Sequence[int] | Tensor,
+    sources: Sequence[str], advantages: Sequence[float] | Tensor | float | None, decode: Callable[[int], str] | None,
+) -> tuple[MaskRow, ...]:
+    """The table's rows, the inputs' lengths and sources checked (a ``ValueError`` naming the argument)."""
+    ids = [int(t) for t in _as_list(token_ids)]
+    attention, loss = [bool(v) for v in _as_list(attention_mask)], [bool(v) for v in _as_list(loss_mask)]
+    n = len(ids)
+    for name, seq in (("attention_mask", attention), ("loss_mask", loss), ("sources", sources)):
+        if len(seq) != n:
+            raise ValueError(f"mask_table: {name}: expected {n} entries like token_ids, got {len(seq)}")
+    unknown = sorted({s for s in sources if s not in SOURCES})
+    if unknown:
+        raise ValueError(f"mask_table: sources: expected values in {SOURCES}, got {unknown}")
+    if advantages is None or isinstance(advantages, int | float):
+        per_token: list[float | None] = [None if advantages is None else float(advantages)] * n
+    else:
+        values = _as_list(advantages)
+        if len(values) != n:
+            raise ValueError(f"mask_table: advantages: expected one value or {n} entries like token_ids, got "
+                             f"{len(values)}")
+        per_token = [float(v) for v in values]
+    return tuple(
+        MaskRow(i, ids[i], decode(ids[i]) if decode is not None else str(ids[i]), sources[i], attention[i], loss[i],
+                per_token[i] if sources[i] in ("completion", "tool") else None)
+        for i in range(n)
+    )
+
+
 def mask_table(
     token_ids: Sequence[int] | Tensor,
     attention_mask: Sequence[int] | Tensor,
@@ -83,34 +116,13 @@ def mask_table(
     token must be a loss target. A sample without a completion token and without a violation cannot tell
     anything (the outcome says so).
     """
-    ids = [int(t) for t in (token_ids.tolist() if isinstance(token_ids, Tensor) else token_ids)]
-    attention = [bool(v) for v in (attention_mask.tolist() if isinstance(attention_mask, Tensor) else attention_mask)]
-    loss = [bool(v) for v in (loss_mask.tolist() if isinstance(loss_mask, Tensor) else loss_mask)]
-    n = len(ids)
-    for name, seq in (("attention_mask", attention), ("loss_mask", loss), ("sources", sources)):
-        if len(seq) != n:
-            raise ValueError(f"mask_table: {name}: expected {n} entries like token_ids, got {len(seq)}")
-    unknown = sorted({s for s in sources if s not in SOURCES})
-    if unknown:
-        raise ValueError(f"mask_table: sources: expected values in {SOURCES}, got {unknown}")
-    if advantages is None or isinstance(advantages, int | float):
-        per_token: list[float | None] = [None if advantages is None else float(advantages)] * n
-    else:
-        values = advantages.tolist() if isinstance(advantages, Tensor) else list(advantages)
-        if len(values) != n:
-            raise ValueError(f"mask_table: advantages: expected one value or {n} entries like token_ids, got "
-                             f"{len(values)}")
-        per_token = [float(v) for v in values]
-    rows = tuple(
-        MaskRow(i, ids[i], decode(ids[i]) if decode is not None else str(ids[i]), sources[i], attention[i], loss[i],
-                per_token[i] if sources[i] in ("completion", "tool") else None)
-        for i in range(n)
-    )
+    rows = _rows(token_ids, attention_mask, loss_mask, sources, advantages, decode)
+    n = len(rows)
     generated = [r for r in rows if r.source in ("completion", "tool")]
     eos = generated[-1] if eos_id is not None and generated and generated[-1].token_id == eos_id else None
     untrained_eos = eos is not None and eos.source == "completion" and not eos_in_loss
-    loss_tokens = sum(loss)
-    completion_tokens = sum(1 for s in sources if s == "completion") - int(untrained_eos)
+    loss_tokens = sum(r.loss for r in rows)
+    completion_tokens = sum(1 for r in rows if r.source == "completion") - int(untrained_eos)
     violations: list[str] = []
     if loss_tokens != completion_tokens:
         violations.append(f"loss-mask sum {loss_tokens} != completion tokens less tool tokens {completion_tokens}")

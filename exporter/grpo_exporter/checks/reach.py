@@ -92,13 +92,17 @@ def nll_reach(
         opt.step()
     initial, final = losses[0], losses[-1]
     passed = final <= initial / factor
+    return ReachReport(steps, factor, initial, final, tuple(losses), without, passed,
+                       _why(passed, initial, final, steps, factor, without, len(trainable)))
+
+
+def _why(passed: bool, initial: float, final: float, steps: int, factor: float, without: int, trainable: int) -> str:
+    """The verdict in words: how far the NLL fell, and when it did not fall enough, what to look at."""
     if passed:
-        why = f"the NLL fell from {initial:.4g} to {final:.4g} nats/token in {steps} steps (>= {factor:g}x)"
-    elif without == len(trainable):
-        why = (f"no trainable parameter got a gradient ({without} of {len(trainable)}): frozen parameters, a "
-               "detached path or an all-zero mask")
-    else:
-        why = (f"the NLL went from {initial:.4g} to {final:.4g} nats/token in {steps} steps (< {factor:g}x fall; "
-               f"{without} of {len(trainable)} trainable tensors got no gradient): check frozen parameters, the "
-               "loss mask, gradient accumulation, the reduction, the learning rate and the optimizer step")
-    return ReachReport(steps, factor, initial, final, tuple(losses), without, passed, why)
+        return f"the NLL fell from {initial:.4g} to {final:.4g} nats/token in {steps} steps (>= {factor:g}x)"
+    if without == trainable:
+        return (f"no trainable parameter got a gradient ({without} of {trainable}): frozen parameters, a detached "
+                "path or an all-zero mask")
+    return (f"the NLL went from {initial:.4g} to {final:.4g} nats/token in {steps} steps (< {factor:g}x fall; "
+            f"{without} of {trainable} trainable tensors got no gradient): check frozen parameters, the loss mask, "
+            "gradient accumulation, the reduction, the learning rate and the optimizer step")

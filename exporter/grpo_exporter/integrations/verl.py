@@ -100,6 +100,7 @@ def observe_dataproto(
     bypass: bool = False,
     policy_version: int | None = None,
     response_window: int | None = None,
+    filter_counts: Mapping[str, int] | None = None,
 ) -> None:
     """One :meth:`~GRPOMonitor.observe_rollout` (and the rollout-time part of the update: advantages, and the KL
     of the sampling policy to the reference from ``old_log_probs`` and ``ref_log_prob``) from verl's batch.
@@ -132,6 +133,9 @@ def observe_dataproto(
       (``meta_info["count/dropped_stale_samples"]``) is counted as it grows.
     * ``response_window``: the response length at which verl cuts a response (``rollout.response_length``);
       default the batch's width (v0 pads every response to it).
+    * ``filter_counts``: with dynamic sampling (the DAPO recipe's ``algorithm.filter_groups``) the kept batch's
+      ``generated_groups`` (``num_gen_batches`` x ``gen_batch_size``) and ``filtered_all_correct_groups`` /
+      ``filtered_all_incorrect_groups``, passed to ``observe_rollout`` as counted.
     """
     with monitor.contained("rollout", "verl observe_dataproto"):
         batch, extra = data.batch, data.non_tensor_batch
@@ -158,7 +162,7 @@ def observe_dataproto(
         }
         device = responses.device
         rollout |= _verdicts(rows, correct_key, prompt_key, component_keys, verifier_threshold, device)
-        rollout |= _agent_loop_counts(extra, rows.extra, device)
+        rollout |= _agent_loop_counts(extra, rows.extra, device) | dict(filter_counts or {})
         dropped = data.meta_info.get("count/dropped_stale_samples")  # the fully-async rollouter's running total
         if dropped is not None:
             rollout["dropped_stale_total"] = int(dropped)

@@ -228,6 +228,16 @@ class MixinConfig(StopLines, EventLines):
         "misses, and a large set's few-point shift is no forgetting (seed 4.3: dozens of prompts are an alarm, not "
         "a ruler)"
     )
+    pool_overhead_growth: float = Field(
+        2.0, gt=1, description="GRPODynamicSamplingPoolShrinking: the groups a dynamic-sampling loop generates per "
+        "kept group, over a trend window, at least this many times its early window's (the kept share at most "
+        "1/this of its anchor): filling the batch costs twice the generation it did, the pool shrinking"
+    )
+    pool_kept_max: float = Field(
+        0.4, gt=0, lt=1, description="GRPODynamicSamplingPoolShrinking: and the kept share at most this: the seed's "
+        "six or seven in ten groups all-correct or all-incorrect (第 4 篇 4.1), where filling the batch takes "
+        "a lot of extra generation; a run that starts there pages only at 1/pool_overhead_growth of its start"
+    )
 
     # ---- paging ----
     runbook_url: str = Field(

@@ -242,6 +242,13 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   "All-correct: data too easy. All-incorrect: check the verifier first. The same share calls for opposite fixes.",
                   (q(f"sum by (run, outcome) (rate(grpo_zero_variance_groups_total{{{SEL}}}[{W}]))", "{{run}} {{outcome}}"),),
                   "short", min=0),
+        PanelSpec("Does dynamic sampling still fill the batch cheaply?",
+                  f"Kept share of the groups a dynamic-sampling loop generated (trend window) against its early window, and the groups it filtered by composition: the batch stays full while the pool shrinks. The alert pages at 1/{c.pool_overhead_growth:g} of the early window and below {c.pool_kept_max:g}.",
+                  (q("run:grpo_kept_groups:trend_ratio", "kept {{run}}"),
+                   q(f'max by (run) (grpo_run_anchor{{metric="grpo_kept_groups_ratio",{SEL}}})', "early window {{run}}"),
+                   q(f"sum by (run, outcome) (rate(grpo_filtered_groups_total{{{SEL}}}[{W}])) / on(run) group_left() "
+                     f"sum by (run) (rate(grpo_generated_groups_total{{{SEL}}}[{W}]))", "filtered {{outcome}} {{run}}")),
+                  "percentunit", thresholds=((c.pool_kept_max, "orange"),), min=0),
         PanelSpec("Which clip bound cuts the gradient? (upper vs lower, never merged)",
                   "Truly clipped share: upper of the positive-advantage tokens that can reach it (p_old < 1/(1+eps_high)), lower of negative-advantage tokens. Lower high with upper ~0 = collapse precursor, unless few tokens can reach the upper clip (a solved task).",
                   (q('run:grpo_clipped_tokens:window_ratio{bound="upper"}', "upper {{run}}"),
@@ -358,44 +365,6 @@ def crash_triage(c: MixinConfig) -> DashboardSpec:
 
 def specs(c: MixinConfig) -> tuple[DashboardSpec, ...]:
     return training_health(c), crash_triage(c)
-
-
-NOT_SHOWN: dict[str, str] = {
-    "grpo_observe_duration_seconds": "exporter self-timing; read it in Prometheus when tuning the exporter",
-    "grpo_recorder_disk_usage_bytes": "flight-recorder housekeeping: the incidents' bytes, kept within its disk budget",
-    "grpo_recorder_removed_incidents_total": "flight-recorder housekeeping: incidents removed, oldest first, for the budget",
-    "grpo_dropped_reward_components_total": "configuration feedback (raise max_reward_components), not a training signal",
-    "grpo_dropped_micro_steps_total": "API-use feedback (a step that never ends), logged by the exporter too",
-    "grpo_stale_update_steps_total": "GRPORolloutsStale's counter; the staleness panel shows the versions and the line",
-    "grpo_grad_norm_spike_steps_total": "GRPOGradNormSpike's counter; the grad-norm panel shows the norms and the spike line",
-    "grpo_run_finished": "lifecycle: tells a normal end from a crash for GRPOExporterDown and GRPOTrainingStalled",
-    "grpo_build_info": "used by the job and run variables, not plotted",
-    "grpo_steps_total": "shown as steps per minute",
-    "grpo_last_step_timestamp_seconds": "feeds GRPOTrainingStalled; the step panel shows progress",
-    "grpo_optimizer_steps_total": "denominator of the clip-activity ratio",
-    "grpo_onpolicy_checked_tokens_total": "denominator of the on-policy clip share",
-    "grpo_completions_total": "denominator of the truncation share",
-    "grpo_groups_total": "denominator of the zero-variance share",
-    "grpo_run_info": "joins pass@k with the group size (pass@G recording rule)",
-    "grpo_reward_component_role": "picks the correctness component for GRPORewardHackSuspected; the reward "
-    "panel shows every component by name",
-    "grpo_engine_logprob_gap_mean_nats": "the panels show the windowed mean recorded from _sum/_count",
-    "grpo_onpolicy_outside_clip_ratio": "the panels show the windowed share recorded from the counters",
-    "grpo_log_ratio_clamp_hit_ratio": "the panels show the windowed share recorded from the counters",
-    "grpo_clipped_tokens_ratio": "the panels show the windowed shares recorded from the counters",
-    "grpo_zero_variance_groups_ratio": "the panels show the windowed share recorded from the counters",
-    "grpo_engine_logprob_gap_clean_baseline_nats": "the gap panel shows the accepted level, which is it unless a "
-    "reference run gives one",
-    "grpo_mismatch_ppl_multiple": "exp of each sequence's log-perplexity difference, which the mismatch panel shows",
-    "grpo_rollout_correction_capped_tokens_total": "the capped share per step is shown; the counters are for windows",
-    "grpo_rollout_correction_capped_sequences_total": "the capped share per step is shown; the counters are for windows",
-    "grpo_regression_completions_total": "the regression panel shows each evaluation's accuracy; the counters are "
-    "for windows over several evaluations",
-    "grpo_regression_correct_completions_total": "the regression panel shows each evaluation's accuracy; the "
-    "counters are for windows over several evaluations",
-    "grpo_regression_evaluated_completions": "the set's size: it sets the accuracy's noise, which the alert weighs "
-    "(the regression panel's description names it)",
-}
 
 
 def dashboard_files(c: MixinConfig) -> dict[str, str]:

@@ -90,6 +90,10 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_groups:trend_increase",
          "expr": increase(c, "grpo_groups_total", steps=c.trend_window_steps)},
         {"record": "run:grpo_steps:window_increase", "expr": increase(c, "grpo_steps_total")},
+        # the share of the groups a dynamic-sampling loop generated that its batches kept, over a trend window
+        {"record": "run:grpo_kept_groups:trend_ratio",
+         "expr": fraction(rate(c, "grpo_groups_total", steps=c.trend_window_steps),
+                           rate(c, "grpo_generated_groups_total", steps=c.trend_window_steps))},
         # the groups of the long window (the baseline's length, ending now): pass@G's long leg
         {"record": "run:grpo_groups:long_increase",
          "expr": f"sum by ({BY}) (increase(grpo_groups_total{c.matchers()}[{c.baseline_window}]))"},

@@ -23,6 +23,7 @@ ANCHORED_FAMILIES = (
     "grpo_edit_distance_median_ratio",
     "grpo_unique_completions_ratio",
     "grpo_regression_accuracy_ratio",
+    "grpo_kept_groups_ratio",
 )
 
 

@@ -25,7 +25,7 @@ import logging
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from prometheus_client.registry import CollectorRegistry
@@ -33,10 +33,10 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.checks import ABCReport, AccumulationReport, MaskTableReport, ReachReport
-from grpo_exporter.runtime import guard
+from grpo_exporter.keywords import UPDATE_FIELDS, RolloutFields, UpdateFields, check_keywords
+from grpo_exporter.runtime import evaluations, guard
 from grpo_exporter.runtime.assembly import assemble
 from grpo_exporter.runtime.monitor_config import MonitorConfig
-from grpo_exporter.runtime.stages import UPDATE_FIELDS
 
 PreflightReport = ABCReport | AccumulationReport | ReachReport | MaskTableReport
 
@@ -98,29 +98,11 @@ class GRPOMonitor:
         return self._endpoint.url
 
     def observe_rollout(
-        self,
-        step: int,
-        *,
-        rewards: Tensor | None = None,
-        group_ids: Tensor | Sequence[Any] | None = None,
-        correct: Tensor | None = None,
-        truncated: Tensor | None = None,
-        reward_components: Mapping[str, Tensor] | None = None,
-        rollout_logprobs: Tensor | None = None,
-        old_logprobs: Tensor | None = None,
-        loss_mask: Tensor | None = None,
-        completion_lengths: Tensor | None = None,
-        completion_ids: Tensor | None = None,
-        completion_mask: Tensor | None = None,
-        prompt_ids: Tensor | Sequence[Any] | None = None,
-        prompt_tokens: Tensor | None = None,
-        turns: Tensor | None = None,
-        partial: Tensor | None = None,
-        tool_calls: int | None = None,
-        tool_failures: int | None = None,
-        dropped_stale_total: int | None = None,
+        self, step: int, *, prompt_ids: Tensor | Sequence[Any] | None = None, prompt_tokens: Tensor | None = None,
+        dropped_stale_total: int | None = None, **fields: Unpack[RolloutFields],
     ) -> None:
-        """Rollout-level metrics, once per rollout batch (one host transfer).
+        """Rollout-level metrics, once per rollout batch (one host transfer). ``fields``: rewards, groups,
+        outcomes, engine and trainer log-probs, masks, lengths (:class:`~grpo_exporter.keywords.RolloutFields`).
 
         ``group_ids`` and ``prompt_ids`` may be integer tensors or sequences of strings or integers (verl's
         ``uid``, prompt text): strings are hashed stably (:mod:`grpo_exporter.ids`), a host-to-device copy of N
@@ -130,55 +112,29 @@ class GRPOMonitor:
         policy version, ``tool_calls`` and ``tool_failures`` this batch's tool calls and failed ones (ints), and
         ``dropped_stale_total`` the loop's running total of completions it dropped as too stale (an int)."""
         step = self._check_call("observe_rollout", step)
-        fields = {
-            "rewards": rewards, "group_ids": group_ids, "correct": correct, "truncated": truncated,
-            "reward_components": reward_components, "rollout_logprobs": rollout_logprobs,
-            "old_logprobs": old_logprobs, "loss_mask": loss_mask, "completion_lengths": completion_lengths,
-            "completion_ids": completion_ids, "completion_mask": completion_mask, "turns": turns,
-            "partial": partial, "tool_calls": tool_calls, "tool_failures": tool_failures,
-        }
+        check_keywords("observe_rollout", fields)
         violations: list[guard.Violation] = []
         with self._report.stage("rollout"):
             self._stages.advance(step)
-            violations = self._stages.rollout(step, fields, prompt_ids, prompt_tokens, dropped_stale_total)
+            violations = self._stages.rollout(step, dict(fields), prompt_ids, prompt_tokens, dropped_stale_total)
         self._stages.enforce(violations)
 
-    def observe_update(
-        self,
-        step: int,
-        *,
-        logprobs: Tensor | None = None,
-        old_logprobs: Tensor | None = None,
-        advantages: Tensor | None = None,
-        loss_mask: Tensor | None = None,
-        entropy: Tensor | None = None,
-        ref_logprobs: Tensor | None = None,
-        on_policy: bool | Tensor | None = None,
-        **more: Any,
-    ) -> None:
+    def observe_update(self, step: int, **fields: Unpack[UpdateFields]) -> None:
         """Update-level tensors of one optimizer (micro)step, accumulated into the step (validated now,
-        computed when the step ends).
+        computed when the step ends). ``fields``: :class:`~grpo_exporter.keywords.UpdateFields`.
 
         ``on_policy``: True on every micro-step of the first optimizer step on a fresh rollout (the weights
         have not changed since the old log-probs were computed); the on-policy ratio check runs on the
-        micro-steps flagged. ``more`` takes any other :class:`~grpo_exporter.inputs.StepInputs` field of the
-        update: ``rewards``, ``group_ids``, ``completion_lengths`` (the mask audit of the mask you train
-        with), ``grad_norm_pre_clip``/``grad_norm_post_clip``/``max_grad_norm`` when the framework clips,
-        ``loss``, ``policy_version``, ``rollout_policy_version``. An unknown keyword raises ``TypeError``.
+        micro-steps flagged. ``completion_lengths`` gives the mask audit of the mask you train with;
+        ``grad_norm_pre_clip``/``grad_norm_post_clip``/``max_grad_norm`` when the framework clips. An unknown
+        keyword raises ``TypeError``.
         """
         step = self._check_call("observe_update", step)
-        unknown = sorted(set(more) - UPDATE_FIELDS)
-        if unknown:
-            raise TypeError(
-                f"observe_update() got unexpected keyword argument(s) {unknown}; accepted: {sorted(UPDATE_FIELDS)}"
-            )
-        fields = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages,
-                  "loss_mask": loss_mask, "entropy": entropy, "ref_logprobs": ref_logprobs, "on_policy": on_policy,
-                  **more}
+        check_keywords("observe_update", fields)
         violations: list[guard.Violation] = []
         with self._report.stage("update"):
             self._stages.advance(step)
-            violations = self._stages.add_update(step, fields)
+            violations = self._stages.add_update(step, dict(fields))
         self._stages.enforce(violations)
 
     def clip_grad_norm_(
@@ -218,7 +174,7 @@ class GRPOMonitor:
         step = self._check_call("observe_retrieval", step)
         with self._report.stage("rollout"):
             self._stages.advance(step)
-            self._stages.retrieval(scores, own_prompt)
+            self._stages.evaluation(evaluations.retrieval(scores, own_prompt))
 
     def observe_regression(self, step: int, correct: Tensor) -> None:
         """A mastered-prompt regression set (seed 第 4 篇 4.3): ``correct`` (N,) bool or 0/1, one per completion of
@@ -229,7 +185,7 @@ class GRPOMonitor:
         step = self._check_call("observe_regression", step)
         with self._report.stage("rollout"):
             self._stages.advance(step)
-            self._stages.regression(correct)
+            self._stages.evaluation(evaluations.regression(correct))
 
     def publish_check(self, report: PreflightReport) -> None:
         """Publish a preflight check's verdict (:mod:`grpo_exporter.checks`) as

@@ -15,17 +15,16 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from grpo_exporter import catalog
-from grpo_exporter.functional.diversity import retrieval_accuracy
 from grpo_exporter.ids import id_tensor
-from grpo_exporter.inputs import InputError, StepInputs, check_count, describe, fields_where, not_binary
+from grpo_exporter.inputs import InputError, StepInputs, check_count, describe
 from grpo_exporter.ranks import distributed
 from grpo_exporter.recorder import FlightRecorder
 from grpo_exporter.runtime import guard
 from grpo_exporter.runtime.background import EditDistanceWorker, edit_distance_carry
+from grpo_exporter.runtime.evaluations import Evaluation
 from grpo_exporter.runtime.monitor_config import MonitorConfig
 from grpo_exporter.runtime.param_sample import sample_parameters
 from grpo_exporter.runtime.reporting import Reporter
@@ -39,7 +38,6 @@ log = logging.getLogger("grpo_exporter")
 STAGE_BLOCKS = {"rollout": ROLLOUT_BLOCKS, "update": UPDATE_BLOCKS}
 # the loss-mask audit of the rollout is published only when the update does not audit its own mask
 AUDIT = frozenset(MASK_AUDIT_FAMILIES)
-UPDATE_FIELDS = frozenset(fields_where(update=True))  # what observe_update takes as keywords
 # the rollout tensors whose device the string ids are moved to
 _DEVICE_FIELDS = ("rewards", "correct", "truncated", "rollout_logprobs", "old_logprobs", "loss_mask",
                   "completion_lengths", "completion_ids")
@@ -195,34 +193,11 @@ class Stages:
         self.publication.merge({catalog.key("grpo_last_step"): last,
                                 catalog.key("grpo_last_step_timestamp_seconds"): time.time()})
 
-    def retrieval(self, scores: Tensor, own_prompt: Tensor) -> None:
-        """Retrieval accuracy of ``scores`` (N, P) against ``own_prompt`` (N,), and chance 1/P (rank-local)."""
-        if scores.dim() != 2 or own_prompt.shape != scores.shape[:1]:
-            raise ValueError(f"`scores`/`own_prompt`: expected (N, P) and (N,), got {tuple(scores.shape)} and "
-                             f"{tuple(own_prompt.shape)}")
-        r = retrieval_accuracy(scores, own_prompt)
-        value, present = torch.stack([r.value.double(), r.present.double()]).tolist()
-        accuracy = catalog.metric("grpo_retrieval_accuracy_ratio")
-        values: dict[str, float] = {catalog.metric("grpo_retrieval_chance_ratio").key(): 1.0 / scores.shape[1]}
-        if present:
-            values[accuracy.key()] = value
-        self.publication.merge(values, [accuracy.name])
-
-    def regression(self, correct: Tensor) -> None:
-        """One evaluation of the mastered-prompt regression set (seed 第 4 篇 4.3; one host read): counted, its
-        accuracy (correct / N) and size published; the accuracy's first evaluations make its anchor (rank-local)."""
-        expected = "a non-empty (N,) tensor of bool or 0/1 values, one per completion of the regression set"
-        if not isinstance(correct, Tensor) or correct.dim() != 1 or correct.numel() == 0 or correct.is_complex():
-            raise InputError("correct", expected, describe(correct))
-        values = correct.double()
-        hits, invalid = torch.stack([values.sum(), not_binary(values).double()]).tolist()
-        n = correct.numel()
-        if invalid:
-            raise InputError("correct", expected, f"{int(invalid)} of its {n} values neither 0 nor 1 (NaN included)")
-        self.publication.add({catalog.key("grpo_regression_completions_total"): float(n),
-                              catalog.key("grpo_regression_correct_completions_total"): hits})
-        self.publication.merge({catalog.key("grpo_regression_accuracy_ratio"): hits / n,
-                                catalog.key("grpo_regression_evaluated_completions"): float(n)})
+    def evaluation(self, evaluation: Evaluation) -> None:
+        """An evaluation beside training (:mod:`~grpo_exporter.runtime.evaluations`), published as it came."""
+        if evaluation.increments:
+            self.publication.add(evaluation.increments)
+        self.publication.merge(evaluation.gauges, evaluation.families)
 
     def check(self, name: str, passed: bool, cannot_tell: bool) -> None:
         """A preflight check's verdict; every check's last verdict stays published."""

@@ -108,4 +108,28 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "staleness " + template_query("max(grpo_rollout_staleness_versions{run=%q})", "%.0f") + ").",
             for_steps=2, event=True,
         ),
+        _pool(c),
     ]
+
+
+def _pool(c: MixinConfig) -> Alert:
+    """A dynamic-sampling loop's kept share of generated groups over a trend window, against its early window
+    (seed 第 4 篇 4.1 and 4.3: the batch stays full while the prompt pool shrinks, and the cost is the extra
+    generation)."""
+    early = f'max by ({BY}) (grpo_run_anchor{c.matchers(metric="grpo_kept_groups_ratio")})'
+    trend = c.window(c.trend_window_steps)
+    filtered = 'sum(increase(grpo_filtered_groups_total{run=%q,outcome=\\"OUTCOME\\"}[' + trend + ']))'
+    return Alert(
+        "GRPODynamicSamplingPoolShrinking", Layer.SAMPLES, "dynamic_sampling", "warning",
+        f"run:grpo_kept_groups:trend_ratio < on(job, run) clamp_max({early} / {c.pool_overhead_growth:g}, "
+        f"{c.pool_kept_max:g})", 900,
+        "Dynamic sampling generates ever more groups to fill a batch: the prompts the policy can still learn "
+        "from are running out, while the batch looks full.",
+        "Run {{ $labels.run }} kept " + template_value("%.3g") + " of the groups it generated over the last "
+        + trend + ", against "
+        + template_query('max(grpo_run_anchor{run=%q,metric=\\"grpo_kept_groups_ratio\\"})')
+        + " in its early window; filtered all-correct " + template_query(filtered.replace("OUTCOME", "all_correct"), "%.0f")
+        + ", all-incorrect " + template_query(filtered.replace("OUTCOME", "all_incorrect"), "%.0f")
+        + ". Check the mastered-prompt regression set (GRPOMasteredPromptsRegressed) and refresh the prompt pool.",
+        trend=True,
+    )

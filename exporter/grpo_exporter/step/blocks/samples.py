@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from grpo_exporter import catalog
 from grpo_exporter.catalog import format_quantile
 from grpo_exporter.functional import samples
 from grpo_exporter.functional.reading import fraction, zeroed
 from grpo_exporter.step.context import Context
 from grpo_exporter.step.gather import Gather
-from grpo_exporter.step.pack import Element
+from grpo_exporter.step.pack import Element, scalar
 from grpo_exporter.step.registry import produces
 
 
@@ -75,7 +77,8 @@ def clipping(out: Gather, ctx: Context) -> None:
     "grpo_zero_variance_groups_total",
     "grpo_zero_variance_groups_ratio",
     "grpo_zero_variance_groups_expected_ratio",
-    "grpo_all_incorrect_groups_expected_ratio", stages=("rollout",))
+    "grpo_all_incorrect_groups_expected_ratio",
+    "grpo_kept_groups_ratio", stages=("rollout",))
 def zero_variance(out: Gather, ctx: Context) -> None:
     x, groups = ctx.x, ctx.groups
     if groups is None:
@@ -87,12 +90,28 @@ def zero_variance(out: Gather, ctx: Context) -> None:
         out.add("grpo_zero_variance_groups_total", zv.all_incorrect, outcome="all_incorrect")
         out.add("grpo_zero_variance_groups_total", zv.unknown, outcome="unknown")
         out.add("grpo_zero_variance_groups_ratio", zv.share)
+        if x.generated_groups is not None:
+            generated = scalar(x.generated_groups, torch.float64, zv.groups.device)
+            out.add("grpo_kept_groups_ratio", fraction(zv.groups, generated))
     if x.zero_variance_prob is not None:
         expected = samples.expected_zero_variance_ratio(x.zero_variance_prob, groups)
         out.add("grpo_zero_variance_groups_expected_ratio", expected)
     if x.all_incorrect_prob is not None:
         out.add("grpo_all_incorrect_groups_expected_ratio", samples.expected_zero_variance_ratio(x.all_incorrect_prob,
                                                                                              groups))
+
+
+@produces("grpo_generated_groups_total", "grpo_filtered_groups_total", stages=("rollout",))
+def dynamic_sampling(out: Gather, ctx: Context) -> None:
+    """What a dynamic-sampling loop (DAPO) counted while filling the batch (seed 第 4 篇 4.1: record how many
+    groups it generated, beside the zero-variance share), taken as counted."""
+    x = ctx.x
+    if x.generated_groups is not None:
+        out.add("grpo_generated_groups_total", float(x.generated_groups))
+    for outcome, count in (("all_correct", x.filtered_all_correct_groups),
+                           ("all_incorrect", x.filtered_all_incorrect_groups)):
+        if count is not None:
+            out.add("grpo_filtered_groups_total", float(count), outcome=outcome)
 
 
 @produces("grpo_mixed_group_solve_rate_ratio", stages=("rollout",))
