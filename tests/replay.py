@@ -74,6 +74,7 @@ class Knobs:
     retrieval: float = 0.9  # share of completions that score highest under their own prompt
     regression: float = 0.95  # accuracy on the mastered-prompt regression set (64 completions every 5 steps)
     dynamic_sampling: bool = False  # DAPO: zero-variance groups dropped, drawn on until the batch is full
+    kl_ref: float = 0.0  # the KL (k3) of every loss token to a reference policy, nats; 0: no reference log-probs
 
 
 REGRESSION_EVERY, REGRESSION_SET = 5, 64  # the mastered-prompt regression set: every 5 steps, 64 completions
@@ -187,11 +188,19 @@ class SimulatedRun:
         pre = k.grad_norm * float(np.exp(rng.normal(0.0, 0.2)))
         scalars = {"policy_version": step, "rollout_policy_version": step - k.staleness,
                    "grad_norm_pre_clip": pre, "grad_norm_post_clip": min(pre, 5.0), "max_grad_norm": 5.0}
+        ref = {}
+        if k.kl_ref:
+            # ref - logp = d with exp(d) - d - 1 = kl_ref on every token (d > 0), by Newton from d = sqrt(2 kl)
+            d = math.sqrt(2 * k.kl_ref)
+            for _ in range(20):
+                d -= (math.expm1(d) - d - k.kl_ref) / math.expm1(d)
+            ref = {"ref_logprobs": new + d}
         for rows, on_policy in ((slice(0, on_rows), True), (slice(on_rows, n), False)):
+            more = {name: t(value[rows]) for name, value in ref.items()}
             mon.observe_update(
                 step, logprobs=t(new[rows]), old_logprobs=t(old[rows]), advantages=t(adv[rows]),
                 loss_mask=t(loss_mask[rows], torch.bool), entropy=t(entropy[rows]), on_policy=on_policy,
-                completion_lengths=t(lengths[rows], torch.long), **scalars,
+                completion_lengths=t(lengths[rows], torch.long), **scalars, **more,
             )
         mon.end_step()
         own = np.repeat(np.arange(self.prompts), g)

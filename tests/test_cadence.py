@@ -5,7 +5,7 @@ that cadence (``step_seconds``).
 Every scenario asserts the exact set of alerts that fired over the whole replay, each in exactly one
 episode (no flapping), each first firing no earlier than its ``for`` after the fault's onset and within a
 bound after it. Healthy runs, a normal end, the gap between two runs and one noisy batch must page nothing.
-At 2 min and 10 min steps a fleet of nineteen runs, one fault each, makes every alert fire for its run
+At 2 min and 10 min steps a fleet of twenty runs, one fault each, makes every alert fire for its run
 (rules/tests/*.test.yml checks every alert just before and after its `for` at 1-minute steps).
 
 The replays the selected tests read start when collection ends, in the suite's background lane
@@ -301,12 +301,14 @@ FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...
     "template-collapse": ({"retrieval": 0.07}, {}, ("GRPORetrievalNearChance",)),
     # the mastered prompts fail again (forgetting behind a full batch): 0.95 -> 0.6 on the held set
     "forgetting": ({"regression": 0.6}, {}, ("GRPOMasteredPromptsRegressed",)),
-    # a DAPO loop (dynamic sampling from the first step, a loop knob) whose pool is suddenly mastered: nearly every
-    # group all-correct, ~10x the generation to fill a batch that still looks full
-    "pool-shrinking": ({"dynamic_sampling": True, "solve": 0.99}, {}, ("GRPODynamicSamplingPoolShrinking",)),
+    # a DAPO loop (dynamic sampling from the first step) whose pool is suddenly mastered: nearly every group
+    # all-correct, several times the generation to fill a batch that still looks full
+    "pool-shrinking": ({"solve": 0.99}, {}, ("GRPODynamicSamplingPoolShrinking",)),
+    # a KL penalty (beta 0.04) that stops acting: the KL to the reference goes from 0.05 to 2 nats per token
+    "kl-runaway": ({"kl_ref": 2.0}, {"kl_coef": 0.04}, ("GRPOKLToReferenceRunaway",)),
 }
-#: knobs that describe the training loop, not a fault: they hold from the first step of a fault run
-LOOP_KNOBS = ("dynamic_sampling",)
+#: the loop a fault run trains in, from its first step (not a fault): its knobs over near_clip's
+LOOPS: dict[str, dict[str, object]] = {"pool-shrinking": {"dynamic_sampling": True}, "kl-runaway": {"kl_ref": 0.05}}
 
 
 def _fleet(folder: Path, cadence: str) -> subprocess.CompletedProcess[str]:
@@ -317,7 +319,7 @@ def _fleet(folder: Path, cadence: str) -> subprocess.CompletedProcess[str]:
     within = max(3600.0, LATENCY_STEPS * cadence_s) + 3600
     may_fire = []
     for i, (run, (knobs, settings, alerts)) in enumerate(FAULT_RUNS.items()):
-        loop = {k: v for k, v in knobs.items() if k in LOOP_KNOBS}
+        loop = LOOPS.get(run, {})
         base = (lambda step, hours, loop=loop: replace(near_clip(step, hours), **loop)) if loop else near_clip
         segments.append(Segment(run, after(5 * u, base, **knobs), 8 * u, seed=i, instance=f"{run}:9887",
                                 monitor=settings))
@@ -329,7 +331,7 @@ def _fleet(folder: Path, cadence: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("cadence", ["2min", "10min"])
 def test_every_fault_pages_once_at_production_cadence(cadence, outcomes):
-    """Nineteen runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
+    """Twenty runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
     listed), once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
     floors (5 min windows, 1 h baselines), which rules/tests/*.test.yml check for every alert at 1 min steps."""
     done = outcomes[f"fleet/{cadence}"].result()

@@ -129,7 +129,7 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
     baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.61\n')
     mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=1,
                       max_pending_micro_steps=1, gap_baseline_steps=1, anchor_steps=1, rollout_correction_cap=1.002,
-                      rollout_logprob_nan="unscored", correctness_component="correctness",
+                      rollout_logprob_nan="unscored", correctness_component="correctness", kl_coef=0.04,
                       recorder_dir=tmp_path / "incidents", **BASE)
     model = torch.nn.Linear(4, 3)
     for step in range(3):

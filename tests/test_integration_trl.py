@@ -183,6 +183,7 @@ def test_engine_logprobs_that_drift_show_as_engine_gap_and_the_guard_says_so(mod
     assert published["grpo_run_finished"] == 1.0  # closed at the end of train()
     assert trainer.monitor.config.run == "trl-test"
     assert trainer.monitor.config.group_size == G
+    assert published["grpo_kl_penalty_coefficient"] == 0.1  # TRL's beta: the KL rules judge this run's KL
     assert published['grpo_mismatch_kl_nats{estimator="k1"}'] == pytest.approx(0.05, abs=1e-4)
     said = [re.search(r"engine log-prob gap is systematic: mismatch KL k1 \(the mean signed gap\) (\S+) nats",
                       r.getMessage()) for r in caplog.records]

@@ -855,6 +855,12 @@ CATALOG: tuple[Metric, ...] = (
         inputs=("reference_baseline",), source=Source.MONITOR,
     ),
     Metric(
+        "grpo_kl_penalty_coefficient", GA,
+        "The run's KL-to-reference penalty coefficient (setting kl_coef: TRL's beta, verl's kl_loss_coef or "
+        "kl_ctrl.kl_coef); absent without one. The KL rules judge grpo_kl_ref_nats only where it is above 0.",
+        L, inputs=("kl_coef",), source=Source.MONITOR,
+    ),
+    Metric(
         "grpo_run_info", GA,
         "Constant 1 labelled with the run's group size, clip range, advantage normalisation, the ratio the loss "
         "weights by (token, or sequence for GSPO) and its clip (ppo, cap for CISPO, none for SAPO/VESPO), so rules "

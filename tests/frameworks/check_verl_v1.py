@@ -313,3 +313,17 @@ def test_the_docs_v1_lines_run_as_written(monkeypatch) -> None:
         trainer.monitor.close()
     finally:
         TRAINER_REGISTRY["sync"] = PPOTrainerSync
+
+
+def test_the_kl_coefficient_is_the_one_verl_applies() -> None:
+    """The actor's kl_loss_coef with use_kl_loss, else the reward's kl_ctrl.kl_coef with use_kl_in_reward, else 0:
+    the KL rules judge the KL to the reference only where a penalty is applied."""
+    from grpo_exporter.integrations.verl_v1 import _kl_coef
+
+    actor = {"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_coef": 0.001}},
+             "algorithm": {"use_kl_in_reward": False, "kl_ctrl": {"kl_coef": 0.5}}}
+    assert _kl_coef(OmegaConf.create(actor)) == 0.001
+    reward = {"actor_rollout_ref": {"actor": {"use_kl_loss": False, "kl_loss_coef": 0.001}},
+              "algorithm": {"use_kl_in_reward": True, "kl_ctrl": {"kl_coef": 0.5}}}
+    assert _kl_coef(OmegaConf.create(reward)) == 0.5
+    assert _kl_coef(OmegaConf.create({"actor_rollout_ref": {"actor": {"kl_loss_coef": 0.001}}})) == 0.0

@@ -258,7 +258,7 @@ class GRPOMonitorMixin(_RolloutReading, UpdateReading):
     output directory's name), ``group_size`` = ``num_generations``, ``clip_eps`` = (``epsilon``,
     ``epsilon_high``), ``ratio_level`` and ``clip`` from ``importance_sampling_level`` and ``loss_type`` (GSPO's
     sequence ratio, CISPO's cap, SAPO's and VESPO's soft weights), ``advantage_norm`` from ``scale_rewards``,
-    ``correctness_component`` = ``verifier``, and
+    ``correctness_component`` = ``verifier``, ``kl_coef`` = ``beta``, and
     ``monitor_settings`` on top (any :class:`~grpo_exporter.runtime.monitor_config.MonitorConfig` field, e.g.
     ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward function
     whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates, length by
@@ -316,6 +316,7 @@ class GRPOMonitorMixin(_RolloutReading, UpdateReading):
             run = self.args.run_name or Path(self.args.output_dir or "trl").name
             settings = {
                 "run": run, "group_size": self.num_generations, **loss, **engine_settings(self.args),
+                "kl_coef": float(self.args.beta),
                 **({"advantage_norm": norm} if norm else {}),
                 **({"correctness_component": verifier} if verifier else {}), **(monitor_settings or {}),
             }

@@ -121,6 +121,16 @@ def observe_tq_batch(
                       response_window=response_length)
 
 
+def _kl_coef(config: Any) -> float:
+    """The KL-to-reference coefficient verl applies: the actor's ``kl_loss_coef`` with ``use_kl_loss``, the
+    reward's ``algorithm.kl_ctrl.kl_coef`` with ``use_kl_in_reward``, else 0 (no penalty)."""
+    if _select(config, "actor_rollout_ref.actor.use_kl_loss"):
+        return float(_select(config, "actor_rollout_ref.actor.kl_loss_coef") or 0.0)
+    if _select(config, "algorithm.use_kl_in_reward"):
+        return float(_select(config, "algorithm.kl_ctrl.kl_coef") or 0.0)
+    return 0.0
+
+
 def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = "acc",
                          **monitor_settings: Any) -> type:
     """A subclass of a verl v1 trainer class (``base``; default the one registered as ``"sync"``) that makes a
@@ -144,7 +154,7 @@ def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = 
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, *args, **kwargs)
-            settings = {"group_size": int(config.actor_rollout_ref.rollout.n),
+            settings = {"group_size": int(config.actor_rollout_ref.rollout.n), "kl_coef": _kl_coef(config),
                         "run": str(_select(config, "trainer.experiment_name") or "verl"), **monitor_settings}
             self.monitor = GRPOMonitor(**settings)
             self._grpo_masks = {}

@@ -228,6 +228,16 @@ class MixinConfig(StopLines, EventLines):
         "misses, and a large set's few-point shift is no forgetting (seed 4.3: dozens of prompts are an alarm, not "
         "a ruler)"
     )
+    kl_growth_factor: float = Field(
+        4.0, gt=1, description="GRPOKLToReferenceRunaway: the KL to the reference over a trend window above this "
+        "many times its mean over the trend window before (a runaway multiplies: 0.83 -> 6.7 nats in 100 steps; a "
+        "constrained run's KL levels off)"
+    )
+    kl_runaway_min_nats: float = Field(
+        0.5, gt=0, description="GRPOKLToReferenceRunaway: and above this many nats per token (not the seed's: "
+        "our line where a policy is far from its reference by any constrained run we know; below it growth is "
+        "the ordinary drift of the first hours, 1e-4 to 1e-2 nats, tenfold and harmless)"
+    )
     pool_overhead_growth: float = Field(
         2.0, gt=1, description="GRPODynamicSamplingPoolShrinking: the groups a dynamic-sampling loop generates per "
         "kept group, over a trend window, at least this many times its early window's (the kept share at most "

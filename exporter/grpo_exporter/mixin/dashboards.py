@@ -184,6 +184,12 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   "none", min=0),
     ))
     layer2 = RowSpec("2 · Does the reward measure what I think?", (
+        PanelSpec("Does the KL penalty hold the policy near its reference?",
+                  f"KL to the reference over a trend window, against {c.kl_growth_factor:g}x its value over the trend window before, and the penalty coefficient: with a penalty the KL levels off; multiplying past {c.kl_runaway_min_nats:g} nats it is not acting (a sign or scale bug, a moving reference). Exactly 0 under a penalty: the reference is the policy.",
+                  (q("run:grpo_kl_ref_nats:trend_mean", "KL {{run}}"),
+                   q(f"{c.kl_growth_factor:g} * (run:grpo_kl_ref_nats:trend_mean offset {c.window(c.trend_window_steps)})", "runaway line {{run}}"),
+                   q(f"max by (run) (grpo_kl_penalty_coefficient{{{SEL}}})", "coefficient {{run}}")),
+                  "none", min=0),
         PanelSpec("Which reward component moves? (mean per component)",
                   "Mean reward per component and total. Format up while correctness is flat: learning layout, not solving.",
                   (q(f"max by (run, component) (grpo_reward_mean{{{SEL}}})", "{{run}} {{component}}"),), "none"),

@@ -81,6 +81,12 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     reference_baseline: dict[str, float] = Field(
         default_factory=dict, description="sample key -> value of a known-good run, published as baselines"
     )
+    kl_coef: float | None = Field(
+        None, ge=0, description="the coefficient of the KL-to-reference penalty in the loss or the reward (TRL's "
+        "beta, verl's kl_loss_coef or kl_ctrl.kl_coef), published as grpo_kl_penalty_coefficient: with it above 0 "
+        "GRPOKLToReferenceRunaway and GRPOKLToReferenceZero judge grpo_kl_ref_nats; None or 0: no KL penalty, "
+        "no KL rule"
+    )
     correctness_component: str | None = Field(
         None, min_length=1, max_length=128, description="the reward component that measures correctness (the "
         "verifier's name, e.g. 'accuracy'), published as grpo_reward_component_role{role=\"correctness\"}: "

@@ -10,7 +10,8 @@ from grpo_exporter.runtime.monitor_config import MonitorConfig
 
 def static_values(config: MonitorConfig) -> dict[str, float]:
     """``grpo_build_info``, ``grpo_run_info``, ``grpo_run_finished`` 0 (live), the event counters at 0,
-    ``grpo_reward_component_role`` when a correctness component is configured and one
+    ``grpo_kl_penalty_coefficient`` when one is configured, ``grpo_reward_component_role`` when a correctness
+    component is configured and one
     ``grpo_reference_baseline`` per configured key."""
     values: dict[str, float] = {
         catalog.metric("grpo_run_finished").key(): 0.0,
@@ -24,6 +25,8 @@ def static_values(config: MonitorConfig) -> dict[str, float]:
             ratio_level=config.ratio_level, clip=config.clip,
         ): 1.0,
     }
+    if config.kl_coef is not None:
+        values[catalog.key("grpo_kl_penalty_coefficient")] = float(config.kl_coef)
     if config.correctness_component is not None:
         role = catalog.metric("grpo_reward_component_role")
         values[role.key(component=config.correctness_component, role="correctness")] = 1.0

@@ -94,4 +94,40 @@ def alerts(c: MixinConfig) -> list[Alert]:
             + "x).",
             trend=True,
         ),
+        *_kl(c),
+    ]
+
+
+def _kl(c: MixinConfig) -> list[Alert]:
+    """The KL to the reference where a KL penalty is configured (seed 第 4 篇 一: too strong and nothing is
+    learned; implemented wrong, no real constraint): a runaway against its own past, and a KL that stays exactly 0."""
+    trend = earlier = c.window(c.trend_window_steps)  # two trend windows side by side: now, and the one before
+    penalised = f"and on(job, run) max by ({BY}) (grpo_kl_penalty_coefficient{c.matchers()}) > 0"
+    kl = "run:grpo_kl_ref_nats:trend_mean"
+    return [
+        Alert(
+            "GRPOKLToReferenceRunaway", Layer.REWARD, "kl", "warning",
+            f"{kl} > on(job, run) ({c.kl_growth_factor:g} * ({kl} offset {earlier})) and {kl} > "
+            f"{c.kl_runaway_min_nats:g} {penalised}", 600,
+            "The KL to the reference runs away despite its penalty: the constraint is not acting (a sign or scale "
+            "bug, a reference that moves).",
+            "Run {{ $labels.run }}: mean KL to the reference " + template_value("%.3g") + f" nats over {trend}, "
+            f"over {c.kl_growth_factor:g}x its mean {earlier} earlier ("
+            + template_query(f"max(run:grpo_kl_ref_nats:trend_mean{{run=%q}} offset {earlier})") + "), with a "
+            "penalty coefficient of " + template_query("max(grpo_kl_penalty_coefficient{run=%q})", "%.3g") + ".",
+            trend=True,
+        ),
+        Alert(
+            "GRPOKLToReferenceZero", Layer.REWARD, "kl_zero", "info",
+            f"max by ({BY}) (max_over_time(grpo_kl_ref_nats{c.matchers()}[{trend}])) == 0 {penalised} "
+            f"and on(job, run) {increase(c, 'grpo_steps_total', steps=c.trend_window_steps)} >= "
+            f"{c.trend_window_steps - 1}", 0,
+            "The KL penalty is configured but the KL to the reference is exactly 0: the reference is the policy.",
+            "Run {{ $labels.run }}: the KL to the reference read " + template_value("%.3g") + f" on every step over "
+            f"{trend} although the penalty coefficient is "
+            + template_query("max(grpo_kl_penalty_coefficient{run=%q})", "%.3g") + ": the reference log-probs are "
+            "the policy's own (a shared model, an adapter disabled on both passes), so the penalty constrains "
+            "nothing.",
+            for_steps=2,
+        ),
     ]
