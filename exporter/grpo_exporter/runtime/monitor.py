@@ -110,7 +110,9 @@ class GRPOMonitor:
         (``recorder_dir``), for its rows. Multi-turn and asynchronous loops add what they count themselves:
         ``turns`` (N,) model turns per completion, ``partial`` (N,) completions generated over more than one
         policy version, ``tool_calls`` and ``tool_failures`` this batch's tool calls and failed ones (ints), and
-        ``dropped_stale_total`` the loop's running total of completions it dropped as too stale (an int)."""
+        ``dropped_stale_total`` the loop's running total of completions it dropped as too stale (an int). A
+        dynamic-sampling loop (DAPO) hands the kept batch with ``generated_groups`` and
+        ``filtered_all_correct_groups``/``filtered_all_incorrect_groups``, what its filter counted (ints)."""
         step = self._check_call("observe_rollout", step)
         check_keywords("observe_rollout", fields)
         violations: list[guard.Violation] = []
