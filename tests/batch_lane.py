@@ -1,17 +1,19 @@
 """The suite's background lane: the deterministic replays (the cadence replays, the world sweep's training) start
-when collection ends, in two worker processes at the lowest CPU priority (nice 19), and their tests, collected
-last, read the results.
+when collection ends, in two worker processes under the idle scheduling class (SCHED_IDLE: they run only on a
+core nothing else wants), and their tests, collected last, read the results.
 
 Why: on the 2-core CI machine many tests leave a core idle (many wait on Prometheus, Alertmanager or a
-subprocess). The replays are pure CPU whose results no clock enters, so they soak up that idle time. What a
-replay computes does not depend on when it runs: the results are those of running it in the test itself (its
-only waits on the clock, for a monitor's worker threads, allow LANE_STOP_S, longer than any stop).
+subprocess; the end-to-end fleet, paced at the demo's 2 steps/s, holds ~0.6 of one core for ~8 minutes). The
+replays are pure CPU whose results no clock enters, so they soak up that idle time. What a replay computes does
+not depend on when it runs: the results are those of running it in the test itself (its only waits on the
+clock, for a monitor's worker threads, allow LANE_WAIT_S: an idle-class worker gets no CPU at all while both
+cores are busy).
 
-Tests that keep time (marked ``keeps_time``: a training paced at 2 steps/s whose rules judge that pace, a page
-due within two minutes) run with the lane stopped (:func:`paused`, SIGSTOP to each worker's process group, so a
-promtool it started stops too), whatever the scheduler does with nice 19. On CI, beside both workers, a healthy
-end-to-end run fell below half its pace and paged GRPOStepCadenceSlowerThanConfigured (it trained five runs at
-once then, more than one GIL can pace).
+Tests that keep time (the fleet's pace, the demo's page within two minutes) run beside the lane. Until this
+change the lane stopped for them (SIGSTOP): at nice 19 one worker left running beside the fleet once coincided
+with three healthy runs paging GRPOTrainingStalled (cause not found). Under SCHED_IDLE, both workers running
+through the whole fleet, every run kept its pace (slowest 2.00 of 2 steps/s over any 72 s, longest step
+0.7 s) and the three modules took 519 s against ~850 s with the lane stopped.
 
 A module takes part by defining ``start_in_background(items)`` (its selected tests): conftest.py calls it once,
 after collection; it submits its jobs with :func:`submit`.
@@ -24,29 +26,26 @@ import ctypes
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 import torch
 
 WORKERS = 2  # one per core of the CI machine
-# workers left running while a keeps_time test runs: none. With one left running (the fleet holds one core,
-# one GIL at ~60% of it), a clean run here paged GRPOTrainingStalled on three healthy e2e runs at once: their
-# steps' timestamps went 18 s (the demo's 15 min) without a new sample. Nothing explained it but the worker
-# beside them, so the lane stops whole: ~4 min of one core lost, against a run that must not page
-KEEP_WHILE_PAUSED = 0
-# a lane job's own waits on the wall clock (a monitor's wait for its worker threads) must outlast a stop: the
-# e2e fleet stops the lane ~8 minutes, and a 10 s wait under way then ran out (a replay raised TimeoutError)
-LANE_STOP_S = 3600.0
+# a lane job's own waits on the wall clock (a monitor's wait for its worker threads): an idle-class worker gets
+# no CPU while the suite's own tests hold both cores, and a 10 s wait then ran out (a replay raised TimeoutError)
+LANE_WAIT_S = 3600.0
 _pool: ProcessPoolExecutor | None = None
 _futures: dict[str, Future[Any]] = {}
 
 
 def _lowest_priority() -> None:
-    os.setpgrp()  # a group of its own, so that paused() stops the promtool it runs with it
-    _die_with_parent()  # out of the terminal's group, Ctrl-C no longer reaches it
-    os.nice(19)  # children (promtool) inherit it
+    os.setpgrp()  # a group of its own: out of the terminal's group, Ctrl-C no longer reaches it
+    _die_with_parent()  # so it dies with pytest
+    os.nice(19)
+    # the idle class (children, promtool, inherit it): any runnable task of the suite's own preempts the lane
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     torch.set_num_threads(1)
 
 
@@ -85,24 +84,6 @@ def _logged(log: str, key: str, fn: Callable[..., Any], *args: Any) -> Any:
 def worker_pids() -> list[int]:
     """The lane's worker processes (none before the first submit or after shutdown)."""
     return list((_pool._processes or {}) if _pool is not None else ())  # the executor keeps them by pid
-
-
-def _signal_workers(signum: int, pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signum)
-
-
-@contextlib.contextmanager
-def paused(keep: int = KEEP_WHILE_PAUSED) -> Iterator[None]:
-    """All but ``keep`` of the lane's workers stopped (with their children) for the block, resumed after it:
-    their jobs' results do not change (no clock enters them), they only come later."""
-    stopped = worker_pids()[keep:]
-    _signal_workers(signal.SIGSTOP, stopped)
-    try:
-        yield
-    finally:
-        _signal_workers(signal.SIGCONT, stopped)
 
 
 def shutdown() -> None:

@@ -32,14 +32,5 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             start(items)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    """A test that keeps time (``keeps_time``) runs, with its fixtures, while the lane is stopped (paused)."""
-    if item.get_closest_marker("keeps_time") is None:
-        return (yield)
-    with batch_lane.paused():
-        return (yield)
-
-
 def pytest_sessionfinish(session: pytest.Session) -> None:
     batch_lane.shutdown()

@@ -192,6 +192,8 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
             out[f'grpo_reward_group_std_mean{{component="{component}"}}'] = float(np.mean(stds))
             out[f'grpo_reward_group_range_mean{{component="{component}"}}'] = float(np.mean(ranges))
 
+    out.update(_noise_reference(a, comps, members, cfg))
+
     adv = a["advantages"]
     per_seq: dict[int, float] = {}
     for i in range(n):
@@ -347,4 +349,34 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
         seqs = {tuple(a["completion_ids"][i, : lengths[i]].tolist()) for i in idx}
         unique.append(len(seqs) / len(idx))
     out["grpo_unique_completions_ratio"] = float(np.mean(unique))
+    return out
+
+
+def _noise_reference(a: dict[str, np.ndarray], comps: dict[str, np.ndarray], members: list[list[int]],
+                     cfg: Any) -> dict[str, float]:
+    """Advantage from reward noise (seed 第 4 篇 2.2), group by group in float64."""
+    rewards, out = a["rewards"], {}
+    finite = [v for v in rewards if math.isfinite(v)]
+    scale = cfg.reward_scale if cfg.reward_scale is not None else (max(finite) - min(finite) if finite else 0.0)
+    sigma = cfg.advantage_norm in ("unbiased", "population")
+    seen = noisy = 0
+    tied = dict.fromkeys(comps, 0.0)
+    for idx in members:
+        kept = [i for i in idx if math.isfinite(rewards[i])]
+        if not kept:
+            continue
+        seen += 1
+        r = [float(rewards[i]) for i in kept]
+        spread = max(r) - min(r)
+        noisy += sigma and 0 < spread < cfg.noise_range_fraction * scale
+        right = sum(bool(a["correct"][i]) for i in kept)
+        if spread > 0 and right in (0, len(kept)):
+            for name, values in comps.items():
+                v = [float(values[i]) for i in idx if math.isfinite(values[i])]
+                tied[name] += float(np.var(v)) if v else 0.0
+    if seen:
+        out["grpo_noise_advantage_groups_ratio"] = noisy / seen
+    if sum(tied.values()) > 0:
+        out.update({f'grpo_reward_tied_variance_ratio{{component="{name}"}}': v / sum(tied.values())
+                    for name, v in tied.items()})
     return out

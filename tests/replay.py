@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import yaml
 
-from batch_lane import LANE_STOP_S
+from batch_lane import LANE_WAIT_S
 from grpo_exporter import GRPOMonitor, MonitorConfig
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.render import rules_outputs
@@ -71,6 +71,7 @@ class Knobs:
     longer_correct: int = 0  # tokens added to correct completions (a length hack)
     longer_incorrect: int = 0  # tokens added to incorrect completions (1/|o| loss aggregation)
     format_pays: float = 0.1  # the "format" reward component, paid to every completion
+    format_jitter: float = 0.0  # width of a uniform noise term in the format component (a float scorer's jitter)
     retrieval: float = 0.9  # share of completions that score highest under their own prompt
     regression: float = 0.95  # accuracy on the mastered-prompt regression set (64 completions every 5 steps)
     dynamic_sampling: bool = False  # DAPO: zero-variance groups dropped, drawn on until the batch is full
@@ -132,7 +133,10 @@ class SimulatedRun:
             ids, correct = self._draw(k)
         n = len(correct)
         correctness = np.zeros(n) if k.verifier_zero else correct.astype(float)
-        rewards = correctness + k.format_pays
+        fmt = np.full(n, k.format_pays)
+        if k.format_jitter:  # drawn only when set: the other runs' draws stay as they were
+            fmt = fmt + k.format_jitter * rng.random(n)
+        rewards = correctness + fmt
         grouped = rewards.reshape(-1, g)
         std = grouped.std(axis=1, ddof=1, keepdims=True)
         adv = np.where(std > 0, (grouped - grouped.mean(axis=1, keepdims=True)) / (std + 1e-4), 0.0).reshape(-1)
@@ -182,7 +186,7 @@ class SimulatedRun:
             step, rewards=t(rewards), correct=t(correct, torch.bool), rollout_logprobs=t(rollout),
             old_logprobs=t(old), loss_mask=t(mask, torch.bool), completion_lengths=t(lengths, torch.long),
             truncated=t(cut, torch.bool),
-            reward_components={"correctness": t(correctness), "format": t(np.full(n, k.format_pays))},
+            reward_components={"correctness": t(correctness), "format": t(fmt)},
             completion_ids=t(completion_ids, torch.long), prompt_ids=t(np.repeat(ids, g), torch.long), **counts,
         )
         pre = k.grad_norm * float(np.exp(rng.normal(0.0, 0.2)))
@@ -210,7 +214,7 @@ class SimulatedRun:
         mon.observe_retrieval(step, t(scores), t(own, torch.long))
         if step % REGRESSION_EVERY == 0:
             mon.observe_regression(step, t(self.held_rng.random(REGRESSION_SET) < k.regression, torch.bool))
-        mon.wait_for_workers(timeout=LANE_STOP_S)
+        mon.wait_for_workers(timeout=LANE_WAIT_S)
 
 
 @dataclass

@@ -5,7 +5,7 @@ that cadence (``step_seconds``).
 Every scenario asserts the exact set of alerts that fired over the whole replay, each in exactly one
 episode (no flapping), each first firing no earlier than its ``for`` after the fault's onset and within a
 bound after it. Healthy runs, a normal end, the gap between two runs and one noisy batch must page nothing.
-At 2 min and 10 min steps a fleet of twenty runs, one fault each, makes every alert fire for its run
+At 2 min and 10 min steps a fleet of runs, one fault each, makes every alert fire for its run
 (rules/tests/*.test.yml checks every alert just before and after its `for` at 1-minute steps).
 
 The replays the selected tests read start when collection ends, in the suite's background lane
@@ -304,11 +304,15 @@ FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...
     # a DAPO loop (dynamic sampling from the first step) whose pool is suddenly mastered: nearly every group
     # all-correct, several times the generation to fill a batch that still looks full
     "pool-shrinking": ({"solve": 0.99}, {}, ("GRPODynamicSamplingPoolShrinking",)),
+    # a run that masters its pool (solve 0.9: ~44% of groups all-correct or all-wrong) whose format component
+    # gains a 0.002-wide jitter: sigma makes the jitter of every tied group a full-size advantage
+    "reward-noise": ({"format_jitter": 0.002}, {}, ("GRPOAdvantageFromRewardNoise",)),
     # a KL penalty (beta 0.04) that stops acting: the KL to the reference goes from 0.05 to 2 nats per token
     "kl-runaway": ({"kl_ref": 2.0}, {"kl_coef": 0.04}, ("GRPOKLToReferenceRunaway",)),
 }
 #: the loop a fault run trains in, from its first step (not a fault): its knobs over near_clip's
-LOOPS: dict[str, dict[str, object]] = {"pool-shrinking": {"dynamic_sampling": True}, "kl-runaway": {"kl_ref": 0.05}}
+LOOPS: dict[str, dict[str, object]] = {"pool-shrinking": {"dynamic_sampling": True}, "kl-runaway": {"kl_ref": 0.05},
+                                       "reward-noise": {"solve": 0.9}}
 
 
 def _fleet(folder: Path, cadence: str) -> subprocess.CompletedProcess[str]:
@@ -331,7 +335,7 @@ def _fleet(folder: Path, cadence: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("cadence", ["2min", "10min"])
 def test_every_fault_pages_once_at_production_cadence(cadence, outcomes):
-    """Twenty runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
+    """Twenty-one runs side by side, one fault each from the fifth phase on: each pages its alert (and only the alerts
     listed), once, no earlier than its `for` after the onset. 20 s steps are left out: there the rules sit on their
     floors (5 min windows, 1 h baselines), which rules/tests/*.test.yml check for every alert at 1 min steps."""
     done = outcomes[f"fleet/{cadence}"].result()

@@ -14,9 +14,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.keeps_time  # a page within two minutes; processes gone within seconds
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_WITHIN_S = 120.0
 

@@ -35,8 +35,6 @@ from grpo_exporter.demo.stack import Page, Stack
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 from services import prometheus_query
 
-# the runs train at the demo's pace, and the rules judge that pace (GRPOStepCadenceSlowerThanConfigured)
-pytestmark = pytest.mark.keeps_time
 HEALTHY_SEEDS = (0, 1, 2)
 # the permutation task (many right answers) and the reverse task (one right answer, learned: groups converge
 # to identical correct completions, mostly all-correct): three seeds each, no alert may fire

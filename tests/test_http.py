@@ -127,7 +127,7 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
     """A monitor where every catalogue metric has at least one sample."""
     baseline = tmp_path / "baseline.yaml"
     baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.61\n')
-    mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=1,
+    mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=2,
                       max_pending_micro_steps=1, gap_baseline_steps=1, anchor_steps=1, rollout_correction_cap=1.002,
                       rollout_logprob_nan="unscored", correctness_component="correctness", kl_coef=0.04,
                       recorder_dir=tmp_path / "incidents", **BASE)
@@ -137,6 +137,8 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
         rollout = rollout_kwargs(x)
         if step == 0:  # a NaN reward: the flight recorder writes an incident once step 1 ends
             rollout["rewards"] = rollout["rewards"].clone().index_fill_(0, torch.tensor([2]), float("nan"))
+        # a third component, over max_reward_components: dropped, counted
+        rollout["reward_components"] = {**rollout["reward_components"], "style": rollout["rewards"]}
         mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8, tool_calls=9, tool_failures=1,
                                 dropped_stale_total=step + 1, generated_groups=9, filtered_all_correct_groups=2,
                                 filtered_all_incorrect_groups=1)

@@ -30,7 +30,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch_lane import LANE_STOP_S
+from batch_lane import LANE_WAIT_S
 from grpo_exporter import GRPOMonitor, MonitorConfig
 from grpo_exporter.demo.trainer import Trainer
 from grpo_exporter.demo.worlds import CADENCES, COLLAPSE_INDEX, Trajectory, World, collapse_world, world
@@ -84,7 +84,7 @@ def _series(w: World, keep: set[str], scrapes: int, fault: Fault | None) -> tupl
             r = trainer.step(step)
             trajectory.pass_at_1.append(r.correct)
             trajectory.pass_at_group.append(r.pass_at_group)
-            mon.wait_for_workers(timeout=LANE_STOP_S)
+            mon.wait_for_workers(timeout=LANE_WAIT_S)
             clock = step * cadence
             state = _exposed(mon, keep, clock, instance) | {up: 1.0}
             for i in range(math.ceil(clock / SCRAPE_S), min(scrapes, math.ceil((clock + cadence) / SCRAPE_S))):

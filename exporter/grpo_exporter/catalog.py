@@ -516,6 +516,24 @@ CATALOG: tuple[Metric, ...] = (
         R, labels=(_COMPONENT,), inputs=("rewards|reward_components",), merge=Merge.RATIO,
     ),
     Metric(
+        "grpo_noise_advantage_groups_ratio", GA,
+        "Share of the last rollout batch's groups whose advantage is reward noise made loud (seed 第 4 篇 2.2): "
+        "the group's reward range is above 0 but below noise_range_fraction (0.01) of the reward's scale "
+        "(reward_scale, else the batch's own reward range) and the advantage divides by the group's sigma, which "
+        "scales any spread to full size. 0 without sigma-normalisation (advantage_norm none or batch), where a "
+        "tiny spread stays a tiny advantage.",
+        R, "ratio", inputs=("rewards", "advantage_norm"), merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_reward_tied_variance_ratio", GA,
+        "Over the groups whose completions are all correct or all incorrect yet whose reward varies: each "
+        "component's share of the components' summed within-group variance (as handed: TRL's are unweighted), "
+        "before normalisation. The component that supplies the advantage the verifier cannot (a format or "
+        "length term, or its noise).",
+        R, "ratio", labels=(Label("component", bound="max_reward_components (names from reward_components)"),),
+        inputs=("rewards", "correct", "reward_components"), merge=Merge.RATIO,
+    ),
+    Metric(
         "grpo_advantage_abs_max", GA,
         "Max |advantage| over the last batch's sequences (over loss tokens for per-token advantages).",
         R, inputs=("advantages",), merge=Merge.MAX,

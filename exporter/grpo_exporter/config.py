@@ -62,6 +62,16 @@ class MetricsConfig(BaseModel):
         "~1e-3 for rewards of ~1, never an exact 0. None: 1e-2 with std normalisation (far below the smallest "
         "real one, ~1/sqrt(G) for G up to thousands), 1e-6 without (advantage_norm none: reward differences)"
     )
+    noise_range_fraction: float = Field(
+        0.01, gt=0.0, lt=1.0, description="a group whose reward range is above 0 but below this fraction of the "
+        "reward's scale, under sigma-normalisation, draws its advantage from reward noise (seed 第 4 篇 2.2): "
+        "grpo_noise_advantage_groups_ratio",
+    )
+    reward_scale: float | None = Field(
+        None, gt=0.0, description="the total reward's scale, the range a real difference spans (1.0 for a 0/1 "
+        "verifier); None = each batch's own range of rewards, which a batch of only tied groups shrinks to the "
+        "noise itself: set it when a batch can hold no solved-against-failed contrast (a continuous reward model)",
+    )
     advantage_bound_rtol: float = Field(
         1e-3, ge=0.0, description="relative slack before |A| counts as above the normalisation bound"
     )

@@ -7,7 +7,7 @@ the reward by component).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -84,3 +84,58 @@ def length_stats(
     h = histograms(completion_lengths, chosen)
     qs = tuple(quantiles)
     return LengthStats(totals, counts, [Quantiles(h, qs, row=i) for i in range(chosen.shape[0])])
+
+
+class NoiseSignal(NamedTuple):
+    """Groups whose advantage comes from reward noise (seed 第 4 篇 2.2): how many of how many, and, over the
+    groups whose correctness ties while their reward varies, each component's share of the reward variance."""
+
+    noise_groups: Ratio
+    tied_variance: dict[str, Ratio]
+
+
+def noise_signal(
+    rewards: Tensor,
+    groups: Groups,
+    range_fraction: float,
+    scale: float | None,
+    sigma_normalised: bool,
+    correct: Tensor | None = None,
+    components: Mapping[str, Tensor] | None = None,
+) -> NoiseSignal:
+    """What sigma-normalisation makes of a tiny spread (seed 第 4 篇 2.2: "一组回答总分都在 0.5000、唯一一条
+    0.5001 ... 除以之后仍可能得到接近 3 的 advantage"; watch the range, sigma and each component *before*
+    normalisation, "只看前者，看不出模型正在追逐一丁点分数噪声").
+
+    A noise group: its total reward varies (range > 0) but by less than ``range_fraction`` x the reward's scale
+    (``scale``, or the batch's own range of finite rewards when None), and its advantage is divided by its own
+    sigma (``sigma_normalised``: advantage_norm unbiased or population), so the noise enters the update at full
+    size. Without sigma (Dr. GRPO's none, or a batch-wide std) a tiny spread stays a tiny advantage: no group
+    counts. Denominator: the batch's groups with a finite reward.
+
+    ``tied_variance``: with ``correct`` and ``components``, over the groups whose completions are all correct or
+    all incorrect yet whose total reward varies, component c's summed within-group (population) variance over
+    every component's (shares that add up to 1; the components as handed, TRL's unweighted): which component
+    supplies the advantage the verifier cannot. Absent when no component varies there.
+    """
+    stats = group_stats(rewards, groups)
+    valid = torch.isfinite(rewards)
+    if scale is None:
+        x = rewards.double()
+        top = torch.where(valid, x, -torch.inf).amax() if x.numel() else x.new_zeros(())
+        bottom = torch.where(valid, x, torch.inf).amin() if x.numel() else x.new_zeros(())
+        reach = torch.where(valid.any(), top - bottom, 0.0)
+    else:
+        reach = torch.tensor(float(scale), dtype=torch.float64, device=rewards.device)
+    noisy = stats.exists & (stats.range > 0) & (stats.range < range_fraction * reach)
+    if not sigma_normalised:
+        noisy = torch.zeros_like(noisy)
+    shares: dict[str, Ratio] = {}
+    if correct is not None and components:
+        right = groups.count(correct & valid)
+        tied = stats.exists & (stats.range > 0) & ((right == 0) | (right == stats.count))
+        parts = {name: torch.where(tied, group_stats(values, groups).population_std.square(), 0.0).sum()
+                 for name, values in components.items()}
+        total = torch.stack(list(parts.values())).sum()
+        shares = {name: fraction(part, total) for name, part in parts.items()}
+    return NoiseSignal(fraction(count(noisy), count(stats.exists)), shares)

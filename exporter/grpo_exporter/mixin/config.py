@@ -228,6 +228,12 @@ class MixinConfig(StopLines, EventLines):
         "misses, and a large set's few-point shift is no forgetting (seed 4.3: dozens of prompts are an alarm, not "
         "a ruler)"
     )
+    noise_groups_max: float = Field(
+        0.3, gt=0, lt=1, description="GRPOAdvantageFromRewardNoise: the share of groups, over a trend window, whose "
+        "advantage is a sub-1% reward spread scaled to full size by sigma (not the seed's number: the seed says to "
+        "watch the range before normalisation; a 0/1 verifier leaves no such group, a weak component's noise can "
+        "supply 94-100% of them)"
+    )
     kl_growth_factor: float = Field(
         4.0, gt=1, description="GRPOKLToReferenceRunaway: the KL to the reference over a trend window above this "
         "many times its mean over the trend window before (a runaway multiplies: 0.83 -> 6.7 nats in 100 steps; a "

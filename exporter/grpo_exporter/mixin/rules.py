@@ -90,6 +90,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_groups:trend_increase",
          "expr": increase(c, "grpo_groups_total", steps=c.trend_window_steps)},
         {"record": "run:grpo_steps:window_increase", "expr": increase(c, "grpo_steps_total")},
+        {"record": "run:grpo_noise_advantage_groups:trend_mean",
+         "expr": windowed_mean(c, "grpo_noise_advantage_groups_ratio", steps=c.trend_window_steps)},
         {"record": "run:grpo_kl_ref_nats:trend_mean",
          "expr": windowed_mean(c, "grpo_kl_ref_nats", steps=c.trend_window_steps)},
         # the share of the groups a dynamic-sampling loop generated that its batches kept, over a trend window

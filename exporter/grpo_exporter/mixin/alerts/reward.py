@@ -94,8 +94,26 @@ def alerts(c: MixinConfig) -> list[Alert]:
             + "x).",
             trend=True,
         ),
+        _noise(c),
         *_kl(c),
     ]
+
+
+def _noise(c: MixinConfig) -> Alert:
+    """Advantage drawn from reward noise (seed 第 4 篇 2.2: the last bit of variance, when correctness ties, may
+    come from punctuation, length or a weak component, and sigma-normalisation makes it a full-size signal)."""
+    trend = c.window(c.trend_window_steps)
+    return Alert(
+        "GRPOAdvantageFromRewardNoise", Layer.REWARD, "reward_noise", "warning",
+        f"run:grpo_noise_advantage_groups:trend_mean > {c.noise_groups_max:g}", 600,
+        "Many groups take a full-size advantage from a reward spread that is noise: the model chases score noise.",
+        "Run {{ $labels.run }}: over " + trend + ", " + template_value("%.2f") + " of the groups had a reward range "
+        "below 1% of the reward's scale that sigma-normalisation scaled to a full-size advantage. Where correctness "
+        'ties, the variance comes most from component {{ with printf "topk(1, grpo_reward_tied_variance_ratio'
+        '{run=%q})" $labels.run | query }}{{ . | first | label "component" }} (a share of {{ . | first | value | '
+        'printf "%.2f" }}){{ else }}(not reported: it needs correct and reward_components){{ end }}.',
+        trend=True,
+    )
 
 
 def _kl(c: MixinConfig) -> list[Alert]:

@@ -48,6 +48,20 @@ def advantages(out: Gather, ctx: Context) -> None:
     out.add("grpo_advantage_bound", reading(largest(torch.where(known, bounds, 0.0), 0.0), known.any()))
 
 
+@produces("grpo_noise_advantage_groups_ratio", "grpo_reward_tied_variance_ratio", stages=("rollout",))
+def noise(out: Gather, ctx: Context) -> None:
+    """Advantage made of reward noise (seed 第 4 篇 2.2): the groups whose tiny spread sigma-normalisation
+    scales to a full-size advantage, and which component the variance of correctness-tied groups comes from."""
+    x, groups, cfg = ctx.x, ctx.groups, ctx.cfg
+    if x.rewards is None or groups is None:
+        return
+    signal = reward.noise_signal(x.rewards, groups, cfg.noise_range_fraction, cfg.reward_scale,
+                                 cfg.advantage_norm in ("unbiased", "population"), x.correct, x.reward_components)
+    out.add("grpo_noise_advantage_groups_ratio", signal.noise_groups)
+    for component, share in signal.tied_variance.items():
+        out.add("grpo_reward_tied_variance_ratio", share, component=component)
+
+
 @produces("grpo_completion_length_tokens", "grpo_completion_length_distribution_tokens",
           "grpo_truncated_completions_total", stages=("rollout",))
 def lengths(out: Gather, ctx: Context) -> None:
