@@ -139,6 +139,7 @@ def make_batch(
     loop = np.random.default_rng([seed, 1])
     arrays["turns"] = loop.integers(1, 6, size=n).astype(np.int64)
     arrays["partial"] = loop.random(n) < 0.25
+    arrays["staleness"] = loop.integers(0, 4, size=n).astype(np.int64)  # versions since each oldest token
     components = {"correctness": correct.astype(np.float64), "format": fmt}
     if shuffled_groups:
         perm = rng.permutation(n)
@@ -154,6 +155,7 @@ def make_batch(
         "rollout_policy_version": 5,
         "tool_calls": int(arrays["turns"].sum()) - n,  # a tool call between consecutive turns
         "tool_failures": (int(arrays["turns"].sum()) - n) // 4,
+        "aborted_completions": 2,  # cut by a weight sync: no response token, in no loss
         # a dynamic-sampling loop that generated three batches' worth of groups to fill this one
         "generated_groups": 3 * prompts,
         "filtered_all_correct_groups": prompts // 2,

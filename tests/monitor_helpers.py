@@ -19,7 +19,8 @@ ROLLOUT_FIELDS = (
     "rewards", "group_ids", "correct", "truncated", "rollout_logprobs", "old_logprobs", "loss_mask",
     "completion_lengths", "completion_ids", "turns", "partial",
 )
-UPDATE_FIELDS = ("logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs", "completion_lengths")
+UPDATE_FIELDS = ("logprobs", "old_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs", "completion_lengths",
+                 "staleness")
 
 
 def rollout_kwargs(x: StepInputs) -> dict[str, Any]:

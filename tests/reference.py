@@ -240,6 +240,14 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
     out["grpo_partial_completions_total"] = float(sum(bool(p) for p in a["partial"]))
     out["grpo_tool_calls_total"] = float(sc["tool_calls"])
     out["grpo_tool_call_failures_total"] = float(sc["tool_failures"])
+    out["grpo_aborted_completions_total"] = float(sc["aborted_completions"])
+    # staleness over loss tokens: each completion weighs its tokens; the max over completions with one
+    row_tokens = [int(mask[i].sum()) for i in range(n)]
+    if sum(row_tokens):
+        stale = [float(v) for v in a["staleness"]]
+        pairs = list(zip(stale, row_tokens, strict=True))
+        out["grpo_token_staleness_mean_versions"] = sum(s * k for s, k in pairs) / sum(row_tokens)
+        out["grpo_token_staleness_max_versions"] = max(s for s, k in pairs if k)
 
     # ---- layer 3 --------------------------------------------------------------------------------------
     def token_adv(i: int, t: int) -> float:

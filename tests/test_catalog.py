@@ -38,8 +38,9 @@ def family_of(sample: str) -> Metric:
 
 def full_step() -> dict[str, float]:
     batch = make_batch(0, shuffled_groups=True)
+    no_tools = torch.zeros(batch.arrays["loss_mask"].shape, dtype=torch.bool)  # a multi-turn layout, no tool span
     inputs = batch.inputs(
-        params_before=[torch.ones(3)], params_after=[torch.full((3,), 1.1)], completion_mask=None
+        params_before=[torch.ones(3)], params_after=[torch.full((3,), 1.1)], completion_mask=None, tool_mask=no_tools
     )
     cfg = MetricsConfig(
         group_size=8, log_ratio_clamp=20.0, pass_k=(2,), rollout_correction_cap=3.0, rollout_logprob_nan="unscored",

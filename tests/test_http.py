@@ -137,12 +137,14 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
         rollout = rollout_kwargs(x)
         if step == 0:  # a NaN reward: the flight recorder writes an incident once step 1 ends
             rollout["rewards"] = rollout["rewards"].clone().index_fill_(0, torch.tensor([2]), float("nan"))
+        rollout["tool_mask"] = torch.zeros_like(rollout["loss_mask"])  # a multi-turn layout with no tool span
         # a third component, over max_reward_components: dropped, counted
         rollout["reward_components"] = {**rollout["reward_components"], "style": rollout["rewards"]}
         mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8, tool_calls=9, tool_failures=1,
-                                dropped_stale_total=step + 1, generated_groups=9, filtered_all_correct_groups=2,
-                                filtered_all_incorrect_groups=1)
-        mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step)
+                            aborted_completions=1, dropped_stale_total=step + 1, generated_groups=9,
+                            filtered_all_correct_groups=2, filtered_all_incorrect_groups=1)
+        mon.observe_update(step, **update_kwargs(x), policy_version=step + 1, rollout_policy_version=step,
+                           tool_mask=rollout["tool_mask"])  # the audit runs where the lengths meet the mask
         if step == 0:
             mon.observe_update(step, **update_kwargs(x))  # over max_pending_micro_steps: dropped, counted
         model(torch.randn(5, 4)).square().sum().backward()

@@ -800,14 +800,17 @@ def test_tool_calls_and_failures_are_taken_as_trl_counts_them(model_dir, tmp_pat
     from trl import GRPOTrainer
 
     counted: list[tuple[int, int]] = []
+    tool_tokens: list[int] = []
 
     def tool_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         """TRL's loop, its tools run elsewhere: a completion calls one tool per 'two' it says, every third fails."""
         calls = sum(ids.count(tok_two) for ids in completion_ids)
         failures = calls // 3
         counted.append((calls, failures))
-        return ([[1] * len(ids) for ids in completion_ids], completions, completion_ids, logprobs, calls, failures,
-                [[] for _ in completion_ids])
+        # the token after each 'two' is the tool's answer: 0 in TRL's tool_mask, off its loss, out of its lengths
+        mask = [[0 if j and ids[j - 1] == tok_two else 1 for j in range(len(ids))] for ids in completion_ids]
+        tool_tokens.append(sum(m.count(0) for m in mask))
+        return mask, completions, completion_ids, logprobs, calls, failures, [[] for _ in completion_ids]
 
     tok_two = model_dir[1].convert_tokens_to_ids("two")
     monkeypatch.setattr(GRPOTrainer, "_tool_call_loop", tool_loop)
@@ -830,6 +833,11 @@ def test_tool_calls_and_failures_are_taken_as_trl_counts_them(model_dir, tmp_pat
     frequency = _logged(trainer, "tools/call_frequency")  # TRL: one mean per logging step over its generations
     assert sum(frequency) * 2 * 16 == pytest.approx(calls)  # 16 completions per generation, 2 per step
     assert found["grpo_completions_total"] == 2 * 2 * 16
+    # TRL's tool spans reach the mask audit as such: off its loss, out of its lengths, no fault of either kind
+    assert sum(tool_tokens) > 0
+    assert found["grpo_loss_mask_tool_tokens_total"] == 0
+    assert found["grpo_completion_length_tool_span_sequences_total"] == 0
+    assert found["grpo_loss_mask_length_mismatch_sequences_total"] == 0
 
 
 def test_trls_async_trainer_is_refused_naming_what_is_missing() -> None:

@@ -125,7 +125,7 @@ def test_a_block_joins_the_stages_it_declares_and_no_list_names_it() -> None:
     from grpo_exporter.step.registry import Block, produces
 
     blocks = [b for module in compute.LAYERS for b in vars(module).values() if isinstance(b, Block)]
-    assert len(blocks) == 23
+    assert len(blocks) == 25
     for block in blocks:
         assert (block in compute.ROLLOUT_BLOCKS) == ("rollout" in block.stages), block.name
         assert (block in compute.UPDATE_BLOCKS) == ("update" in block.stages), block.name
@@ -136,7 +136,9 @@ def test_a_block_joins_the_stages_it_declares_and_no_list_names_it() -> None:
 
     reward.recount = recount  # a block added to a layer module runs in its stage, nothing else edited
     try:
-        assert compute.stage_blocks("update")[-5] is recount  # after reward.advantages, before samples' blocks
+        update = compute.stage_blocks("update")
+        assert update[update.index(reward.advantages) + 1] is recount  # after reward's blocks, before samples'
+        assert update[update.index(recount) + 1].compute.__module__ != reward.__name__
         assert recount not in compute.stage_blocks("rollout")
     finally:
         del reward.recount

@@ -423,6 +423,13 @@ CATALOG: tuple[Metric, ...] = (
         G, "tokens", inputs=("completion_lengths", *_TOKEN),
     ),
     Metric(
+        "grpo_loss_mask_tool_tokens_total", C,
+        "Loss tokens on positions the environment wrote (tool_mask: tool responses, observations inside a "
+        "multi-turn completion): the loss trains the model on text it never sampled (verl #4412, slime #1370). "
+        "Every other reading leaves tool positions out, whatever the loss covers.",
+        G, "tokens", inputs=("tool_mask", *_TOKEN),
+    ),
+    Metric(
         "grpo_log_ratio_clamp_hit_tokens_total", C,
         "Loss tokens whose |log ratio| reached the numerical log-ratio clamp (the fuse before exp). Should be "
         "~0; frequent hits mean look at probability consistency or staleness, not at the clamp.",
@@ -472,6 +479,26 @@ CATALOG: tuple[Metric, ...] = (
         "Policy versions between the trainer and the policy that generated the rollouts being trained on "
         "(off-policyness: a samples question, layer 3, like its alert GRPORolloutsStale).",
         S, "versions", inputs=("policy_version", "rollout_policy_version"), merge=Merge.SAME,
+    ),
+    Metric(
+        "grpo_token_staleness_mean_versions", GA,
+        "Policy versions between the weights this update trains and the weights that generated each "
+        "completion's oldest token, averaged over the update's loss tokens (verl fully-async's "
+        "fully_async/trajectory_staleness/mean: a partial or multi-turn trajectory is as old as its oldest "
+        "part, and a long one weighs its tokens). Beside grpo_rollout_staleness_versions (one number per batch).",
+        S, "versions", inputs=("staleness", "loss_mask"), merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_token_staleness_max_versions", GA,
+        "Largest staleness of the update's completions with a loss token (fully_async/trajectory_staleness/max).",
+        S, "versions", inputs=("staleness", "loss_mask"), merge=Merge.MAX,
+    ),
+    Metric(
+        "grpo_aborted_completions_total", C,
+        "Completions the rollout aborted (cut by a weight sync or a deadline, no response token; verl's "
+        "response/aborted_ratio counts them in the batch) and handed to no loss. Over grpo_completions_total plus "
+        "itself: the share of generation aborted.",
+        S, "completions", inputs=("aborted_completions",),
     ),
     Metric(
         "grpo_stale_update_steps_total", C,
@@ -568,6 +595,13 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_truncated_completions_total", C,
         "Completions that hit the maximum length (sample level; kept apart from token-level clip fractions).",
         R, "completions", inputs=("truncated",),
+    ),
+    Metric(
+        "grpo_completion_length_tool_span_sequences_total", C,
+        "Completions whose length counts their tool tokens (the span from first to last model token, not the "
+        "model's tokens: length = model loss tokens + tool tokens; OpenRLHF PR #1252): length penalties and "
+        "overlong filters judge the wrong length. Not counted as a loss-mask length mismatch.",
+        R, "sequences", inputs=("tool_mask", "completion_lengths", *_TOKEN),
     ),
     Metric(
         "grpo_completion_turns", SU,

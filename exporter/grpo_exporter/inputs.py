@@ -51,6 +51,7 @@ FIELDS: dict[str, FieldSpec] = {
     "completion_lengths": FieldSpec("row", "int", "rows", what="an integer tensor", rollout=True),
     "turns": FieldSpec("row", "int", update=False, what="an integer tensor", rollout=True),
     "partial": FieldSpec("row", "bool", update=False, rollout=True),
+    "staleness": FieldSpec("row", "int", "rows", what="an integer tensor"),
     "reward_components": FieldSpec("other", update=False, rollout=True),
     "logprobs": FieldSpec("token", "float", "rows"),
     "old_logprobs": FieldSpec("token", "float", "rows", rollout=True),
@@ -59,6 +60,7 @@ FIELDS: dict[str, FieldSpec] = {
     "entropy": FieldSpec("token", "float", "rows"),
     "loss_mask": FieldSpec("token", "bool", "rows", rollout=True),
     "completion_mask": FieldSpec("token", "bool", "rows", rollout=True),
+    "tool_mask": FieldSpec("token", "bool", "rows", rollout=True),
     "completion_ids": FieldSpec("token", "int", "rows", what="an integer tensor of token ids", rollout=True),
     "advantages": FieldSpec("row or token", "float", "rows"),
     "on_policy": FieldSpec("other"),
@@ -72,6 +74,7 @@ FIELDS: dict[str, FieldSpec] = {
     "step": FieldSpec("integer", update=False),
     "tool_calls": FieldSpec("count", update=False, rollout=True),
     "tool_failures": FieldSpec("count", update=False, rollout=True),
+    "aborted_completions": FieldSpec("count", update=False, rollout=True),
     "generated_groups": FieldSpec("count", update=False, rollout=True),
     "filtered_all_correct_groups": FieldSpec("count", update=False, rollout=True),
     "filtered_all_incorrect_groups": FieldSpec("count", update=False, rollout=True),
@@ -146,7 +149,9 @@ class StepInputs:
     completion_lengths: Tensor | None = None
     turns: Tensor | None = None
     partial: Tensor | None = None
+    staleness: Tensor | None = None
     completion_mask: Tensor | None = None
+    tool_mask: Tensor | None = None
     completion_ids: Tensor | None = None
     loss_mask: Tensor | None = None
     logprobs: Tensor | None = None
@@ -169,6 +174,7 @@ class StepInputs:
     step: int | None = None
     tool_calls: int | None = None
     tool_failures: int | None = None
+    aborted_completions: int | None = None
     generated_groups: int | None = None
     filtered_all_correct_groups: int | None = None
     filtered_all_incorrect_groups: int | None = None

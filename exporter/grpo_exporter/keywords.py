@@ -33,10 +33,12 @@ class RolloutFields(TypedDict, total=False):
     completion_lengths: Tensor | None
     completion_ids: Tensor | None
     completion_mask: Tensor | None
+    tool_mask: Tensor | None
     turns: Tensor | None
     partial: Tensor | None
     tool_calls: int | None
     tool_failures: int | None
+    aborted_completions: int | None
     generated_groups: int | None
     filtered_all_correct_groups: int | None
     filtered_all_incorrect_groups: int | None
@@ -57,6 +59,7 @@ class UpdateFields(TypedDict, total=False):
     entropy: Tensor | None
     loss_mask: Tensor | None
     completion_mask: Tensor | None
+    tool_mask: Tensor | None
     completion_ids: Tensor | None
     advantages: Tensor | None
     on_policy: bool | Tensor | None
@@ -67,6 +70,7 @@ class UpdateFields(TypedDict, total=False):
     entropy_mean: Tensor | float | None
     policy_version: int | None
     rollout_policy_version: int | None
+    staleness: Tensor | None
     grads: Sequence[Tensor] | None
 
 

@@ -213,7 +213,8 @@ class Trainer(BasePPOTrainer):
 
     def __init__(self, max_norm: float = 1.0) -> None:
         self.args = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=G),
-                                    actor=SimpleNamespace(max_norm=max_norm))
+                                    actor=SimpleNamespace(max_norm=max_norm),
+                                    algo=SimpleNamespace(kl=SimpleNamespace(init_coef=0.01)))
         self.experience_maker = SimpleNamespace(
             make_experience_batch=lambda samples: real_batch(samples, torch.Generator().manual_seed(3)))
 
@@ -262,3 +263,4 @@ def test_the_monitored_trainer_is_a_ray_actor_class_whose_monitor_lives_in_the_t
     assert m["grpo_groups_total"] == 4
     assert m["grpo_grad_norm_pre_clip"] == 3.0
     assert m["grpo_grad_norm_post_clip"] == pytest.approx(2.0, abs=1e-5)
+    assert m["grpo_kl_penalty_coefficient"] == 0.01  # algo.kl.init_coef: the KL rules judge this run's KL

@@ -281,6 +281,7 @@ def test_a_multi_turn_batch_counts_tool_filled_windows_and_leaves_aborted_sample
     assert m["grpo_completion_turns_sum"] == kept.sum()
     assert (m['grpo_completion_turns{quantile="0"}'], m['grpo_completion_turns{quantile="1"}']) == (1, 3)
     assert m["grpo_tool_calls_total"] == 2 * (kept - 1).sum()
+    assert m["grpo_aborted_completions_total"] == 1  # and counted apart, as verl's response/aborted_ratio
 
 
 def test_the_clip_line_is_read_where_verls_engines_read_it() -> None:
@@ -319,6 +320,13 @@ def test_fully_async_batches_give_the_rollout_staleness() -> None:
     assert m["grpo_stale_update_steps_total"] == 1
     assert m["grpo_partial_completions_total"] == 3  # begun on older weights, finished on 10: partial rollouts
     assert m["grpo_dropped_stale_completions_total"] == 4  # the rollouter's running total, first seen
+    # fully_async/trajectory_staleness/{mean,max} (verl PR #7569): each trajectory's age from its oldest start,
+    # weighted by its loss tokens
+    tokens = data.batch["response_mask"].sum(dim=1).double()
+    ages = 10 - torch.tensor(data.non_tensor_batch["min_global_steps"].astype(np.int64)).double()
+    assert m["grpo_token_staleness_mean_versions"] == pytest.approx(float((ages * tokens).sum() / tokens.sum()))
+    assert m["grpo_token_staleness_max_versions"] == 7
+    assert "grpo_aborted_completions_total" not in m  # every row has a response token
 
 
 def test_every_verl_metric_the_mapping_names_is_in_verls_source() -> None:

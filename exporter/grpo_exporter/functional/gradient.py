@@ -146,6 +146,8 @@ class MaskAudit(NamedTuple):
     length_mismatch: Tensor
     empty: Tensor
     outside_completion: Tensor
+    on_tool: Tensor | None = None  # loss tokens on tool output (with a tool mask)
+    tool_span_lengths: Tensor | None = None  # sequences whose length counts their tool tokens (with a tool mask)
 
 
 def completion_positions(completion_lengths: Tensor, width: int) -> Tensor:
@@ -156,7 +158,7 @@ def completion_positions(completion_lengths: Tensor, width: int) -> Tensor:
 
 def mask_audit(
     loss_mask: Tensor, completion_lengths: Tensor, completion_mask: Tensor | None = None,
-    row_tokens: Tensor | None = None, positions: Tensor | None = None,
+    row_tokens: Tensor | None = None, positions: Tensor | None = None, tool_mask: Tensor | None = None,
 ) -> MaskAudit:
     """Audit the loss mask against the rollout engine's completion lengths (seed 第 2 步).
 
@@ -165,18 +167,28 @@ def mask_audit(
     * outside completion: loss tokens on positions that are not completion tokens (prompt, tool, padding),
       judged by ``completion_mask`` when given, else by t < completion_lengths (``positions``: that (N, T)
       mask, when the caller has it).
+
+    With ``tool_mask`` (the positions the environment wrote inside a multi-turn completion), two more reasons,
+    told apart from a mask bug: loss tokens on tool output (the loss trains the model on text it never
+    sampled: verl #4412, slime #1370), and a length that counts the tool tokens (measured as a span, not as
+    the model's tokens: OpenRLHF PR #1252, whose overlong penalties then fired falsely), which is then no
+    length mismatch. The lengths are the model's tokens, and so are the loss tokens counted against them
+    (``row_tokens``: the loss tokens off the tool positions, per row, when the caller has them).
     """
-    counts = count(loss_mask, dim=1) if row_tokens is None else row_tokens
+    model_mask = loss_mask if tool_mask is None else loss_mask & ~tool_mask
+    counts = count(model_mask, dim=1) if row_tokens is None else row_tokens
     lengths = completion_lengths.to(counts.dtype)
     if positions is None:
         positions = completion_mask if completion_mask is not None else completion_positions(
             completion_lengths, loss_mask.shape[1]
         )
-    return MaskAudit(
-        ((counts > 0) & (counts != lengths)).sum(),
-        ((counts == 0) & (lengths > 0)).sum(),
-        count(loss_mask & ~positions),
-    )
+    wrong = (counts > 0) & (counts != lengths)
+    on_tool = span = None
+    if tool_mask is not None:
+        on_tool = count(loss_mask & tool_mask)
+        spans = wrong & (counts + count(tool_mask, dim=1).to(counts.dtype) == lengths)
+        wrong, span = wrong & ~spans, spans.sum()
+    return MaskAudit(wrong.sum(), ((counts == 0) & (lengths > 0)).sum(), count(loss_mask & ~positions), on_tool, span)
 
 
 class ClampHits(NamedTuple):

@@ -130,12 +130,21 @@ def attach(trainer: Any, monitor: GRPOMonitor, max_grad_norm: float | None = Non
     trainer.ppo_train = ppo_train
 
 
+def _kl_coef(args: Any) -> float:
+    """The KL-to-reference coefficient OpenRLHF starts from: ``algo.kl.init_coef`` (in the loss with
+    ``--algo.kl.use_loss``, else in the reward; 0 is no penalty). An adaptive controller (``algo.kl.target``)
+    moves it from there: the rules read whether a penalty is on, not its value."""
+    kl = getattr(getattr(args, "algo", None), "kl", None)
+    return float(getattr(kl, "init_coef", 0.0) or 0.0)
+
+
 def monitored_ppo_trainer(base: Any = None, *, max_grad_norm: float | None = None,
                           **monitor_settings: Any) -> Any:
     """A Ray actor class to launch in place of OpenRLHF's ``PPOTrainer`` (``MonitoredPPOTrainer.remote(...)``
     with the same arguments, e.g. in a copy of ``train_ppo_ray.py``): the trainer's own class (the one under
     ``@ray.remote``), which makes a :class:`GRPOMonitor` in the trainer's process after OpenRLHF's ``__init__``
-    (``group_size`` from ``rollout.n_samples_per_prompt``, ``run`` from ``monitor_settings`` or the environment)
+    (``group_size`` from ``rollout.n_samples_per_prompt``, ``kl_coef`` from ``algo.kl.init_coef``, ``run`` from
+    ``monitor_settings`` or the environment)
     and :func:`attach` es it, with the clip line ``actor.max_norm`` unless ``max_grad_norm`` is given (0:
     DeepSpeed does not clip). ``base``: OpenRLHF's ``PPOTrainer`` (default) or ``PPOTrainerAsync``, a Ray actor
     class or a plain class (a plain class comes back plain)."""
@@ -148,7 +157,8 @@ def monitored_ppo_trainer(base: Any = None, *, max_grad_norm: float | None = Non
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            settings = {"group_size": int(self.args.rollout.n_samples_per_prompt), **monitor_settings}
+            settings = {"group_size": int(self.args.rollout.n_samples_per_prompt), "kl_coef": _kl_coef(self.args),
+                        **monitor_settings}
             self.monitor = GRPOMonitor(**settings)
             clip = max_grad_norm if max_grad_norm is not None else float(self.args.actor.max_norm)
             attach(self, self.monitor, max_grad_norm=clip if clip > 0 else None)

@@ -217,6 +217,8 @@ class _RolloutReading(TrainerBase):
             "loss_mask": loss_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
+            # TRL's tool_mask marks the model's tokens; the monitor's marks where tools wrote
+            "tool_mask": completion_mask & ~output["tool_mask"].bool() if "tool_mask" in output else None,
             "old_logprobs": output.get("old_per_token_logps"),
             "rollout_logprobs": output.get("sampling_per_token_logps"),
             "prompt_tokens": output.get("prompt_ids"),  # read by the flight recorder only

@@ -62,9 +62,16 @@ VERL_METRICS: Mapping[str, tuple[str, str]] = {
         "grpo_rollout_staleness_versions",
         "same (v1): the policy version minus the oldest trajectory's start version (min_global_steps)",
     ),
+    "training/off_policy/trajectory_staleness_worst/mean": (
+        "grpo_token_staleness_mean_versions",
+        "per loss token where verl's is per trajectory (fully-async's trajectory_staleness/mean, PR #7569, weighs "
+        "tokens as here); the age from min_global_steps against the policy version",
+    ),
     "response/aborted_ratio": (
-        "grpo_completions_total",
-        "aborted samples (no response token) are no completion here: left out of every reading and count",
+        "increase(grpo_aborted_completions_total[w]) / (increase(grpo_completions_total[w]) + "
+        "increase(grpo_aborted_completions_total[w]))",
+        "same: aborted samples (no response token) are counted apart and are no completion: left out of every "
+        "other reading and count",
     ),
     # what the agent loop and the fully-async trainer count themselves (observe_dataproto passes them on)
     "num_turns/mean": ("rate(grpo_completion_turns_sum[w]) / rate(grpo_completion_turns_count[w])",
@@ -163,6 +170,8 @@ def observe_dataproto(
         device = responses.device
         rollout |= _verdicts(rows, correct_key, prompt_key, component_keys, verifier_threshold, device)
         rollout |= _agent_loop_counts(extra, rows.extra, device) | dict(filter_counts or {})
+        if rows.rows is not None:  # verl's response/aborted_ratio: rows with no response token
+            rollout["aborted_completions"] = responses.shape[0] - rows.rows.numel()
         dropped = data.meta_info.get("count/dropped_stale_samples")  # the fully-async rollouter's running total
         if dropped is not None:
             rollout["dropped_stale_total"] = int(dropped)
@@ -170,7 +179,9 @@ def observe_dataproto(
         more: dict[str, Any] = {}
         started = rows.extra("min_global_steps") if "min_global_steps" in extra else ()
         if len(started):
-            more = {"policy_version": version, "rollout_policy_version": int(min(started))}
+            more = {"policy_version": version, "rollout_policy_version": int(min(started)),
+                    # every row, as the update keeps them: an aborted one has no loss token and weighs nothing
+                    "staleness": version - torch.tensor([int(v) for v in extra["min_global_steps"]], device=device)}
         # the update keeps every row: verl normalised each group's advantages with its aborted samples in it
         # (their loss mask is empty), so the bound is that of the whole group
         if "uid" in extra:

@@ -156,10 +156,11 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q(f"max by (run) (grpo_onpolicy_log_ratio_clean_baseline_nats{{{SEL}}})", "own noise {{run}}")),
                   "percentunit", thresholds=((c.onpolicy_clip_stop_ratio, "red"),), min=0),
         PanelSpec("Are there non-finite values or mask faults?",
-                  "NaN/Inf per second by tensor (loss tokens only), sequences with a wrong loss-token count, loss tokens outside completions. Any is a bug.",
+                  "NaN/Inf per second by tensor (loss tokens only), sequences with a wrong loss-token count, loss tokens outside completions, loss tokens on tool output. Any is a bug.",
                   (q(f"sum by (run, tensor) (rate(grpo_nonfinite_values_total{{{SEL}}}[{W}])) > 0", "{{run}} {{tensor}}"),
                    q(f"sum by (run) (rate(grpo_loss_mask_length_mismatch_sequences_total{{{SEL}}}[{W}]))", "mask length {{run}}"),
-                   q(f"sum by (run) (rate(grpo_loss_mask_outside_completion_tokens_total{{{SEL}}}[{W}]))", "outside completion {{run}}")),
+                   q(f"sum by (run) (rate(grpo_loss_mask_outside_completion_tokens_total{{{SEL}}}[{W}]))", "outside completion {{run}}"),
+                   q(f"sum by (run) (rate(grpo_loss_mask_tool_tokens_total{{{SEL}}}[{W}]))", "on tool output {{run}}")),
                   "short", thresholds=((1e-9, "red"),), min=0),
         PanelSpec("Is the log-ratio fuse blowing?",
                   "Share of tokens hitting the numerical clamp before exp. Should be ~0: frequent hits mean inconsistency or staleness.",
@@ -227,15 +228,18 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q(f"sum by (run) (increase(grpo_tool_calls_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "tool calls {{run}}")),
                   "none", min=0),
         PanelSpec("Do tools fail, and what does asynchronous generation lose?",
-                  "Failed share of tool calls (reward the model cannot earn); completions generated over more than one policy version (partial rollouts resumed on newer weights) and completions dropped as too stale, per completion trained on.",
+                  "Failed share of tool calls (reward the model cannot earn); completions generated over more than one policy version (partial rollouts resumed on newer weights), completions dropped as too stale and completions aborted, per completion trained on.",
                   (q(f"sum by (run) (increase(grpo_tool_call_failures_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_tool_calls_total{{{SEL}}}[{W}]))", "tool failures {{run}}"),
                    q(f"sum by (run) (increase(grpo_partial_completions_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "partial {{run}}"),
-                   q(f"sum by (run) (increase(grpo_dropped_stale_completions_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "dropped stale {{run}}")),
+                   q(f"sum by (run) (increase(grpo_dropped_stale_completions_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "dropped stale {{run}}"),
+                   q(f"sum by (run) (increase(grpo_aborted_completions_total{{{SEL}}}[{W}])) / sum by (run) (increase(grpo_completions_total{{{SEL}}}[{W}]))", "aborted {{run}}")),
                   "percentunit", min=0),
     ))
     layer3 = RowSpec("3 · How many samples decide this update?", (
-        PanelSpec("How stale are the rollouts?", "Policy versions between the trainer and the rollouts it learns from.",
-                  (q(f"max by (run) (grpo_rollout_staleness_versions{{{SEL}}})"),),
+        PanelSpec("How stale are the rollouts?", "Policy versions between the trainer and the rollouts it learns from: the batch's oldest, and per loss token (a trajectory as old as its oldest token, a long one weighing its tokens) with its max.",
+                  (q(f"max by (run) (grpo_rollout_staleness_versions{{{SEL}}})", "batch {{run}}"),
+                   q(f"max by (run) (grpo_token_staleness_mean_versions{{{SEL}}})", "per token {{run}}"),
+                   q(f"max by (run) (grpo_token_staleness_max_versions{{{SEL}}})", "max {{run}}")),
                   "none", thresholds=((c.staleness_max_versions, "orange"),), min=0),
         PanelSpec("How many samples really carry the gradient? (ESS ratio)",
                   f"Effective sample size ratio per token and per sequence, and the token baseline: falling below {c.ess_drop_factor:g}x warns before grad norm spikes.",
@@ -327,7 +331,8 @@ def training_health(c: MixinConfig) -> DashboardSpec:
 def crash_triage(c: MixinConfig) -> DashboardSpec:
     faults = (f"(sum by (run) (increase(grpo_nonfinite_values_total{{{SEL}}}[{W}])) + "
               f"sum by (run) (increase(grpo_loss_mask_length_mismatch_sequences_total{{{SEL}}}[{W}])) + "
-              f"sum by (run) (increase(grpo_loss_mask_outside_completion_tokens_total{{{SEL}}}[{W}]))) > 0")
+              f"sum by (run) (increase(grpo_loss_mask_outside_completion_tokens_total{{{SEL}}}[{W}]))) > 0 or "
+              f"sum by (run) (increase(grpo_loss_mask_tool_tokens_total{{{SEL}}}[{W}])) > 0")
     rows = (
         RowSpec("Where did it start?", (
             PanelSpec("Which step was the first anomalous one?",
@@ -356,9 +361,11 @@ def crash_triage(c: MixinConfig) -> DashboardSpec:
         RowSpec("Numerics and masks", (
             PanelSpec("Non-finite values by tensor", "Cumulative NaN/Inf count per tensor: the first tensor to move is where to look.",
                       (q(f"max by (run, tensor) (grpo_nonfinite_values_total{{{SEL}}})", "{{tensor}}"),), "short", width=12),
-            PanelSpec("Loss-mask faults", "Cumulative sequences with a wrong loss-token count, and loss tokens outside completions.",
+            PanelSpec("Loss-mask faults", "Cumulative sequences with a wrong loss-token count, loss tokens outside completions and on tool output, and lengths that count tool tokens.",
                       (q(f"max by (run) (grpo_loss_mask_length_mismatch_sequences_total{{{SEL}}})", "length mismatch"),
                        q(f"max by (run) (grpo_loss_mask_outside_completion_tokens_total{{{SEL}}})", "outside completion"),
+                       q(f"max by (run) (grpo_loss_mask_tool_tokens_total{{{SEL}}})", "on tool output"),
+                       q(f"max by (run) (grpo_completion_length_tool_span_sequences_total{{{SEL}}})", "length counts tools"),
                        q(f"max by (run) (grpo_loss_mask_empty_sequences_total{{{SEL}}})", "masked whole")), "short", width=12),
         )),
         RowSpec("Update size", (

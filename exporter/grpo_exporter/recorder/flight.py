@@ -66,7 +66,8 @@ MAX_QUEUED = 4  # incidents waiting for the writer; more are dropped and counted
 KEY_FAMILIES = (
     "grpo_reward_mean", "grpo_completions_total", "grpo_truncated_completions_total", "grpo_nonfinite_values_total",
     "grpo_loss_mask_length_mismatch_sequences_total", "grpo_loss_mask_outside_completion_tokens_total",
-    "grpo_engine_logprob_gap_mean_nats", "grpo_onpolicy_outside_clip_ratio", "grpo_onpolicy_log_ratio_abs_max_nats",
+    "grpo_loss_mask_tool_tokens_total", "grpo_engine_logprob_gap_mean_nats", "grpo_onpolicy_outside_clip_ratio",
+    "grpo_onpolicy_log_ratio_abs_max_nats",
     "grpo_log_ratio_clamp_hit_ratio", "grpo_clipped_tokens_ratio", "grpo_grad_norm_pre_clip",
     "grpo_grad_norm_post_clip", "grpo_advantage_abs_max", "grpo_advantage_bound",
     "grpo_advantage_over_bound_sequences_total", "grpo_entropy_mean_nats", "grpo_ess_ratio", "grpo_kl_ref_nats",

@@ -28,6 +28,7 @@ JUDGED_BY = {
     "nonfinite": ("grpo_nonfinite_values_total",),
     "mask_mismatch": (
         "grpo_loss_mask_length_mismatch_sequences_total", "grpo_loss_mask_outside_completion_tokens_total",
+        "grpo_loss_mask_tool_tokens_total",
     ),
     "engine_gap": ("grpo_engine_logprob_gap_mean_nats",),
     "clipped_before_update": ("grpo_onpolicy_outside_clip_ratio",),
@@ -38,6 +39,7 @@ JUDGED_BY = {
 _BY_ALERT = {
     "GRPONonFiniteValues": "nonfinite",
     "GRPOLossMaskMismatch": "mask_mismatch",
+    "GRPOLossOnToolTokens": "mask_mismatch",  # the same trigger: the loss mask covers what it should not
     "GRPOEngineLogprobGapCritical": "engine_gap",
     "GRPORatioClippedBeforeUpdate": "clipped_before_update",
 }

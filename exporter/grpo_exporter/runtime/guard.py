@@ -54,6 +54,9 @@ def check(metrics: Mapping[str, float], lines: StopLines) -> list[Violation]:
                 f"{outside:g} loss tokens outside completions)",
             )
         )
+    on_tool = metrics.get("grpo_loss_mask_tool_tokens_total", 0.0)
+    if on_tool:
+        found.append(Violation("GRPOLossOnToolTokens", f"{on_tool:g} loss tokens on tool output (tool_mask)"))
     share = metrics.get("grpo_onpolicy_outside_clip_ratio")
     if share is not None and share > onpolicy_clip_stop_ratio:
         found.append(

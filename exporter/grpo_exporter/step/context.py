@@ -16,9 +16,17 @@ from grpo_exporter.inputs import StepInputs
 
 class Context:
     """The step's inputs, config, groups, and what several blocks read, computed once: each token input on
-    the loss mask (fp32, 0 elsewhere), the loss tokens per row, the log ratio."""
+    the loss mask (fp32, 0 elsewhere), the loss tokens per row, the log ratio.
+
+    With a ``tool_mask``, ``x.loss_mask`` is the loss mask off the tool positions: every reading (the engine
+    gap and mismatch, ratios, clips, entropy, KL) is of the model's own tokens, whatever the loss covers; the
+    loss mask as given stays in ``given_loss_mask``, which the mask audit reads (loss on tool output is its
+    fault to find, not a reading's to absorb)."""
 
     def __init__(self, x: StepInputs, cfg: MetricsConfig) -> None:
+        self.given_loss_mask = x.loss_mask
+        if x.tool_mask is not None and x.loss_mask is not None:
+            x = x.replaced(loss_mask=x.loss_mask & ~x.tool_mask)
         self.x, self.cfg = x, cfg
         self._masked: dict[str, Tensor] = {}
         self._nonfinite: dict[int, tuple[Tensor, Tensor]] = {}

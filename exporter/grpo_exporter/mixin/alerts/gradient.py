@@ -104,6 +104,14 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "count differs from their length, plus loss tokens outside completions; baseline: 0).",
         ),
         Alert(
+            "GRPOLossOnToolTokens", Layer.GRADIENT, "loss_mask", "critical",
+            f"{increase(c, 'grpo_loss_mask_tool_tokens_total')} > 0", 60,
+            "The loss covers tool output: the model is trained on text it never sampled.",
+            "Run {{ $labels.run }}: " + template_value("%.0f") + f" loss tokens over {w} sit on positions the "
+            "environment wrote (tool_mask: tool responses, observations), baseline 0. The other readings leave "
+            "them out; the gradient does not.",
+        ),
+        Alert(
             "GRPOLogRatioFuseBlowing", Layer.GRADIENT, "fuse", "warning",
             f"run:grpo_log_ratio_clamp_hit_tokens:window_ratio > {c.fuse_hit_ratio:g}", 300,
             "The numerical log-ratio clamp (the fuse before exp) is hit often.",

@@ -94,6 +94,13 @@ def alerts(c: MixinConfig) -> list[Alert]:
             + "x).",
             trend=True,
         ),
+        Alert(
+            "GRPOCompletionLengthCountsToolTokens", Layer.REWARD, "length_tool_span", "warning",
+            f"{increase(c, 'grpo_completion_length_tool_span_sequences_total')} > 0", 60,
+            "Completion lengths count tool tokens: length penalties and overlong filters judge the wrong length.",
+            "Run {{ $labels.run }}: " + template_value("%.0f") + f" completions over {w} have a length equal to "
+            "their model tokens plus their tool tokens (a span, not the model's own tokens), baseline 0.",
+        ),
         _noise(c),
         *_kl(c),
     ]

@@ -125,14 +125,19 @@ def log_ratio_checks(out: Gather, ctx: Context) -> None:
 @produces(
     "grpo_loss_mask_length_mismatch_sequences_total",
     "grpo_loss_mask_empty_sequences_total",
-    "grpo_loss_mask_outside_completion_tokens_total", stages=("rollout", "update"))
+    "grpo_loss_mask_outside_completion_tokens_total", "grpo_loss_mask_tool_tokens_total",
+    "grpo_completion_length_tool_span_sequences_total", stages=("rollout", "update"))
 def mask_audit(out: Gather, ctx: Context) -> None:
-    x = ctx.x
-    if x.loss_mask is not None and x.completion_lengths is not None:
-        audit = gradient.mask_audit(x.loss_mask, x.completion_lengths, x.completion_mask, ctx.row_tokens, ctx.positions)
+    x, given = ctx.x, ctx.given_loss_mask
+    if given is not None and x.completion_lengths is not None:
+        audit = gradient.mask_audit(given, x.completion_lengths, x.completion_mask, ctx.row_tokens, ctx.positions,
+                                    x.tool_mask)
         out.add("grpo_loss_mask_length_mismatch_sequences_total", audit.length_mismatch)
         out.add("grpo_loss_mask_empty_sequences_total", audit.empty)
         out.add("grpo_loss_mask_outside_completion_tokens_total", audit.outside_completion)
+        if audit.on_tool is not None and audit.tool_span_lengths is not None:
+            out.add("grpo_loss_mask_tool_tokens_total", audit.on_tool)
+            out.add("grpo_completion_length_tool_span_sequences_total", audit.tool_span_lengths)
 
 
 @produces("grpo_kl_ref_nats", stages=("update",))

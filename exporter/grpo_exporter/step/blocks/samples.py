@@ -10,7 +10,7 @@ import torch
 from grpo_exporter import catalog
 from grpo_exporter.catalog import format_quantile
 from grpo_exporter.functional import samples
-from grpo_exporter.functional.reading import fraction, zeroed
+from grpo_exporter.functional.reading import fraction, masked_max, zeroed
 from grpo_exporter.step.context import Context
 from grpo_exporter.step.gather import Gather
 from grpo_exporter.step.pack import Element, scalar
@@ -27,6 +27,24 @@ def advantage_signs(out: Gather, ctx: Context) -> None:
         out.add("grpo_update_tokens_total", value, advantage_sign=sign)
     total = signs.positive + signs.negative + signs.zero
     out.add("grpo_zero_advantage_tokens_ratio", fraction(signs.zero, total))
+
+
+@produces("grpo_token_staleness_mean_versions", "grpo_token_staleness_max_versions", stages=("update",))
+def token_staleness(out: Gather, ctx: Context) -> None:
+    """Staleness as asynchronous frameworks define it (verl fully-async's trajectory staleness): per completion,
+    the policy versions since its oldest token was generated; weighted by its loss tokens, and its max."""
+    x = ctx.x
+    if x.staleness is None or x.loss_mask is None:
+        return
+    versions = x.staleness.double()
+    out.add("grpo_token_staleness_mean_versions", fraction((versions * ctx.row_tokens).sum(), ctx.tokens))
+    out.add("grpo_token_staleness_max_versions", masked_max(versions.float(), ctx.row_tokens > 0))
+
+
+@produces("grpo_aborted_completions_total", stages=("rollout",))
+def aborted(out: Gather, ctx: Context) -> None:
+    if ctx.x.aborted_completions is not None:
+        out.add("grpo_aborted_completions_total", float(ctx.x.aborted_completions))
 
 
 @produces("grpo_ess_ratio", "grpo_importance_weight", "grpo_token_importance_weight", stages=("update",))
