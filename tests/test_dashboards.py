@@ -121,6 +121,7 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
             while not stop.is_set():
                 x = make_batch(step % 4).inputs()
                 rollout = rollout_kwargs(x)
+                rollout["tool_mask"] = torch.zeros_like(rollout["loss_mask"])  # multi-turn, one turn so far
                 if step == 3:  # one NaN reward: the flight recorder writes an incident (the evidence panel)
                     rollout["rewards"] = rollout["rewards"].clone().index_fill_(0, torch.tensor([5]), float("nan"))
                 mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8, tool_calls=60, tool_failures=3,

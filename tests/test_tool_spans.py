@@ -81,3 +81,27 @@ def test_the_engine_gap_and_non_finite_counts_read_the_models_tokens_only():
 def test_a_tool_mask_of_the_wrong_shape_is_named():
     with pytest.raises(InputError, match="tool_mask"):
         StepInputs(loss_mask=MODEL, tool_mask=TOOL[:, :5])
+
+
+def test_the_engine_gap_per_turn_shows_a_gap_that_compounds_at_each_tool_boundary():
+    """verl PR #6921: a separator dropped at each tool boundary, the mismatch "compounds each turn". Six model
+    turns of 2 tokens between five tool spans of 1: the gap 0.01 x the turn; turns 5 and 6 read together as 5+
+    (0.055), and the one mean over all tokens (0.035) hides where it grows."""
+    width = 6 * 3 - 1
+    turn_of = torch.arange(width) // 3 + 1
+    tool = (torch.arange(width) % 3 == 2).unsqueeze(0).repeat(2, 1)
+    model = ~tool
+    old = torch.full((2, width), -1.0)
+    rollout = old + 0.01 * turn_of.float()
+    rollout[tool] = float("nan")
+    m = compute_step(StepInputs(loss_mask=model, old_logprobs=old, rollout_logprobs=rollout, tool_mask=tool),
+                     MetricsConfig(group_size=2))
+    got = [m[f'grpo_engine_logprob_gap_turn_mean_nats{{turn="{t}"}}'] for t in ("1", "2", "3", "4", "5+")]
+    assert got == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.055], abs=1e-6)
+    assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(0.035, abs=1e-6)
+    # one turn only: turns 2.. are absent, not 0
+    flat = torch.zeros(2, 9)
+    single = compute_step(StepInputs(loss_mask=MODEL, old_logprobs=flat, rollout_logprobs=flat,
+                                     tool_mask=torch.zeros(2, 9, dtype=torch.bool)), MetricsConfig(group_size=2))
+    assert 'grpo_engine_logprob_gap_turn_mean_nats{turn="1"}' in single
+    assert 'grpo_engine_logprob_gap_turn_mean_nats{turn="2"}' not in single

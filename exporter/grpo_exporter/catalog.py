@@ -245,6 +245,7 @@ OUTCOMES = ("correct", "incorrect", "all")
 ZERO_VARIANCE_OUTCOMES = ("all_correct", "all_incorrect", "unknown")
 FILTERED_OUTCOMES = ("all_correct", "all_incorrect")
 ESS_LEVELS = ("token", "sequence")
+TURNS = ("1", "2", "3", "4", "5+")  # the model turns of a multi-turn completion; the last gathers the later ones
 STAGES = ("rollout", "update", "grad", "guard", "publish", "scrape", "distributed")
 ERROR_STAGES = (*STAGES, "recorder")  # the flight recorder's writer thread fails apart from any observe call
 
@@ -275,6 +276,15 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_engine_logprob_gap_mean_nats", GA,
         "Mean engine log-prob gap |rollout_logprobs - old_logprobs| over the last step's loss tokens, nats.",
         G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_engine_logprob_gap_turn_mean_nats", GA,
+        "Mean engine log-prob gap |rollout_logprobs - old_logprobs| over the last step's loss tokens of each model "
+        "turn of multi-turn completions (turns told apart by tool_mask's spans; 5+ gathers the later ones), nats. "
+        "A gap that grows with the turn is a boundary the engine and the trainer tokenize differently (verl PR "
+        "#6921: a separator dropped at each tool boundary); verl PR #5229 logs the mismatch per round alike.",
+        G, "nats", labels=(Label("turn", TURNS),), inputs=("rollout_logprobs", "old_logprobs", "tool_mask", *_TOKEN),
+        merge=Merge.RATIO,
     ),
     Metric(
         "grpo_engine_logprob_gap_clean_baseline_nats", GA,

@@ -103,3 +103,27 @@ def mismatch_of(
         token_share,
         sequence_share,
     )
+
+
+def turn_index(tool_mask: Tensor, turns: int) -> Tensor:
+    """(N, T) int64: the model turn each position belongs to in a multi-turn completion, 1 + the tool spans that
+    begin before it (a tool span's own positions take the next turn's number; they are off every reading),
+    capped at ``turns`` (the last label gathers the later turns)."""
+    starts = tool_mask.clone()
+    starts[:, 1:] &= ~tool_mask[:, :-1]
+    return (starts.cumsum(dim=1) + 1).clamp_(max=turns)
+
+
+def turn_gaps(difference: Tensor, loss_mask: Tensor, tool_mask: Tensor, turns: int) -> list[Ratio]:
+    """Mean |rollout - old| over the finite loss tokens of each model turn 1..``turns`` (the last: that turn and
+    every later one), nats; absent for a turn no completion reached. verl PR #5229 logs the mismatch per round to
+    find the turn that diverges; a turn separator dropped at each tool boundary makes it grow with the turn
+    (verl PR #6921: "compounds each turn"), which one mean over all tokens hides."""
+    turn = turn_index(tool_mask, turns)
+    gap = torch.nan_to_num(difference, nan=0.0, posinf=0.0, neginf=0.0).abs()
+    scored = loss_mask & finite(difference)
+    out = []
+    for k in range(1, turns + 1):
+        chosen = scored & (turn == k)
+        out.append(fraction(sum64(zeroed(gap, chosen)), count(chosen)))
+    return out

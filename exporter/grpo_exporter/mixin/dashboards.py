@@ -120,6 +120,10 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q(f"{c.gap_clean_factor:g} * max by (run) (grpo_engine_logprob_gap_accepted_nats{{{SEL}}})", "warning line {{run}}"),
                    q(f"{c.engine_gap_jump_factor:g} * max by (run) (grpo_engine_logprob_gap_accepted_nats{{{SEL}}})", "jump line {{run}}")),
                   "none", thresholds=((c.engine_gap_healthy_nats, "yellow"), (c.engine_gap_stop_nats, "red")), min=0),
+        PanelSpec("Does the gap grow with the turn? (multi-turn)",
+                  "Mean engine gap per model turn (tool_mask tells the turns apart; 5+ gathers the later ones): a gap that grows with the turn is a boundary engine and trainer tokenize differently, e.g. a separator dropped at each tool call.",
+                  (q(f"max by (run, turn) (grpo_engine_logprob_gap_turn_mean_nats{{{SEL}}})", "{{run}} turn {{turn}}"),),
+                  "none", thresholds=((c.engine_gap_healthy_nats, "yellow"), (c.engine_gap_stop_nats, "red")), min=0),
         PanelSpec("Is the gap noise or a fault? (signed gap, mismatch KL)",
                   f"k1 = mean signed gap rollout - trainer (KL(engine || trainer)): noise averages out (~1e-3 on a healthy "
                   f"bf16 stack), top-p renormalisation, a temperature or other weights do not; critical when |k1| or k3 >= "

@@ -109,8 +109,11 @@ class GRPOMonitor:
         integers. ``prompt_tokens`` (N, S) prompt token ids are read only by the flight recorder
         (``recorder_dir``), for its rows. Multi-turn and asynchronous loops add what they count themselves:
         ``turns`` (N,) model turns per completion, ``partial`` (N,) completions generated over more than one
-        policy version, ``tool_calls`` and ``tool_failures`` this batch's tool calls and failed ones (ints), and
-        ``dropped_stale_total`` the loop's running total of completions it dropped as too stale (an int). A
+        policy version, ``tool_calls`` and ``tool_failures`` this batch's tool calls and failed ones (ints),
+        ``tool_mask`` (N, T) the positions tools wrote (the readings are of the model's tokens; the mask audit
+        names loss on tool output and lengths that count tool tokens), ``aborted_completions`` the completions
+        the rollout aborted (an int), and ``dropped_stale_total`` the loop's running total of completions it
+        dropped as too stale (an int). A
         dynamic-sampling loop (DAPO) hands the kept batch with ``generated_groups`` and
         ``filtered_all_correct_groups``/``filtered_all_incorrect_groups``, what its filter counted (ints)."""
         step = self._check_call("observe_rollout", step)
@@ -127,7 +130,9 @@ class GRPOMonitor:
 
         ``on_policy``: True on every micro-step of the first optimizer step on a fresh rollout (the weights
         have not changed since the old log-probs were computed); the on-policy ratio check runs on the
-        micro-steps flagged. ``completion_lengths`` gives the mask audit of the mask you train with;
+        micro-steps flagged. ``completion_lengths`` gives the mask audit of the mask you train with (with
+        ``tool_mask`` where tools wrote); ``staleness`` (N,) the policy versions since each completion's oldest
+        token was generated (asynchronous loops), read per loss token;
         ``grad_norm_pre_clip``/``grad_norm_post_clip``/``max_grad_norm`` when the framework clips. An unknown
         keyword raises ``TypeError``.
         """

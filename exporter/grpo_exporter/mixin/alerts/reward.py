@@ -115,7 +115,8 @@ def _noise(c: MixinConfig) -> Alert:
         f"run:grpo_noise_advantage_groups:trend_mean > {c.noise_groups_max:g}", 600,
         "Many groups take a full-size advantage from a reward spread that is noise: the model chases score noise.",
         "Run {{ $labels.run }}: over " + trend + ", " + template_value("%.2f") + " of the groups had a reward range "
-        "below 1% of the reward's scale that sigma-normalisation scaled to a full-size advantage. Where correctness "
+        "below the monitor's noise_range_fraction (1% by default) of the reward's scale that sigma-normalisation "
+        "scaled to a full-size advantage. Where correctness "
         'ties, the variance comes most from component {{ with printf "topk(1, grpo_reward_tied_variance_ratio'
         '{run=%q})" $labels.run | query }}{{ . | first | label "component" }} (a share of {{ . | first | value | '
         'printf "%.2f" }}){{ else }}(not reported: it needs correct and reward_components){{ end }}.',

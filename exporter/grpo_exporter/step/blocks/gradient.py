@@ -9,6 +9,7 @@ import math
 import torch
 from torch import Tensor
 
+from grpo_exporter import catalog
 from grpo_exporter.functional import gradient, mismatch
 from grpo_exporter.functional.reading import count, count_nonfinite
 from grpo_exporter.step.context import Context
@@ -49,7 +50,7 @@ def nonfinite_inputs(out: Gather, ctx: Context) -> None:
 
 
 @produces("grpo_engine_logprob_gap_nats", "grpo_token_engine_logprob_gap_nats", "grpo_engine_logprob_gap_mean_nats",
-          stages=("rollout",))
+          "grpo_engine_logprob_gap_turn_mean_nats", stages=("rollout",))
 def engine_gap(out: Gather, ctx: Context) -> None:
     x, cfg = ctx.x, ctx.cfg
     difference = ctx.gap_difference
@@ -59,6 +60,10 @@ def engine_gap(out: Gather, ctx: Context) -> None:
         out.summary("grpo_engine_logprob_gap_nats", gap.total, gap.count, gap.quantiles, cfg.gap_quantiles)
         out.histogram("grpo_token_engine_logprob_gap_nats", gap.quantiles, gap.total)
         out.add("grpo_engine_logprob_gap_mean_nats", gap.mean)
+        if x.tool_mask is not None:
+            gaps = mismatch.turn_gaps(difference, x.loss_mask, x.tool_mask, len(catalog.TURNS))
+            for turn, value in zip(catalog.TURNS, gaps, strict=True):
+                out.add("grpo_engine_logprob_gap_turn_mean_nats", value, turn=turn)
 
 
 @produces(
