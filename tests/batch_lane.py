@@ -9,11 +9,11 @@ not depend on when it runs: the results are those of running it in the test itse
 clock, for a monitor's worker threads, allow LANE_WAIT_S: an idle-class worker gets no CPU at all while both
 cores are busy).
 
-Tests that keep time (the fleet's pace, the demo's page within two minutes) run beside the lane. Until this
-change the lane stopped for them (SIGSTOP): at nice 19 one worker left running beside the fleet once coincided
-with three healthy runs paging GRPOTrainingStalled (cause not found). Under SCHED_IDLE, both workers running
-through the whole fleet, every run kept its pace (slowest 2.00 of 2 steps/s over any 72 s, longest step
-0.7 s) and the three modules took 519 s against ~850 s with the lane stopped.
+Tests that keep time (the fleet's pace, the demo's page within two minutes) run beside the lane. The lane used
+to stop for them (SIGSTOP): at nice 19 alone, one worker left running beside the fleet once coincided with three
+healthy runs paging GRPOTrainingStalled (cause not found). Under SCHED_IDLE, both workers running through the
+whole fleet, every run kept its pace (slowest 2.00 of 2 steps/s over any 72 s, longest step 0.7 s) and the
+three modules took 519 s against ~850 s with the lane stopped.
 
 A module takes part by defining ``start_in_background(items)`` (its selected tests): conftest.py calls it once,
 after collection; it submits its jobs with :func:`submit`.
