@@ -11,6 +11,7 @@ import torch
 
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import InputError, StepInputs
+from grpo_exporter.recorder.triggers import triggers_of
 from grpo_exporter.runtime import guard
 from grpo_exporter.runtime.monitor_config import MonitorConfig
 from grpo_exporter.step import compute_step
@@ -44,6 +45,8 @@ def test_loss_on_tool_output_is_its_own_reason():
     assert m["grpo_loss_mask_length_mismatch_sequences_total"] == 0
     violations = guard.check(m, MonitorConfig(run="r", group_size=2))
     assert [v.alert for v in violations] == ["GRPOLossOnToolTokens"]
+    # and the flight recorder's mask trigger keeps the steps around it
+    assert triggers_of(m, MonitorConfig(run="r", group_size=2), spike=False) == ("mask_mismatch",)
 
 
 def test_a_length_measured_as_a_span_is_told_from_a_mask_bug():
