@@ -90,6 +90,7 @@ class EngineGap(NamedTuple):
     count: Tensor  # type: ignore[assignment]  # a field, shadowing tuple.count
     mean: Ratio
     quantiles: Quantiles
+    absolute: Tensor  # (N, T) |rollout - old|, 0 off the loss mask and where non-finite: the per-turn means' too
 
 
 def engine_gap_of(
@@ -109,7 +110,7 @@ def engine_gap_of(
     exact_min = 0.0 in quantiles
     valid = loss_mask & finite(difference) if exact_min else None
     h = histogram(kept, valid, exact_min, kept=kept, valid_count=tokens)
-    return EngineGap(total, tokens, fraction(total, tokens), Quantiles(h, quantiles))
+    return EngineGap(total, tokens, fraction(total, tokens), Quantiles(h, quantiles), kept)
 
 
 class OnPolicyCheck(NamedTuple):

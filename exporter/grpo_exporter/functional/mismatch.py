@@ -114,16 +114,14 @@ def turn_index(tool_mask: Tensor, turns: int) -> Tensor:
     return (starts.cumsum(dim=1) + 1).clamp_(max=turns)
 
 
-def turn_gaps(difference: Tensor, loss_mask: Tensor, tool_mask: Tensor, turns: int) -> list[Ratio]:
-    """Mean |rollout - old| over the finite loss tokens of each model turn 1..``turns`` (the last: that turn and
-    every later one), nats; absent for a turn no completion reached. verl PR #5229 logs the mismatch per round to
-    find the turn that diverges; a turn separator dropped at each tool boundary makes it grow with the turn
-    (verl PR #6921: "compounds each turn"), which one mean over all tokens hides."""
-    turn = turn_index(tool_mask, turns)
-    gap = torch.nan_to_num(difference, nan=0.0, posinf=0.0, neginf=0.0).abs()
-    scored = loss_mask & finite(difference)
-    out = []
-    for k in range(1, turns + 1):
-        chosen = scored & (turn == k)
-        out.append(fraction(sum64(zeroed(gap, chosen)), count(chosen)))
-    return out
+def turn_gaps(gap: Tensor, scored: Tensor, tool_mask: Tensor, turns: int) -> list[Ratio]:
+    """Mean |rollout - old| over the finite loss tokens (``scored``) of each model turn 1..``turns`` (the last:
+    that turn and every later one), nats, from ``gap`` (the engine gap's (N, T) absolute difference, 0 where not
+    scored): one pass to number the turns, one scatter of sums and one of counts, whatever ``turns``; absent for
+    a turn no completion reached. verl PR #5229 logs the mismatch per round to find the turn that diverges; a
+    turn separator dropped at each tool boundary makes it grow with the turn (verl PR #6921: "compounds each
+    turn"), which one mean over all tokens hides."""
+    turn = torch.where(scored, turn_index(tool_mask, turns), 0).flatten()
+    totals = torch.zeros(turns + 1, dtype=torch.float64, device=gap.device).index_add_(0, turn, gap.flatten().double())
+    counts = torch.bincount(turn, minlength=turns + 1)
+    return [fraction(totals[k], counts[k]) for k in range(1, turns + 1)]

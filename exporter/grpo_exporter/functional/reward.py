@@ -120,16 +120,16 @@ def noise_signal(
     """
     stats = group_stats(rewards, groups)
     valid = torch.isfinite(rewards)
-    if scale is None:
-        x = rewards.double()
-        top = torch.where(valid, x, -torch.inf).amax() if x.numel() else x.new_zeros(())
-        bottom = torch.where(valid, x, torch.inf).amin() if x.numel() else x.new_zeros(())
-        reach = torch.where(valid.any(), top - bottom, 0.0)
-    else:
-        reach = torch.tensor(float(scale), dtype=torch.float64, device=rewards.device)
-    noisy = stats.exists & (stats.range > 0) & (stats.range < range_fraction * reach)
-    if not sigma_normalised:
-        noisy = torch.zeros_like(noisy)
+    noisy = torch.zeros_like(stats.exists)
+    if sigma_normalised:
+        if scale is None:
+            x = rewards.double()
+            top = torch.where(valid, x, -torch.inf).amax() if x.numel() else x.new_zeros(())
+            bottom = torch.where(valid, x, torch.inf).amin() if x.numel() else x.new_zeros(())
+            reach = torch.where(valid.any(), top - bottom, 0.0)
+        else:
+            reach = torch.tensor(float(scale), dtype=torch.float64, device=rewards.device)
+        noisy = stats.exists & (stats.range > 0) & (stats.range < range_fraction * reach)
     shares: dict[str, Ratio] = {}
     if correct is not None and components:
         right = groups.count(correct & valid)

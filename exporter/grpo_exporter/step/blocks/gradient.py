@@ -11,7 +11,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.functional import gradient, mismatch
-from grpo_exporter.functional.reading import count, count_nonfinite
+from grpo_exporter.functional.reading import count, count_nonfinite, finite
 from grpo_exporter.step.context import Context
 from grpo_exporter.step.gather import Gather
 from grpo_exporter.step.pack import Witnessed, scalar
@@ -61,7 +61,8 @@ def engine_gap(out: Gather, ctx: Context) -> None:
         out.histogram("grpo_token_engine_logprob_gap_nats", gap.quantiles, gap.total)
         out.add("grpo_engine_logprob_gap_mean_nats", gap.mean)
         if x.tool_mask is not None:
-            gaps = mismatch.turn_gaps(difference, x.loss_mask, x.tool_mask, len(catalog.TURNS))
+            scored = x.loss_mask & finite(difference)
+            gaps = mismatch.turn_gaps(gap.absolute, scored, x.tool_mask, len(catalog.TURNS))
             for turn, value in zip(catalog.TURNS, gaps, strict=True):
                 out.add("grpo_engine_logprob_gap_turn_mean_nats", value, turn=turn)
 
