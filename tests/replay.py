@@ -54,7 +54,7 @@ class Knobs:
     grad_norm: float = 1.0  # median pre-clip grad norm (max_grad_norm 5)
     staleness: int = 0  # policy versions between the rollout and the update
     distinct: float = 1.0  # share of a group's completions that are distinct
-    same_answer: float = 0.0  # share of a group's samples that repeat its first sample's outcome (collapse)
+    same_answer: float = 0.0  # share of groups whose samples all repeat their first sample's outcome (collapse)
     verifier_zero: bool = False  # the verifier scores this batch 0 (one noisy batch)
     onpolicy_noise: float = 1e-5  # sd of the on-policy recomputation |log r|
     engine_gap: float = 1e-4  # sd of rollout vs trainer log-probs
@@ -90,6 +90,7 @@ class SimulatedRun:
         self.held_rng = np.random.default_rng(seed + 1_000_003)  # the regression set's own draws
         self.prompts, self.group_size, self.width = prompts, group_size, width
         self.difficulty = self.rng.normal(0.0, 1.5, size=512)  # fixed per prompt: spread solve rates
+        self.collapsed = 0.0  # the share of the last batch's groups that repeat one outcome (Knobs.same_answer)
 
     def _draw(self, k: Knobs) -> tuple[np.ndarray, np.ndarray]:
         """One generation batch: its prompts and each completion's correctness."""
@@ -100,7 +101,11 @@ class SimulatedRun:
         n = len(p)
         correct = rng.random(n) < p
         first = np.repeat(correct.reshape(-1, g)[:, 0], g)
-        return ids, np.where(rng.random(n) < k.same_answer, first, correct)  # the same answer, again and again
+        # a collapsed group repeats its first sample's outcome, again and again; the draw per sample keeps every
+        # scenario's random stream, a group reads its first
+        groups = rng.random(n).reshape(-1, g)[:, 0] < k.same_answer
+        self.collapsed = float(groups.mean())
+        return ids, np.where(np.repeat(groups, g), first, correct)
 
     def _filled(self, k: Knobs) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
         """A DAPO batch: generation batches drawn until ``prompts`` groups with both outcomes are kept (at most
@@ -189,7 +194,9 @@ class SimulatedRun:
             reward_components={"correctness": t(correctness), "format": t(fmt)},
             completion_ids=t(completion_ids, torch.long), prompt_ids=t(np.repeat(ids, g), torch.long), **counts,
         )
-        pre = k.grad_norm * float(np.exp(rng.normal(0.0, 0.2)))
+        # a collapsed group has no reward variance and gives no gradient: the norm shrinks with their share, as a
+        # real one does (GRPOGradNormSpike judges it per share of tokens with an advantage)
+        pre = k.grad_norm * float(np.exp(rng.normal(0.0, 0.2))) * max(1.0 - self.collapsed, 1.0 / self.prompts)
         scalars = {"policy_version": step, "rollout_policy_version": step - k.staleness,
                    "grad_norm_pre_clip": pre, "grad_norm_post_clip": min(pre, 5.0), "max_grad_norm": 5.0}
         ref = {}

@@ -79,8 +79,9 @@ def from_start(**fault: object) -> Scenario:
 
 
 def entropy_decline(step: int, hours: float) -> Knobs:
-    """From hour 3, over 8 h: entropy falls 1.0 -> 0.25 and each group's samples come to repeat one answer
-    (distinct completions 8 -> 3 of 8): pass@1 holds at 0.5, pass@G falls towards it."""
+    """From hour 3, over 8 h: entropy falls 1.0 -> 0.25 and the groups, one by one, come to repeat one answer
+    (distinct completions 8 -> 3 of 8): pass@1 holds at 0.5, pass@G falls linearly towards it (0.91 -> 0.5),
+    half of it by hour 7."""
     fall = min(1.0, max(0.0, (hours - 3) / 8))
     return Knobs(solve=0.5, entropy=1.0 - 0.75 * fall, same_answer=fall, distinct=1.0 - 0.6 * fall)
 
@@ -110,8 +111,10 @@ def cases(cadence_s: float) -> dict[str, Case]:
             (Segment("a", near_clip, 5 * u), Segment("b", healthy, 4 * u, start_s=7 * u * 3600, seed=1)), 12 * u),
         "noisy-batch": Case((Segment("a", one_step(5 * u, cadence_s, verifier_zero=True), 9 * u),), 10 * u),
         # repeating one answer also empties the groups of reward variance: layer 3 sees it too, each once
+        # the seed's collapse pages in its first half (GRPOPolicyCollapseOnset), entropy's own alarm later
         "slow-entropy-collapse": Case((Segment("a", entropy_decline, 15.0),), 16.0,
-                                      (("GRPOEntropyCollapse", decline_onset),
+                                      (("GRPOPolicyCollapseOnset", 3.0, 4.0),
+                                       ("GRPOEntropyCollapse", decline_onset),
                                        ("GRPOZeroVarianceAbovePrediction", 3.0, 11.0),
                                        ("GRPOFewGroupsCarrySignal", 3.0, 11.0))),
         "one-step-grad-spike": Case((Segment("a", one_step(5 * u, cadence_s, grad_norm=100.0), 8 * u),), 9 * u,
@@ -142,6 +145,10 @@ def cases(cadence_s: float) -> dict[str, Case]:
     }
     if cadence_s < 60:
         found["bf16-healthy"] = Case((Segment("a", bf16, 9 * u),), 10 * u, (notice,))
+        # the slow collapse's first half at 20 s steps (its whole 16 h would be 2880 steps of replay)
+        found["slow-entropy-collapse-first-half"] = Case(
+            (Segment("a", entropy_decline, 7.5),), 8.0,
+            (("GRPOPolicyCollapseOnset", 3.0, 4.0), ("GRPOZeroVarianceAbovePrediction", 3.0, 5.0)))
     return found
 
 
@@ -170,6 +177,8 @@ def _a_day(folder: Path) -> subprocess.CompletedProcess[str]:
     within = 3 * 3600.0  # the 20-step trend mean lags a slow decline by ~1.7 h; `for` adds an hour
     expect = [Expect("GRPOGradNormSpike", 4 * 3600.0, within), Expect("GRPOClipFractionHigh", 5 * 3600.0, within),
               Expect("GRPORolloutsStale", 9 * 3600.0, within),
+              # the collapse pages in its first half (by 18 h), then again when entropy halves
+              Expect("GRPOPolicyCollapseOnset", 14 * 3600.0, 4 * 3600.0),
               Expect("GRPOEntropyCollapse", collapse * 3600, within + 3600),
               # repeating one answer empties the groups of reward variance: layer 3 pages it too, once each
               Expect("GRPOZeroVarianceAbovePrediction", 14 * 3600.0, 10 * 3600.0),

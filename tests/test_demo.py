@@ -13,7 +13,7 @@ from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo import model
 from grpo_exporter.demo.model import bf16_linear
 from grpo_exporter.demo.scenarios import SCENARIOS
-from grpo_exporter.demo.task import EOS, FIRST_SYMBOL, Task
+from grpo_exporter.demo.task import EOS, FIRST_SYMBOL, SEP, TOOL_LENGTH, Task
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 
 STEPS_AFTER = 4
@@ -48,7 +48,7 @@ def test_every_scenario_is_documented():
         "healthy", "healthy-reverse", "engine-top-p", "engine-temperature", "engine-stale-weights", "mask-bug",
         "exp-before-clamp",
         "grad-accum-scaling", "advantage-bug", "reward-hack", "entropy-collapse", "stale-rollouts", "truncation",
-        "verifier-broken",
+        "verifier-broken", "healthy-tool", "loss-on-tool-tokens", "length-counts-tool-tokens", "pool-shrinks",
     }
     for s in SCENARIOS.values():
         assert s.name.startswith("healthy") or (s.expected_alerts and s.layer), s.name
@@ -162,6 +162,85 @@ def test_a_bf16_trainer_recomputing_one_sequence_a_pass_is_batch_variant_inside_
 )
 def test_fault_shows_in_the_exporter_metrics(name, check):
     assert check(run_scenario(name))
+
+
+def test_the_multi_turn_task_writes_the_tools_reply_and_its_faults_show():
+    """The tool's reply (SEP, the prompt's first symbol) sits at positions 2-3 of every completion that reached
+    them, with no engine log-prob; the warm start learns around it (pass@1 at its target), scoring reads the
+    model's tokens only; healthy, the audit reads 0 on every reason and the engine gap shows per turn; each
+    fault moves its own counter and no other."""
+    torch.set_num_threads(1)
+    cfg = SCENARIOS["healthy-tool"].config()
+    assert (cfg.task.tool_at, cfg.max_new) == (2, DemoConfig().max_new + TOOL_LENGTH)
+    readings = {}
+    for name in ("healthy-tool", "loss-on-tool-tokens", "length-counts-tool-tokens"):
+        with GRPOMonitor(run=name, group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=None, guard="off",
+                         edit_distance_groups=0) as mon:
+            trainer = Trainer(cfg, mon)
+            trainer.restore(warm_tool(cfg.seed))
+            SCENARIOS[name].inject(trainer)
+            reports = [trainer.step(step) for step in range(4)]
+            mon.flush()
+            readings[name] = dict(mon.metrics())
+        assert sum(r.correct for r in reports) / 4 > 0.1, name  # the model's own tokens are scored
+    prompts, ids = trainer.task.prompts(4, trainer.generator)
+    rollout = trainer._generate(prompts, ids, 2, cfg.max_new)
+    assert rollout.tool_mask is not None
+    reached = rollout.lengths > 2
+    assert torch.equal(rollout.tool_mask[:, 2:4], reached.unsqueeze(1).expand(-1, 2))
+    assert not rollout.tool_mask[:, :2].any()
+    assert not rollout.tool_mask[:, 4:].any()
+    assert (rollout.completions[reached, 2] == SEP).all()
+    assert torch.equal(rollout.completions[reached, 3], rollout.prompts[reached, 1])
+    assert (rollout.rollout_logprobs[rollout.tool_mask] == 0).all()
+    healthy, on_tool, span = (readings[n] for n in ("healthy-tool", "loss-on-tool-tokens", "length-counts-tool-tokens"))
+    reasons = ("grpo_loss_mask_tool_tokens_total", "grpo_completion_length_tool_span_sequences_total",
+               "grpo_loss_mask_length_mismatch_sequences_total", "grpo_loss_mask_outside_completion_tokens_total")
+    assert [healthy[r] for r in reasons] == [0, 0, 0, 0]
+    assert {'grpo_engine_logprob_gap_turn_mean_nats{turn="1"}',
+            'grpo_engine_logprob_gap_turn_mean_nats{turn="2"}'} <= set(healthy)
+    assert on_tool[reasons[0]] > 0
+    assert [on_tool[r] for r in reasons[1:]] == [0, 0, 0]
+    assert span[reasons[1]] > 0
+    assert [span[r] for r in reasons if r != reasons[1]] == [0, 0, 0]
+
+
+def test_the_dynamic_sampling_loop_keeps_mixed_groups_and_counts_what_it_filtered():
+    """DAPO's loop in the demo: the trained batch is prompts_per_step groups, each with both outcomes while the
+    rounds suffice; the monitor counts every generated and filtered group; the stuck sampler serves its 4
+    prompts only."""
+    torch.set_num_threads(1)
+    cfg = SCENARIOS["pool-shrinks"].config()
+    assert cfg.dynamic_sampling
+    generated = filtered = 0
+    with GRPOMonitor(run="ds", group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=None, guard="off",
+                     edit_distance_groups=0) as mon:
+        trainer = Trainer(cfg, mon)
+        trainer.restore(warm(cfg.seed))
+        for step in range(4):
+            rollout = trainer._filled()
+            hits = trainer._rewards(rollout)[0].view(-1, cfg.group_size).sum(dim=1)
+            assert rollout.completions.shape[0] == cfg.prompts_per_step * cfg.group_size
+            counts = trainer._filter
+            if counts["generated_groups"] < cfg.dynamic_sampling_rounds * cfg.prompts_per_step:
+                assert ((hits > 0) & (hits < cfg.group_size)).all(), step
+            trainer.step(step)
+            done = trainer._filter
+            generated += done["generated_groups"]
+            filtered += done["filtered_all_correct_groups"] + done["filtered_all_incorrect_groups"]
+        mon.flush()
+        m = dict(mon.metrics())
+        SCENARIOS["pool-shrinks"].inject(trainer)
+        assert len(set(trainer._prompts(64)[1].tolist())) <= 4
+    assert m["grpo_generated_groups_total"] == generated > 4 * cfg.prompts_per_step - 1
+    assert sum(v for k, v in m.items() if k.startswith("grpo_filtered_groups_total")) == filtered
+
+
+@functools.cache
+def warm_tool(seed: int) -> dict[str, object]:
+    snapshot = warm_snapshot(SCENARIOS["healthy-tool"].config(seed))
+    assert snapshot["accuracy"] >= DemoConfig().warmup_target
+    return snapshot
 
 
 def test_the_reverse_task_has_one_right_answer():

@@ -8,9 +8,11 @@ receiver; each run has its own ``run`` label and exporter port.
 * while a layer-1 alert fires for a run, no page of layers 2-4 for that run is delivered (the inhibition),
   also for runs where a layer-1 fault is injected together with a layer-3 or a layer-2 fault whose alert does
   fire in Prometheus behind the layer-1 one;
-* the healthy scenarios, on the permutation task (many right answers) and on the reverse task (one right
-  answer that the policy learns: convergence, mostly all-correct groups), three seeds each for HEALTHY_STEPS
-  steps, deliver no page at all (nothing even fires in Prometheus), and no exporter is ever seen down.
+* the healthy scenarios, on the permutation task (many right answers), on the reverse task (one right
+  answer that the policy learns: convergence, mostly all-correct groups), three seeds each, and on the
+  multi-turn permutation task (a tool's reply inside each completion, off the loss mask), two seeds, for
+  HEALTHY_STEPS steps, deliver no page at all (nothing even fires in Prometheus), and no exporter is ever seen
+  down.
 
 Runs go through a pool of CONCURRENT trainers (one process: the tiny steps are bound by the GIL, ~12 steps/s
 for one trainer alone), longest first; a run that has trained hands its end (close, the target kept visible,
@@ -35,10 +37,10 @@ from grpo_exporter.demo.stack import Page, Stack
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 from services import prometheus_query
 
-HEALTHY_SEEDS = (0, 1, 2)
+HEALTHY_SEEDS = {"healthy": (0, 1, 2), "healthy-reverse": (0, 1, 2), "healthy-tool": (0, 1)}
 # the permutation task (many right answers) and the reverse task (one right answer, learned: groups converge
 # to identical correct completions, mostly all-correct): three seeds each, no alert may fire
-HEALTHY_STEPS = {"healthy": 150, "healthy-reverse": 300}
+HEALTHY_STEPS = {"healthy": 150, "healthy-reverse": 300, "healthy-tool": 150}
 PAGE_WITHIN_S = 60.0  # after injection, for every fault (50 min at production time scale)
 # or within the steps the demo's pace makes in that time, when the machine trains slower than the pace (a
 # slow disease such as the entropy collapse develops over steps, not seconds)
@@ -139,14 +141,16 @@ def _warm(config: DemoConfig) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, str]], set[str]]:
     torch.set_num_threads(1)
-    runs = [Run(name, seed) for name in HEALTHY_STEPS for seed in HEALTHY_SEEDS]
+    runs = [Run(name, seed) for name in HEALTHY_STEPS for seed in HEALTHY_SEEDS[name]]
     faults = sorted((s for s in SCENARIOS.values() if s.expected_alerts), key=lambda s: -s.inject_at)
     runs += [Run(s.name, s.seed) for s in faults]
     for (gate, downstream), (_, _, _, after_s) in COMBOS.items():
         runs.append(Run(gate, SCENARIOS[gate].seed, also=(downstream,), train_after_s=after_s))
-    # a warm start is deterministic per task and seed: shared by its runs, made two at a time
-    starts = sorted({(SCENARIOS[r.scenario].task, r.seed) for r in runs})
-    configs = [next(s for s in SCENARIOS.values() if s.task == task).config(seed) for task, seed in starts]
+    # a warm start is deterministic per task (its kind and tool call) and seed: shared by its runs, made two at
+    # a time
+    starts = sorted({(SCENARIOS[r.scenario].task, SCENARIOS[r.scenario].tool_at, r.seed) for r in runs})
+    configs = [next(s for s in SCENARIOS.values() if (s.task, s.tool_at) == (task, tool_at)).config(seed)
+               for task, tool_at, seed in starts]
     with ProcessPoolExecutor(2) as pool:
         warm = dict(zip(starts, pool.map(_warm, configs), strict=True))
     with contextlib.ExitStack() as exits:
@@ -158,7 +162,8 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, 
         began = time.monotonic()
         with ThreadPoolExecutor(len(runs)) as ends, ThreadPoolExecutor(CONCURRENT) as pool:
             for run, mon in zip(runs, monitors, strict=True):
-                pool.submit(_train, run, mon, stack, warm[SCENARIOS[run.scenario].task, run.seed], ends)
+                s = SCENARIOS[run.scenario]
+                pool.submit(_train, run, mon, stack, warm[s.task, s.tool_at, run.seed], ends)
         pages = stack.pages
         fired = _fired_in_prometheus(stack.prometheus_url)
         liveness = {f[1] for f in fired if f[1] in ("GRPOExporterDown", "GRPOTrainingStalled")}
@@ -239,8 +244,7 @@ def test_layer_one_mutes_a_downstream_alert_that_fires(fleet, gate, downstream):
     assert leaked == [], "and reached nobody (seconds after the run's end shown)"
 
 
-@pytest.mark.parametrize("seed", HEALTHY_SEEDS)
-@pytest.mark.parametrize("task", list(HEALTHY_STEPS))
+@pytest.mark.parametrize(("task", "seed"), [(task, seed) for task in HEALTHY_STEPS for seed in HEALTHY_SEEDS[task]])
 def test_healthy_run_delivers_no_page(fleet, task, seed):
     runs, pages, fired, _ = fleet
     run = next(r for r in runs if r.scenario == task and r.seed == seed)

@@ -37,6 +37,20 @@ def test_a_right_mask_over_tool_spans_is_no_fault():
     assert m["grpo_loss_mask_outside_completion_tokens_total"] == 0
 
 
+def test_without_a_completion_mask_a_completion_spans_its_model_and_tool_tokens():
+    """The lengths are the model's tokens (5), the completion is 7 positions (3 model, 2 tool, 2 model): a loss
+    mask on the model's tokens is inside it (before, t < 5 put the last turn outside), one on the padding
+    after it is not."""
+    def audit(loss_mask: torch.Tensor) -> dict[str, float]:
+        return compute_step(StepInputs(loss_mask=loss_mask, completion_lengths=LENGTHS, tool_mask=TOOL),
+                            MetricsConfig(group_size=2))
+
+    assert audit(MODEL)["grpo_loss_mask_outside_completion_tokens_total"] == 0
+    padded = MODEL.clone()
+    padded[:, 7] = True
+    assert audit(padded)["grpo_loss_mask_outside_completion_tokens_total"] == 2
+
+
 def test_loss_on_tool_output_is_its_own_reason():
     """verl #4412, slime #1370: the loss mask covers the tool's response (2 tokens a completion). The lengths
     still match the model's tokens: the fault is the tool tokens, named, not a length mismatch."""

@@ -30,6 +30,7 @@ class Rollout:
     rollout_logprobs: Tensor  # (N, T), 0 after the completion
     truncated: Tensor  # (N,) no EOS within T tokens
     policy_version: int
+    tool_mask: Tensor | None = None  # (N, T) the positions the environment wrote (multi-turn), else None
 
 
 class RolloutEngine:
@@ -60,19 +61,31 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: Tensor, prompt_ids: Tensor, group_size: int, max_new: int, generator: torch.Generator
+        self, prompts: Tensor, prompt_ids: Tensor, group_size: int, max_new: int, generator: torch.Generator,
+        tool: Tensor | None = None, tool_at: int = 0,
     ) -> Rollout:
-        """Sample ``group_size`` completions per prompt, recording each token's log-prob."""
+        """Sample ``group_size`` completions per prompt, recording each token's log-prob. With ``tool`` (one
+        reply per prompt, (P, L)): a completion still open after ``tool_at`` tokens gets the reply written into
+        it, as the environment of a multi-turn rollout does (its tokens are prompt to the engine: no log-prob,
+        0 as vLLM reports none), and the model goes on after it."""
         tokens = prompts.repeat_interleave(group_size, dim=0)
         n = tokens.shape[0]
         out = torch.full((n, max_new), PAD, dtype=torch.long)
         logps = torch.zeros(n, max_new)
         done = torch.zeros(n, dtype=torch.bool)
         lengths = torch.full((n,), max_new, dtype=torch.long)
+        replies = None if tool is None else tool.repeat_interleave(group_size, dim=0)
+        tool_mask = None if replies is None else torch.zeros(n, max_new, dtype=torch.bool)
         cache = None
         step_tokens = tokens
         for t in range(max_new):
             logits, cache = self.model.decode_step(step_tokens, cache)  # the engine's own KV-cached code path
+            if replies is not None and tool_mask is not None and tool_at <= t < tool_at + replies.shape[1]:
+                token = torch.where(done, PAD, replies[:, t - tool_at])
+                out[:, t] = token
+                tool_mask[:, t] = ~done
+                step_tokens = token.unsqueeze(1)
+                continue
             logp = self._logp(logits)  # computed in the engine's precision, widened to fp32 here
             choice = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
             token = torch.where(done, PAD, choice)
@@ -84,5 +97,5 @@ class RolloutEngine:
             step_tokens = token.unsqueeze(1)
         return Rollout(
             prompts.repeat_interleave(group_size, dim=0), prompt_ids.repeat_interleave(group_size), out, lengths,
-            logps, ~done, self.version,
+            logps, ~done, self.version, tool_mask,
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grpo_exporter.demo.task import Task
+from grpo_exporter.demo.task import TOOL_LENGTH, Task
 from grpo_exporter.demo.trainer import DemoConfig, Trainer
 
 STEPS_PER_SECOND = 2.0
@@ -24,6 +24,10 @@ HISTORY_STEPS = 80  # 40 s: rolling baselines exist (20 samples, window ending 1
 # a CI machine missed it. At 1.25 pass@G falls 0.99 -> 0.5-0.6 within 50 steps on seeds 1, 2 and 4 while pass@1
 # holds near its level (0.38 -> 0.25-0.30), the seed's signature (pass@k falls, pass@1 holds).
 ENTROPY_PENALTY = 1.25
+TOOL_AT = 2  # the multi-turn scenarios: the tool is called after the model's second answer token
+# pool-shrinks: the prompts the stuck sampler serves. Seed 3 (warm start at 0.33) masters 4 of them within ~60
+# steps: the kept share of generated groups falls from ~0.8 to the cap's 0.25 (4 rounds); 8 took ~90 steps
+POOL_STUCK = 4
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class Scenario:
     inject_step: int | None = None  # overrides the default step (0: a fault present from the first step)
     seed: int = 3
     task: str = "permute"  # grpo_exporter.demo.task.TASKS: "reverse" has one right answer, which the policy learns
+    tool_at: int = 0  # > 0: multi-turn, a tool's reply written into each completion after this many tokens
+    dynamic_sampling: bool = False  # DAPO's loop: only groups with both outcomes fill the batch
 
     # seed: the default of the demo and the one the end-to-end suite runs. entropy-collapse and reward-hack take
     # seeds whose policy is still weak at injection. From a policy that already solves most prompts, the
@@ -46,9 +52,12 @@ class Scenario:
 
     def config(self, seed: int | None = None) -> DemoConfig:
         """The demo's training config for this scenario's task (and ``seed``, default the scenario's)."""
-        default = DemoConfig().task
+        default = DemoConfig()
         return DemoConfig(seed=self.seed if seed is None else seed,
-                          task=Task(symbols=default.symbols, length=default.length, kind=self.task))
+                          max_new=default.max_new + (TOOL_LENGTH if self.tool_at else 0),
+                          dynamic_sampling=self.dynamic_sampling,
+                          task=Task(symbols=default.task.symbols, length=default.task.length, kind=self.task,
+                                    tool_at=self.tool_at))
 
     @property
     def inject_at(self) -> int:
@@ -73,6 +82,20 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("healthy-reverse", "no fault, on a task with one right answer (reverse the symbols) that the "
                  "policy learns: groups converge to identical correct completions, mostly all-correct", (), "",
                  _set(), seed=0, task="reverse"),
+        Scenario("healthy-tool", "no fault, on a multi-turn task: after two answer tokens the model calls a tool "
+                 "and the environment writes its 2-token reply into the completion, off the loss mask", (), "",
+                 _set(), seed=0, tool_at=TOOL_AT),
+        Scenario("loss-on-tool-tokens", "multi-turn: the loss mask keeps the tool's reply (the model is trained on "
+                 "text it never sampled, verl #4412)", ("GRPOLossOnToolTokens",), "1-gradient",
+                 _set(loss_on_tool_tokens=True), seed=0, tool_at=TOOL_AT),
+        Scenario("length-counts-tool-tokens", "multi-turn: the completion lengths handed on count the tool's reply "
+                 "(a span, not the model's tokens: OpenRLHF #1252)", ("GRPOCompletionLengthCountsToolTokens",),
+                 "2-reward", _set(length_counts_tool_tokens=True), seed=0, tool_at=TOOL_AT),
+        Scenario("pool-shrinks", "a dynamic-sampling (DAPO) loop whose sampler gets stuck on 4 prompts (a data "
+                 "loader on one small shard): the policy masters them, and filling the batch with groups of both "
+                 "outcomes takes ever more generation while the batch looks full",
+                 ("GRPODynamicSamplingPoolShrinking",), "3-samples", _set(prompt_pool=POOL_STUCK),
+                 needs_history=True, dynamic_sampling=True),
         Scenario("engine-top-p", "from the first step the engine samples from the top-p 0.8 nucleus and reports "
                  "log-probs renormalised over it (higher on every token: the signed gap equals the mean gap)",
                  ("GRPOEngineLogprobGapCritical",), "1-gradient", _set(engine_top_p=0.8), inject_step=0),

@@ -9,7 +9,12 @@ length depends on the prompt (1 to ``length`` symbols). ``conflict``: two rules 
 reversed on half of the prompts and any order *but* reversed on the other half, the halves chosen by a hash of
 the prompt: sharpening onto the majority habit loses the samples that solved the rest, so pass@G falls while
 pass@1 rises (the seed's collapse, 第 2 篇 (diversity monitoring) ③, without any fault). :meth:`Task.partial` scores
-partial credit, for runs whose reward has several components (tests/worlds.py)."""
+partial credit, for runs whose reward has several components (tests/worlds.py).
+
+Any kind can be multi-turn (``tool_at``): after the model's ``tool_at``-th answer token it calls a tool, and the
+environment writes :data:`TOOL_LENGTH` tokens into the completion (a separator, then the prompt's first symbol:
+a lookup's answer) before the model's next turn. Those tokens are context, not the model's: they are off the
+loss mask, not counted in the completion's length, and not scored (:meth:`Task.model_part`)."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from torch import Tensor
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_SYMBOL = 4
+TOOL_LENGTH = 2  # the environment's reply in a multi-turn completion: SEP, then the prompt's first symbol
 
 
 TASKS = ("permute", "reverse", "distinct", "conflict")
@@ -37,6 +43,7 @@ class Task:
     symbols: int = 6
     length: int = 4
     kind: str = "permute"  # one of TASKS
+    tool_at: int = 0  # > 0: a tool call after the model's tool_at-th answer token (a multi-turn completion)
 
     @property
     def vocab(self) -> int:
@@ -49,6 +56,26 @@ class Task:
     @property
     def answer_length(self) -> int:
         return self.length + 1  # the symbols, EOS
+
+    def tool_span(self, prompts: Tensor) -> Tensor:
+        """(count, TOOL_LENGTH): what the environment writes into each completion at ``tool_at``."""
+        return torch.stack([torch.full((prompts.shape[0],), SEP), prompts[:, 1]], dim=1)
+
+    def with_tool(self, prompts: Tensor, answers: Tensor) -> Tensor:
+        """Reference completions as the model meets them: the tool's reply inserted after ``tool_at`` tokens
+        (the answers of this task are all longer than that)."""
+        if not self.tool_at:
+            return answers
+        return torch.cat([answers[:, : self.tool_at], self.tool_span(prompts), answers[:, self.tool_at :]], dim=1)
+
+    def model_part(self, completions: Tensor, lengths: Tensor, tool_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The model's own tokens of multi-turn completions and their count: the tool's reply removed (it sits at
+        columns ``tool_at``.. in every completion that reached them; one that ended before has PAD there)."""
+        if tool_mask is None:
+            return completions, lengths
+        end = self.tool_at + TOOL_LENGTH
+        kept = torch.cat([completions[:, : self.tool_at], completions[:, end:]], dim=1)
+        return kept, lengths - tool_mask.sum(dim=1)
 
     def prompts(self, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
         """(count, prompt_length) token ids and a stable id per prompt (the symbols in base ``symbols``)."""

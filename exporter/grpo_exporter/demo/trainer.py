@@ -17,7 +17,7 @@ from torch import Tensor
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.engine import Rollout, RolloutEngine
 from grpo_exporter.demo.model import TinyLM
-from grpo_exporter.demo.task import FIRST_SYMBOL, PAD, Task
+from grpo_exporter.demo.task import FIRST_SYMBOL, PAD, TOOL_LENGTH, Task
 
 HACK_WEIGHT = 2.0  # reward-hack: the quirk pays twice a correct answer
 
@@ -39,6 +39,13 @@ class Faults:
     max_new: int | None = None
     verifier_broken: bool = False
     old_logprob_temperature: float = 1.0  # != 1: a second probability path, the old log-probs' pass scales logits
+    # multi-turn tasks (Task.tool_at): the loss mask keeps the tool's reply (verl #4412, slime #1370); the length
+    # handed on is the completion's span, the tool's tokens counted (OpenRLHF #1252)
+    loss_on_tool_tokens: bool = False
+    length_counts_tool_tokens: bool = False
+    # > 0: the sampler draws every prompt from this many fixed ones (a data loader stuck on one small shard):
+    # the policy masters them, and a dynamic-sampling loop generates ever more to fill its batch
+    prompt_pool: int = 0
 
 
 @dataclass
@@ -65,6 +72,11 @@ class DemoConfig:
     # always run in ``micro_batches`` chunks. 1 recomputes each sequence alone, another layout than the update's
     old_logprob_rows: int | None = None
     task: Task = field(default_factory=lambda: Task(symbols=8, length=5))
+    # DAPO's dynamic sampling (seed 第 4 篇 4.1-4.3): generation rounds of prompts_per_step prompts until as many
+    # groups with both outcomes are kept (at most dynamic_sampling_rounds; the batch is then topped up with
+    # filtered groups), the filter's counts handed to the monitor
+    dynamic_sampling: bool = False
+    dynamic_sampling_rounds: int = 4
 
 
 @dataclass
@@ -91,6 +103,8 @@ class Trainer:
         self.faults = Faults()
         self._reused: Rollout | None = None
         self._reused_old: Tensor | None = None
+        self._pool: tuple[Tensor, Tensor] | None = None  # the prompt_pool fault's fixed prompts
+        self._filter: dict[str, int] = {}  # the last dynamic-sampling batch's counts
 
     # ---- the brief supervised warm start: mixed groups from the first RL step ----
     def warm_start(self) -> float:
@@ -102,10 +116,13 @@ class Trainer:
         accuracy = 0.0
         for i in range(c.warmup_steps):
             prompts, _ = self.task.prompts(64, self.generator)
-            sequence = torch.cat([prompts, self.task.answers(prompts, self.generator)], dim=1)
+            answers = self.task.with_tool(prompts, self.task.answers(prompts, self.generator))
+            sequence = torch.cat([prompts, answers], dim=1)
             logits = self.policy(sequence[:, :-1])[:, self.task.prompt_length - 1 :]
             targets = sequence[:, self.task.prompt_length :].masked_fill(sequence[:, self.task.prompt_length :] == PAD,
                                                                            -100)  # nothing to learn after EOS
+            if self.task.tool_at:  # nor from the tool's reply: the environment writes it
+                targets[:, self.task.tool_at : self.task.tool_at + TOOL_LENGTH] = -100
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                                      ignore_index=-100)
             opt.zero_grad()
@@ -136,8 +153,17 @@ class Trainer:
         """Share of correct samples (temperature 1) from the current policy."""
         self.engine.sync(self.policy, self.version)
         p, ids = self.task.prompts(prompts, self.generator)
-        r = self.engine.generate(p, ids, 2, self.config.max_new, self.generator)
-        return float(self.task.score(r.prompts, r.completions, r.lengths).float().mean())
+        return float(self._score(self._generate(p, ids, 2, self.config.max_new)).float().mean())
+
+    def _generate(self, prompts: Tensor, ids: Tensor, group_size: int, max_new: int) -> Rollout:
+        """The engine's rollouts of ``prompts``, the tool's replies written in on a multi-turn task."""
+        tool = self.task.tool_span(prompts) if self.task.tool_at else None
+        return self.engine.generate(prompts, ids, group_size, max_new, self.generator, tool, self.task.tool_at)
+
+    def _score(self, rollout: Rollout) -> Tensor:
+        """Correct, judged on the model's own tokens (the tool's reply removed)."""
+        completions, lengths = self.task.model_part(rollout.completions, rollout.lengths, rollout.tool_mask)
+        return self.task.score(rollout.prompts, completions, lengths)
 
     # ---- one GRPO step ----
     def step(self, step: int) -> StepReport:
@@ -146,7 +172,11 @@ class Trainer:
         correct, rewards, components = self._rewards(rollout)
         t = rollout.completions.shape[1]
         positions = torch.arange(t).unsqueeze(0) < rollout.lengths.unsqueeze(1)
-        loss_mask = torch.ones_like(positions) if f.mask_covers_padding else positions
+        tool = rollout.tool_mask
+        model_positions = positions if tool is None else positions & ~tool  # the model's own tokens
+        loss_mask = (torch.ones_like(positions) if f.mask_covers_padding
+                     else positions if f.loss_on_tool_tokens else model_positions)
+        lengths = rollout.lengths if tool is None or f.length_counts_tool_tokens else model_positions.sum(dim=1)
         if f.reuse_rollouts and self._reused_old is not None:
             old_logprobs = self._reused_old  # the behaviour policy's, kept from when the batch was generated
         else:
@@ -157,16 +187,19 @@ class Trainer:
 
         self.monitor.observe_rollout(
             step, rewards=rewards, correct=correct, truncated=rollout.truncated, reward_components=components,
-            rollout_logprobs=rollout.rollout_logprobs, old_logprobs=old_logprobs, loss_mask=positions,
-            completion_lengths=rollout.lengths, completion_ids=rollout.completions, prompt_ids=rollout.prompt_ids,
-            prompt_tokens=rollout.prompts,
+            rollout_logprobs=rollout.rollout_logprobs, old_logprobs=old_logprobs, loss_mask=model_positions,
+            completion_lengths=lengths, completion_ids=rollout.completions, prompt_ids=rollout.prompt_ids,
+            prompt_tokens=rollout.prompts, tool_mask=tool,
+            generated_groups=self._filter.get("generated_groups"),
+            filtered_all_correct_groups=self._filter.get("filtered_all_correct_groups"),
+            filtered_all_incorrect_groups=self._filter.get("filtered_all_incorrect_groups"),
         )
 
         size = rewards.shape[0] // c.micro_batches
         self.optimizer.zero_grad()
         for i in range(c.micro_batches):
             rows = slice(i * size, (i + 1) * size)
-            self._micro_batch(step, rollout, rows, old_logprobs, loss_mask, advantages, rewards)
+            self._micro_batch(step, rollout, rows, old_logprobs, loss_mask, advantages, rewards, lengths)
         pre_clip = self.monitor.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)
         skipped = not bool(torch.isfinite(pre_clip))  # a real trainer skips a non-finite step
         if skipped:
@@ -182,7 +215,7 @@ class Trainer:
     def _rewards(self, rollout: Rollout) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(correct, total reward, components) of the rollout, with the reward faults switched on."""
         c, f = self.config, self.faults
-        correct = self.task.score(rollout.prompts, rollout.completions, rollout.lengths)
+        correct = self._score(rollout)
         if f.verifier_broken:
             correct = torch.zeros_like(correct)
         if f.reward_hack:
@@ -195,13 +228,14 @@ class Trainer:
             rewards = correct.float() + c.format_weight * fmt
         components = {"correctness": correct.float(), "format": fmt}
         if c.partial_weight:
-            partial = self.task.partial(rollout.prompts, rollout.completions, rollout.lengths)
+            partial = self.task.partial(rollout.prompts, *self.task.model_part(rollout.completions, rollout.lengths,
+                                                                               rollout.tool_mask))
             rewards = rewards + c.partial_weight * partial
             components["partial"] = partial
         return correct, rewards, components
 
     def _micro_batch(self, step: int, rollout: Rollout, rows: slice, old_logprobs: Tensor, loss_mask: Tensor,
-                     advantages: Tensor, rewards: Tensor) -> None:
+                     advantages: Tensor, rewards: Tensor, lengths: Tensor) -> None:
         """One micro-batch's clipped surrogate loss, backpropagated (scaled for the accumulation unless the
         fault leaves it undivided), and its tensors handed to the monitor."""
         c, f = self.config, self.faults
@@ -227,8 +261,8 @@ class Trainer:
             step, logprobs=logprobs.detach(), old_logprobs=old, advantages=advantages[rows], loss_mask=mask,
             entropy=entropy.detach(), on_policy=rollout.policy_version == self.version,
             policy_version=self.version, rollout_policy_version=rollout.policy_version,
-            rewards=rewards[rows], completion_lengths=rollout.lengths[rows],
-            completion_ids=rollout.completions[rows],
+            rewards=rewards[rows], completion_lengths=lengths[rows], completion_ids=rollout.completions[rows],
+            tool_mask=None if rollout.tool_mask is None else rollout.tool_mask[rows],
         )
 
     def _rollout(self) -> Rollout:
@@ -237,10 +271,50 @@ class Trainer:
             return self._reused
         e = self.engine
         e.frozen, e.top_p, e.temperature = f.engine_frozen, f.engine_top_p, f.engine_temperature
-        prompts, ids = self.task.prompts(c.prompts_per_step, self.generator)
-        rollout = self.engine.generate(prompts, ids, c.group_size, f.max_new or c.max_new, self.generator)
+        if c.dynamic_sampling:
+            rollout = self._filled()
+        else:
+            prompts, ids = self._prompts(c.prompts_per_step)
+            rollout = self._generate(prompts, ids, c.group_size, f.max_new or c.max_new)
         self._reused = rollout if f.reuse_rollouts else None
         return rollout
+
+    def _prompts(self, count: int) -> tuple[Tensor, Tensor]:
+        """The step's prompts and ids: fresh from the task, or from the prompt_pool fault's fixed few."""
+        pool = self.faults.prompt_pool
+        if not pool:
+            return self.task.prompts(count, self.generator)
+        if self._pool is None or self._pool[0].shape[0] != pool:
+            self._pool = self.task.prompts(pool, self.generator)
+        pick = torch.randint(0, pool, (count,), generator=self.generator)
+        return self._pool[0][pick], self._pool[1][pick]
+
+    def _filled(self) -> Rollout:
+        """A dynamic-sampling batch: generation rounds until prompts_per_step groups with both outcomes are kept
+        (at most dynamic_sampling_rounds; then topped up with the last round's filtered groups), and the
+        filter's counts in ``_filter`` for the rollout's observation."""
+        c, g = self.config, self.config.group_size
+        counts = {"generated_groups": 0, "filtered_all_correct_groups": 0, "filtered_all_incorrect_groups": 0}
+        parts: list[tuple[Rollout, Tensor]] = []
+        kept = 0
+        for _ in range(c.dynamic_sampling_rounds):
+            prompts, ids = self._prompts(c.prompts_per_step)
+            rollout = self._generate(prompts, ids, g, self.faults.max_new or c.max_new)
+            hits = self._rewards(rollout)[0].view(-1, g).sum(dim=1)
+            counts["generated_groups"] += len(hits)
+            counts["filtered_all_correct_groups"] += int((hits == g).sum())
+            counts["filtered_all_incorrect_groups"] += int((hits == 0).sum())
+            mixed = ((hits > 0) & (hits < g)).nonzero().squeeze(1)
+            parts.append((rollout, mixed[: c.prompts_per_step - kept]))
+            kept += len(parts[-1][1])
+            if kept == c.prompts_per_step:
+                break
+        if kept < c.prompts_per_step:  # the pool cannot fill the batch: the last round's filtered groups
+            last, chosen = parts[-1]
+            rest = torch.tensor([i for i in range(c.prompts_per_step) if i not in set(chosen.tolist())])
+            parts[-1] = (last, torch.cat([chosen, rest[: c.prompts_per_step - kept]]))
+        self._filter = counts
+        return _concat([_groups(r, chosen, g) for r, chosen in parts])
 
     def _old_logprobs(self, rollout: Rollout) -> Tensor:
         """The behaviour policy's log-probs, recomputed by the trainer in ``old_logprob_rows`` rows a pass."""
@@ -275,6 +349,23 @@ class Trainer:
         else:
             std = grouped.std(dim=1, keepdim=True)
         return ((grouped - mean) / (std + 1e-4)).flatten()
+
+
+def _groups(rollout: Rollout, groups: Tensor, group_size: int) -> Rollout:
+    """The rows of ``groups`` (group indices) of a rollout."""
+    rows = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).flatten()
+    return Rollout(rollout.prompts[rows], rollout.prompt_ids[rows], rollout.completions[rows], rollout.lengths[rows],
+                   rollout.rollout_logprobs[rows], rollout.truncated[rows], rollout.policy_version,
+                   None if rollout.tool_mask is None else rollout.tool_mask[rows])
+
+
+def _concat(parts: list[Rollout]) -> Rollout:
+    """Rollouts of one policy version, one after the other."""
+    tool = [p.tool_mask for p in parts if p.tool_mask is not None]
+    return Rollout(torch.cat([p.prompts for p in parts]), torch.cat([p.prompt_ids for p in parts]),
+                   torch.cat([p.completions for p in parts]), torch.cat([p.lengths for p in parts]),
+                   torch.cat([p.rollout_logprobs for p in parts]), torch.cat([p.truncated for p in parts]),
+                   parts[0].policy_version, torch.cat(tool) if tool else None)
 
 
 def warm_snapshot(config: DemoConfig) -> dict[str, object]:

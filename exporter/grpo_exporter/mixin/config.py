@@ -53,6 +53,12 @@ class MixinConfig(StopLines, EventLines):
         "(entropy and pass@G for GRPOEntropyCollapse's slow leg, pass@1 for GRPODiversityCollapse). One "
         "batch's pass@G of 16 groups is a share with a standard error of ~0.08; twenty steps bring it to ~0.02.",
     )
+    collapse_window_steps: int = Field(
+        10, ge=1, description="steps GRPOPolicyCollapseOnset averages pass@G and pass@1 over (at least "
+        "`rate_window_s`) before it compares them with the level they held: half the trend window, whose lag "
+        "(half its span, 100 min at 10-min steps) would spend most of a collapse's first half, and twice the rate "
+        "window, whose 5 steps of 16 groups are too few to tell a fall of 0.1 from noise",
+    )
     rate_window_s: int = Field(
         300, ge=1, description="the shortest rate window whatever the cadence: ten 30-s scrapes, so fast steps "
         "still average over several scrapes."
@@ -190,9 +196,33 @@ class MixinConfig(StopLines, EventLines):
         "(with pass@G below its trailing baseline), or below this x the run's anchor (with pass@G below the "
         "best the run has shown by `peak_drop_margin`): a sharp drop, or a slow one over hours"
     )
+    entropy_alarm_factor: float = Field(
+        0.85, gt=0, lt=1, description="GRPOPolicyCollapseOnset: windowed entropy below this x the run's "
+        "early window is the alarm (the seed: mean entropy is only an alarm line, and it falls in any run that "
+        "learns); it pages only while pass@G also falls below the level it held (the run's early window, or its "
+        "trailing baseline where that is higher), by more than "
+        "`collapse_standard_errors` of its sampling error and than `pass_drop_margin`, and falls towards pass@1 "
+        "(the spread pass@G - pass@1 narrows by `pass_drop_margin`): the seed's collapse, pass@k falling while "
+        "pass@1 holds"
+    )
+    collapse_standard_errors: float = Field(
+        2.5, gt=0, description="GRPOPolicyCollapseOnset: how many standard errors of the difference "
+        "between pass@G's windowed mean and the level it held (sqrt(p(1-p)(1/groups + 1/groups)), the groups "
+        "each holds) the fall must exceed. More than two: the window is judged afresh at every evaluation. At 10-min "
+        "steps and 16 groups a step, 3 paged a collapse over 8 h (half-way at 4 h) at 7.8 h on its slowest seed of "
+        "8 and 2.5 at 7.3 h, the other seeds within 2.4-3.2 h"
+    )
+    collapse_min_groups: int = Field(
+        100, ge=1, description="GRPOPolicyCollapseOnset: judged only when the collapse window holds this many "
+        "groups (the seed: dozens of prompts are an alarm, not a ruler). Below it a pass@G near 1 moves by whole "
+        "groups, far from the normal approximation its standard error assumes: at 4 groups a step, 4 failed "
+        "groups of 40 read as a fall of 0.08 from 0.98"
+    )
     pass_drop_margin: float = Field(
         0.05, ge=0, lt=1, description="GRPOEntropyCollapse, fast leg: windowed pass@G this far below its trailing "
-        "baseline is falling; a solved task's pass@G of ~1 dips by one failed group without falling"
+        "baseline is falling; a solved task's pass@G of ~1 dips by one failed group without falling. "
+        "GRPOPolicyCollapseOnset's floor too: pass@G this far below the level it held, and the spread "
+        "pass@G - pass@1 this much narrower"
     )
     peak_drop_margin: float = Field(
         0.1, ge=0, lt=1, description="GRPOEntropyCollapse, slow leg: pass@G over 20 steps this far below the best "

@@ -35,8 +35,10 @@ class Alert:
         windowed mean for exactly one window, so it can never page alone), it is judged only when the window
         holds several steps (rules generated for a shorter step than the run's go silent instead of paging on
         one batch; GRPOStepCadenceSlowerThanConfigured says why), and it resolves only after a trend window
-        without its condition (a slow signal crossing its line through noise fires once, not per flicker)."""
-        steps = c.window_steps + 1 if self.trend else self.for_steps
+        without its condition (a slow signal crossing its line through noise fires once, not per flicker). A
+        trend alert over a longer window than the rate window may set ``for_steps`` shorter: one batch moves a
+        mean over N steps by 1/N of its deviation."""
+        steps = (self.for_steps or c.window_steps + 1) if self.trend else self.for_steps
         for_s = c.for_seconds.get(self.name, c.steps_s(steps, self.for_s))
         expr = self.expr
         if self.trend:
@@ -113,6 +115,16 @@ def peak_sampling_error() -> str:
     p = "((run:grpo_pass_at_group_size:trend_mean + on(job, run) run:grpo_pass_at_group_size:peak) / 2)"
     return (f"(sqrt(2 * {p} * (1 - {p}) / on(job, run) clamp_min(run:grpo_groups:trend_increase, 1)) "
             "or on(job, run) 0 * run:grpo_pass_at_group_size:trend_mean)")
+
+
+def early_window_sampling_error(window: str, reference: str = "run:grpo_pass_at_group_size:anchor") -> str:
+    """The standard error of the difference between pass@G's mean over the ``window`` (``window`` or ``trend``)
+    and the run's early window (its anchor: as many groups as a trend window holds), or another ``reference``
+    of at least that many groups: sqrt(p(1-p) (1/groups + 1/groups_anchor)), p their mean."""
+    mean = f"run:grpo_pass_at_group_size:{window}_mean"
+    p = f"(({mean} + on(job, run) {reference}) / 2)"
+    return (f"(sqrt({p} * (1 - {p}) * on(job, run) (1 / clamp_min(run:grpo_groups:{window}_increase, 1) + on(job, run) "
+            f"1 / clamp_min(run:grpo_groups:trend_increase, 1))) or on(job, run) 0 * {mean})")
 
 
 def anchor_sampling_error() -> str:

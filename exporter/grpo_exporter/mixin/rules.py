@@ -89,6 +89,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_groups:window_increase", "expr": increase(c, "grpo_groups_total")},
         {"record": "run:grpo_groups:trend_increase",
          "expr": increase(c, "grpo_groups_total", steps=c.trend_window_steps)},
+        {"record": "run:grpo_groups:collapse_increase",
+         "expr": increase(c, "grpo_groups_total", steps=c.collapse_window_steps)},
         {"record": "run:grpo_steps:window_increase", "expr": increase(c, "grpo_steps_total")},
         {"record": "run:grpo_noise_advantage_groups:trend_mean",
          "expr": windowed_mean(c, "grpo_noise_advantage_groups_ratio", steps=c.trend_window_steps)},
@@ -156,6 +158,11 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
          "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.window(c.trend_window_steps)}]))"},
         {"record": "run:grpo_pass_at_group_size:long_mean",
          "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.baseline_window}]))"},
+        # the collapse window: GRPOPolicyCollapseOnset reads pass@G and pass@1 over it
+        {"record": "run:grpo_pass_at_group_size:collapse_mean",
+         "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.window(c.collapse_window_steps)}]))"},
+        {"record": "run:grpo_pass_at_1:collapse_mean",
+         "expr": windowed_mean(c, "grpo_pass_at_k_ratio", steps=c.collapse_window_steps, k="1")},
         {"record": "run:grpo_pass_at_1:trend_mean",
          "expr": windowed_mean(c, "grpo_pass_at_k_ratio", steps=c.trend_window_steps, k="1")},
         # the trend mean once its window holds its steps: the run's best (peak) is taken over these only, never

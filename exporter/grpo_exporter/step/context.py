@@ -104,14 +104,20 @@ class Context:
 
     @functools.cached_property
     def positions(self) -> Tensor | None:
-        """(N, T) completion positions: ``completion_mask``, else t < ``completion_lengths`` (built once)."""
+        """(N, T) completion positions: ``completion_mask``, else t < ``completion_lengths`` (built once). With a
+        ``tool_mask`` the lengths are the model's tokens and the completion spans them and the tool's replies:
+        t < lengths + the row's tool tokens (a length that already counts them, which the audit names, then
+        reaches that many positions past the end)."""
         x = self.x
         if x.completion_mask is not None:
             return x.completion_mask
         width = next((t.shape[1] for t in (x.loss_mask, x.completion_ids) if t is not None), None)
         if x.completion_lengths is None or width is None:
             return None
-        return gradient.completion_positions(x.completion_lengths, width)
+        lengths = x.completion_lengths
+        if x.tool_mask is not None:
+            lengths = lengths + count(x.tool_mask, dim=1)
+        return gradient.completion_positions(lengths, width)
 
     @functools.cached_property
     def groups(self) -> Groups | None:

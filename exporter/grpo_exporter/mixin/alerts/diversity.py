@@ -8,6 +8,7 @@ from grpo_exporter.mixin.promql import (
     BY,
     Alert,
     anchor_sampling_error,
+    early_window_sampling_error,
     peak_sampling_error,
     sampling_error,
     template_query,
@@ -38,6 +39,24 @@ def alerts(c: MixinConfig) -> list[Alert]:
         f"on(job, run) clamp_min(2 * {anchor_sampling_error()}, {c.peak_drop_margin:g}))"
     )
     pass_g_falls = f"{pass_g_sharp} or on(job, run) {pass_g_slow} or on(job, run) {pass_g_long}"
+    # the seed's signature early (第 2 篇 ③: pass@1 holds or rises while pass@k falls; entropy only the alarm):
+    # pass@G over the collapse window below the level it held by more than their sampling error, and the spread
+    # pass@G - pass@1 narrower than early (pass@G falls towards pass@1, not with it), while entropy is below
+    # its alarm line. A collapse over 8 h pages within its first half; a task being learned (pass@G holds or
+    # rises, pass@1 rises) and a run that gets worse at everything (pass@1 falls as far) do not. The level:
+    # the early window, or the trailing baseline where the run has learned since (a collapse after hours of
+    # learning falls from there, and may stay above where the run began)
+    level = ("(run:grpo_pass_at_group_size:baseline_median > on(job, run) run:grpo_pass_at_group_size:anchor or "
+             "on(job, run) run:grpo_pass_at_group_size:anchor)")
+    onset = (
+        f"run:grpo_entropy_mean_nats:window_mean < on(job, run) ({c.entropy_alarm_factor:g} * "
+        f"run:grpo_entropy_mean_nats:anchor) and on(job, run) run:grpo_pass_at_group_size:collapse_mean < on(job, run) "
+        f"({level} - on(job, run) "
+        f"clamp_min({c.collapse_standard_errors:g} * {early_window_sampling_error('collapse', level)}, {c.pass_drop_margin:g})) "
+        "and on(job, run) (run:grpo_pass_at_group_size:collapse_mean - on(job, run) run:grpo_pass_at_1:collapse_mean) "
+        "< on(job, run) (run:grpo_pass_at_group_size:anchor - on(job, run) run:grpo_pass_at_1:anchor - "
+        f"{c.pass_drop_margin:g}) and on(job, run) run:grpo_groups:collapse_increase >= {c.collapse_min_groups}"
+    )
     return [
         Alert(
             "GRPOEntropyCollapse", Layer.DIVERSITY, "entropy", "warning",
@@ -57,6 +76,21 @@ def alerts(c: MixinConfig) -> list[Alert]:
             + template_query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + " lately and "
             + template_query("max(run:grpo_pass_at_group_size:peak{run=%q})") + " at its best.",
             trend=True,
+        ),
+        Alert(
+            "GRPOPolicyCollapseOnset", Layer.DIVERSITY, "collapse", "warning", onset, 900,
+            "pass@G falls towards pass@1 while entropy falls: the seed's policy collapse, in its first half.",
+            "Run {{ $labels.run }}: mean token entropy " + template_value() + " nats over " + w + " (its early "
+            "window " + template_query("max(run:grpo_entropy_mean_nats:anchor{run=%q})") + f"; alarm line "
+            f"{c.entropy_alarm_factor:g}x) while pass@G over {c.window(c.collapse_window_steps)} is "
+            + template_query("max(run:grpo_pass_at_group_size:collapse_mean{run=%q})") + " against "
+            + template_query("max(run:grpo_pass_at_group_size:anchor{run=%q})") + " early (trailing baseline "
+            + template_query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + "), and pass@1 "
+            + template_query("max(run:grpo_pass_at_1:collapse_mean{run=%q})") + " against "
+            + template_query("max(run:grpo_pass_at_1:anchor{run=%q})") + ": fewer prompts keep a solution among "
+            "their samples while the best path holds. Read the groups' diversity (distinct completions, edit "
+            "distance) and the zero-variance share before the collapse reaches them.",
+            for_steps=2, trend=True,
         ),
         Alert(
             "GRPODiversityCollapse", Layer.DIVERSITY, "diversity", "warning",
