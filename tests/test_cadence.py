@@ -155,7 +155,7 @@ def cases(cadence_s: float) -> dict[str, Case]:
 def a_day_at_ten_minutes(step: int, hours: float) -> Knobs:
     """One run of 24 h at 10-minute steps with every fault of the replay acceptance in turn: a one-step grad
     spike at 4 h, a clip storm 5-7 h, stale rollouts 9-11 h, one noisy batch at 13 h, then from 14 h a slow
-    collapse (over 8 h entropy x 1.0 -> 0.25 and each group comes to repeat one answer: pass@G falls from its
+    collapse (over 8 h entropy x 1.0 -> 0.25 and the groups one by one come to repeat one answer: pass@G falls from its
     best while pass@1 holds); a normal end at 23.5 h."""
     k = near_clip(step, hours)
     if round(hours * 6) == 24:

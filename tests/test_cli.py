@@ -32,7 +32,7 @@ def test_demo_lists_the_scenarios_and_refuses_a_bad_one(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["demo", "--help"])
     assert exit_.value.code == 0
-    assert "one of: healthy, healthy-reverse, engine-top-p," in " ".join(capsys.readouterr().out.split())
+    assert "one of: healthy, healthy-reverse, healthy-tool," in " ".join(capsys.readouterr().out.split())
     with pytest.raises(SystemExit) as exit_:
         main(["demo", "--scenario", "mask_bug", "--no-stack"])
     assert exit_.value.code == 2

@@ -218,7 +218,7 @@ def test_the_dynamic_sampling_loop_keeps_mixed_groups_and_counts_what_it_filtere
         trainer = Trainer(cfg, mon)
         trainer.restore(warm(cfg.seed))
         for step in range(4):
-            rollout = trainer._filled()
+            rollout = trainer._rollout()
             hits = trainer._rewards(rollout)[0].view(-1, cfg.group_size).sum(dim=1)
             assert rollout.completions.shape[0] == cfg.prompts_per_step * cfg.group_size
             counts = trainer._filter

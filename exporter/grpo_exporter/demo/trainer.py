@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter import GRPOMonitor
+from grpo_exporter.demo import dynamic_sampling
 from grpo_exporter.demo.engine import Rollout, RolloutEngine
 from grpo_exporter.demo.model import TinyLM
 from grpo_exporter.demo.task import FIRST_SYMBOL, PAD, TOOL_LENGTH, Task
@@ -104,7 +105,7 @@ class Trainer:
         self._reused: Rollout | None = None
         self._reused_old: Tensor | None = None
         self._pool: tuple[Tensor, Tensor] | None = None  # the prompt_pool fault's fixed prompts
-        self._filter: dict[str, int] = {}  # the last dynamic-sampling batch's counts
+        self._filter: dict[str, int] = {}  # the last dynamic-sampling batch's counts (dynamic_sampling.fill)
 
     # ---- the brief supervised warm start: mixed groups from the first RL step ----
     def warm_start(self) -> float:
@@ -272,7 +273,10 @@ class Trainer:
         e = self.engine
         e.frozen, e.top_p, e.temperature = f.engine_frozen, f.engine_top_p, f.engine_temperature
         if c.dynamic_sampling:
-            rollout = self._filled()
+            rollout, self._filter = dynamic_sampling.fill(
+                lambda: self._generate(*self._prompts(c.prompts_per_step), c.group_size, f.max_new or c.max_new),
+                lambda rollout: self._rewards(rollout)[0], c.prompts_per_step, c.group_size,
+                c.dynamic_sampling_rounds)
         else:
             prompts, ids = self._prompts(c.prompts_per_step)
             rollout = self._generate(prompts, ids, c.group_size, f.max_new or c.max_new)
@@ -288,33 +292,6 @@ class Trainer:
             self._pool = self.task.prompts(pool, self.generator)
         pick = torch.randint(0, pool, (count,), generator=self.generator)
         return self._pool[0][pick], self._pool[1][pick]
-
-    def _filled(self) -> Rollout:
-        """A dynamic-sampling batch: generation rounds until prompts_per_step groups with both outcomes are kept
-        (at most dynamic_sampling_rounds; then topped up with the last round's filtered groups), and the
-        filter's counts in ``_filter`` for the rollout's observation."""
-        c, g = self.config, self.config.group_size
-        counts = {"generated_groups": 0, "filtered_all_correct_groups": 0, "filtered_all_incorrect_groups": 0}
-        parts: list[tuple[Rollout, Tensor]] = []
-        kept = 0
-        for _ in range(c.dynamic_sampling_rounds):
-            prompts, ids = self._prompts(c.prompts_per_step)
-            rollout = self._generate(prompts, ids, g, self.faults.max_new or c.max_new)
-            hits = self._rewards(rollout)[0].view(-1, g).sum(dim=1)
-            counts["generated_groups"] += len(hits)
-            counts["filtered_all_correct_groups"] += int((hits == g).sum())
-            counts["filtered_all_incorrect_groups"] += int((hits == 0).sum())
-            mixed = ((hits > 0) & (hits < g)).nonzero().squeeze(1)
-            parts.append((rollout, mixed[: c.prompts_per_step - kept]))
-            kept += len(parts[-1][1])
-            if kept == c.prompts_per_step:
-                break
-        if kept < c.prompts_per_step:  # the pool cannot fill the batch: the last round's filtered groups
-            last, chosen = parts[-1]
-            rest = torch.tensor([i for i in range(c.prompts_per_step) if i not in set(chosen.tolist())])
-            parts[-1] = (last, torch.cat([chosen, rest[: c.prompts_per_step - kept]]))
-        self._filter = counts
-        return _concat([_groups(r, chosen, g) for r, chosen in parts])
 
     def _old_logprobs(self, rollout: Rollout) -> Tensor:
         """The behaviour policy's log-probs, recomputed by the trainer in ``old_logprob_rows`` rows a pass."""
@@ -349,23 +326,6 @@ class Trainer:
         else:
             std = grouped.std(dim=1, keepdim=True)
         return ((grouped - mean) / (std + 1e-4)).flatten()
-
-
-def _groups(rollout: Rollout, groups: Tensor, group_size: int) -> Rollout:
-    """The rows of ``groups`` (group indices) of a rollout."""
-    rows = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).flatten()
-    return Rollout(rollout.prompts[rows], rollout.prompt_ids[rows], rollout.completions[rows], rollout.lengths[rows],
-                   rollout.rollout_logprobs[rows], rollout.truncated[rows], rollout.policy_version,
-                   None if rollout.tool_mask is None else rollout.tool_mask[rows])
-
-
-def _concat(parts: list[Rollout]) -> Rollout:
-    """Rollouts of one policy version, one after the other."""
-    tool = [p.tool_mask for p in parts if p.tool_mask is not None]
-    return Rollout(torch.cat([p.prompts for p in parts]), torch.cat([p.prompt_ids for p in parts]),
-                   torch.cat([p.completions for p in parts]), torch.cat([p.lengths for p in parts]),
-                   torch.cat([p.rollout_logprobs for p in parts]), torch.cat([p.truncated for p in parts]),
-                   parts[0].policy_version, torch.cat(tool) if tool else None)
 
 
 def warm_snapshot(config: DemoConfig) -> dict[str, object]:
