@@ -21,3 +21,4 @@ generate: setup
 	.venv/bin/grpo-exporter rules
 	.venv/bin/grpo-exporter dashboards
 	.venv/bin/grpo-exporter kubernetes
+	.venv/bin/grpo-exporter reference

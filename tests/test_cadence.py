@@ -103,7 +103,7 @@ def cases(cadence_s: float) -> dict[str, Case]:
     """The scenarios at one cadence."""
     u = phase_hours(cadence_s)
     steps = cadence_s / 3600  # hours per step
-    notice = ("GRPOEngineLogprobGapAboveSeedLine", 0.0, 25 * steps + 0.2)  # after the 20 rollouts of the clean gap
+    notice = ("GRPOEngineLogprobGapCleanLevelHigh", 0.0, 25 * steps + 0.2)  # after the 20 rollouts of the clean gap
     short = max(1.0, 32 * steps)
     decline_onset = 3 + 8 * (2 / 3)  # entropy crosses 0.5x its early window (1.0) at 0.5
     found = {

@@ -44,10 +44,17 @@ def test_kubernetes_manifests_are_generated_and_carry_the_rules_unchanged():
     for name, text in manifest_files(c, dashboard_files(c)).items():
         assert (DEPLOY / "kubernetes" / name).read_text() == text, f"{name} drifted: run `grpo-exporter kubernetes`"
     docs = {p.name: yaml.safe_load(p.read_text()) for p in (DEPLOY / "kubernetes").glob("*.yaml")}
-    assert {d["kind"] for d in docs.values()} == {"PrometheusRule", "ConfigMap", "Service", "PodMonitor"}
+    assert {d["kind"] for d in docs.values()} == {"Namespace", "PrometheusRule", "AlertmanagerConfig", "ConfigMap",
+                                                  "Service", "PodMonitor"}
     committed_groups = [g for n in ("grpo-recording.rules.yml", "grpo-alerts.rules.yml")
                         for g in yaml.safe_load((ROOT / "rules" / n).read_text())["groups"]]
-    assert docs["prometheusrule.yaml"]["spec"]["groups"] == committed_groups
+    # the same rules, each alert labelled with the namespace the AlertmanagerConfig routes
+    carried = docs["prometheusrule.yaml"]["spec"]["groups"]
+    for group in carried:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                assert rule["labels"].pop("namespace") == "grpo"
+    assert carried == committed_groups
     assert committed_groups == [g for doc in rule_files(c).values() for g in doc["groups"]]
     data = docs["dashboards-configmap.yaml"]["data"]
     for name in data:

@@ -81,6 +81,17 @@ def _worker(rank: int, port: int, out: str, test_path: str) -> None:
     result["incident"] = {"steps": incident["steps"], "triggers": incident["triggers"], "world": incident["world"],
                           "drivers": [r["row"] for r in incident["states"]["first_anomalous"]["rows"]["rollout"]
                                       if r["driver"]]}
+    # a monitor on rank 0 only, said explicitly: no collective waits for the ranks that have none
+    if rank == 0:
+        with GRPOMonitor(run="rank0", port=None, distributed="rank0", **SETTINGS) as mon:
+            mon.observe_rollout(0, rewards=torch.rand(16))
+            result["rank0_completions"] = dict(mon.metrics())["grpo_completions_total"]
+    else:
+        try:
+            GRPOMonitor(run="rank0", port=None, distributed="rank0", **SETTINGS)
+        except ValueError as exc:
+            result["rank0_refused"] = str(exc)
+    dist.barrier()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -134,3 +145,9 @@ def test_each_rank_records_its_own_rows_of_the_same_incident(ranks):
         assert r["incident"]["world"] == WORLD
     assert ranks[0]["incident"]["drivers"] == []
     assert ranks[1]["incident"]["drivers"] == [3]
+
+
+def test_a_monitor_on_rank_zero_only_is_explicit(ranks):
+    assert ranks[0]["rank0_completions"] == 16.0  # rank 0's own batch, no merge
+    assert ranks[1]["rank0_refused"].startswith("distributed: expected a monitor on rank 0 only with "
+                                                "distributed='rank0', got one constructed on rank 1 of 2")

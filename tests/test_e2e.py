@@ -201,7 +201,7 @@ def _fired_in_prometheus(url: str) -> set[tuple[str, str, str]]:
             for m in answer["data"]["result"]}
 
 
-NOTICE = "GRPOEngineLogprobGapAboveSeedLine"  # info: the run's clean bf16 gap sits above the seed's line
+NOTICE = "GRPOEngineLogprobGapCleanLevelHigh"  # info: the run's clean bf16 gap sits above the seed's line
 
 
 def _firing(pages: list[Page], run: Run) -> list[Page]:

@@ -40,13 +40,24 @@ def test_port_zero_serves_on_localhost_with_the_run_label():
         scrape(url)  # closed cleanly
 
 
-def test_a_busy_port_is_a_clear_error():
+def test_a_busy_port_never_stops_training(caplog):
+    """A second job on a node with the default port: training goes on, served on a free port that is said
+    (GRPOMonitor.port, a warning naming both ports) and counted; strict mode raises the clear error instead."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        with GRPOMonitor(run="r", port=port, **BASE) as mon:
+            assert mon.port not in (None, port)
+            served = mon.port
+            mon.observe_rollout(0, rewards=torch.rand(16))
+            samples = parse_exposition(scrape(mon.url))
+            assert samples["grpo_exporter_errors_total"][(("run", "r"), ("stage", "scrape"))] == 1.0
+        line = next(r.getMessage() for r in caplog.records if "already in use" in r.getMessage())
+        assert f"port {port} on 127.0.0.1 is already in use" in line
+        assert f"serving on the free port {served} instead" in line
         with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is already in use"):
-            GRPOMonitor(run="r", port=port, **BASE)
+            GRPOMonitor(run="r", port=port, strict=True, **BASE)
 
 
 @pytest.fixture(scope="module")

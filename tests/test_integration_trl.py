@@ -165,6 +165,7 @@ def test_real_trl_run_hands_the_step_tensors_to_the_monitor(model_dir, tmp_path)
     assert one("grpo_rollout_staleness_versions") == 0  # step 2 trains on the rollout made at step 2
     # TRL's own generation reports no engine log-probs: the engine gap is absent, never a fake 0
     assert "grpo_engine_logprob_gap_mean_nats" not in series
+    assert_mode_as_documented(set(series), "TRL, `num_iterations > 1` (no vLLM)")
     assert set(TRL_METRICS) >= {"reward", "entropy", "kl", "frac_reward_zero_std", "grad_norm"}
 
 
@@ -214,6 +215,24 @@ def _vllm_mode(monkeypatch: pytest.MonkeyPatch, unscored_every: int | None = Non
 VLLM = {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_correction": True}
 
 
+#: one series per input group of docs/frameworks.md that these runs hand over (beta > 0, a verifier, no tools;
+#: the components are checked by name where the adapter makes the monitor)
+GROUP_SERIES = {"verdicts": "grpo_pass_at_k_ratio",
+                "engine": "grpo_engine_logprob_gap_mean_nats", "ratios": "grpo_onpolicy_checked_tokens_total",
+                "entropy": "grpo_entropy_mean_nats", "kl": "grpo_kl_ref_nats", "grad": "grpo_grad_norm_pre_clip",
+                "staleness": "grpo_rollout_staleness_versions"}
+
+
+def assert_mode_as_documented(published: set[str], mode: str) -> None:
+    """The framework matrix's claim for ``mode`` (docs/frameworks.md) holds on a real run: each group it says
+    the adapter hands over is published, each it says is absent is not."""
+    from grpo_exporter.reference.frameworks import MODES
+
+    said = {g for g in GROUP_SERIES if g in MODES[mode]}
+    seen = {g for g, name in GROUP_SERIES.items() if name in published}
+    assert seen == said, f"{mode}: published {sorted(seen)}, docs/frameworks.md says {sorted(said)}"
+
+
 def test_trl_vllm_mode_with_a_bf16_engine_matches_trls_own_sampling_metrics(model_dir, tmp_path, monkeypatch):
     """TRL's vLLM server path as users run it (its own use_vllm branches, None -> NaN, its recomputed old
     log-probs and token_truncate correction), with a bf16 engine that hands every 5th token back without a
@@ -248,6 +267,7 @@ def test_trl_vllm_mode_with_a_bf16_engine_matches_trls_own_sampling_metrics(mode
     assert (total + made.unscored) / (scored + made.unscored) == pytest.approx(w_mean, rel=1e-5)
     assert got["grpo_rollout_correction_capped_tokens_total"] == 0
     assert got['grpo_mismatch_kl_nats{estimator="k3"}'] < 1e-2  # noise: far below the systematic faults
+    assert_mode_as_documented({k.partition("{")[0] for k in got}, "TRL, vLLM server or colocate")
 
 
 def test_trl_vllm_mode_with_stale_engine_weights_reads_a_systematic_gap(model_dir, tmp_path, monkeypatch):

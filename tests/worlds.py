@@ -4,7 +4,7 @@ only: ``MixinConfig(step_seconds=...)``) inside promtool, as tests/replay.py doe
 
 A world's class comes from the trainer's own pass@1 and pass@G, never from the exporter. The verdict: nothing
 at warning or critical fires on a healthy world; on a collapsing one only layer 4 may. The info notice
-(GRPOEngineLogprobGapAboveSeedLine) may fire once on any world whose engine is bf16.
+(GRPOEngineLogprobGapCleanLevelHigh) may fire once on any world whose engine is bf16.
 
 ``python tests/worlds.py --worlds 200 --out docs/worlds.md`` runs the larger sweep (worlds 0..N-1, one
 process per core) and writes the table; tests/test_worlds.py runs a fixed sample of it in CI.
@@ -40,7 +40,7 @@ from replay import EPISODE_RULES, EVAL_S, JOB, SCRAPE_S, Timeline, _encode, _exp
 
 TAIL_S = 1800  # scrapes after the run's end (its target down): a normal end pages nothing
 PROMTOOL_WORLDS = 12  # worlds of one cadence judged by one promtool run (a larger sweep runs several)
-NOTICES = {"GRPOEngineLogprobGapAboveSeedLine"}
+NOTICES = {"GRPOEngineLogprobGapCleanLevelHigh"}
 
 
 @dataclass

@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 from grpo_exporter import __version__
 
+if TYPE_CHECKING:
+    from grpo_exporter.mixin.config import MixinConfig
+
 # what add_subparsers returns (argparse has no public name for it)
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+STEP_SECONDS_HELP = ("your run's typical seconds per training step (overrides the config's step_seconds; every "
+                     "window, baseline and `for` is sized in steps from it)")
 
 
 def _catalog(args: argparse.Namespace) -> int:
@@ -26,13 +31,30 @@ def _catalog(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rules(args: argparse.Namespace) -> int:
-    from grpo_exporter.mixin.config import RUNBOOK_FALLBACK, MixinConfig
-    from grpo_exporter.mixin.render import alertmanager_output, rules_outputs, write
+def _mixin_config(args: argparse.Namespace) -> MixinConfig:
+    """The config file's MixinConfig, with --step-seconds over its step_seconds."""
+    from grpo_exporter.mixin.config import MixinConfig
 
     config = MixinConfig.load(args.config)
     if args.step_seconds is not None:
         config = MixinConfig.model_validate(config.model_dump() | {"step_seconds": args.step_seconds})
+    return config
+
+
+def _warn_unset_receivers(config: MixinConfig) -> None:
+    unset = config.unset_receivers
+    if unset:
+        names = " and ".join(f"{name}_webhook_url" for name in unset)
+        print(f"WARNING: {names} not set: the receivers {', '.join(unset)} have no integration, so those alerts are "
+              "shown in Alertmanager's UI and API only and page nobody. Set them in a --config file.",
+              file=sys.stderr)
+
+
+def _rules(args: argparse.Namespace) -> int:
+    from grpo_exporter.mixin.config import RUNBOOK_FALLBACK
+    from grpo_exporter.mixin.render import alertmanager_output, rules_outputs, write
+
+    config = _mixin_config(args)
     # everything goes under a path the user named: with --out, alertmanager.yml too (unless placed elsewhere)
     rules_dir = Path(args.out or "rules")
     alertmanager_dir = Path(args.alertmanager_out or (args.out or "deploy/alertmanager"))
@@ -40,6 +62,7 @@ def _rules(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     for path in write({"alertmanager.yml": alertmanager_output(config)}, alertmanager_dir):
         print(f"wrote {path}")
+    _warn_unset_receivers(config)
     if config.runbook_url == RUNBOOK_FALLBACK:
         print(f"note: runbook_url is the local fallback {RUNBOOK_FALLBACK!r}; set runbook_url in a --config file to "
               "a URL your pager can open (e.g. where you host docs/runbooks.md)")
@@ -61,13 +84,32 @@ def _dashboards(args: argparse.Namespace) -> int:
 
 
 def _kubernetes(args: argparse.Namespace) -> int:
-    from grpo_exporter.mixin.config import MixinConfig
     from grpo_exporter.mixin.dashboards import dashboard_files
     from grpo_exporter.mixin.kubernetes import manifest_files
     from grpo_exporter.mixin.render import write
 
-    config = MixinConfig.load(args.config)
-    for path in write(manifest_files(config, dashboard_files(config)), Path(args.out)):
+    config = _mixin_config(args)
+    try:
+        files = manifest_files(config, dashboard_files(config))
+    except ValueError as exc:
+        print(f"grpo-exporter kubernetes: {exc}", file=sys.stderr)
+        return 2
+    for path in write(files, Path(args.out)):
+        print(f"wrote {path}")
+    _warn_unset_receivers(config)
+    return 0
+
+
+def _reference(args: argparse.Namespace) -> int:
+    from grpo_exporter.mixin.render import write
+    from grpo_exporter.reference import reference_pages
+
+    runbooks = Path(args.runbooks)
+    if not runbooks.is_file():
+        print(f"grpo-exporter reference: --runbooks: expected the runbooks file, got {str(runbooks)!r} (run it from "
+              "the repository root)", file=sys.stderr)
+        return 2
+    for path in write(reference_pages(_mixin_config(args), runbooks.read_text(encoding="utf-8")), Path(args.out)):
         print(f"wrote {path}")
     return 0
 
@@ -162,10 +204,7 @@ def _add_rules(commands: Subparsers) -> None:
     rules.add_argument(
         "--alertmanager-out", help="folder of alertmanager.yml (default: --out, else deploy/alertmanager)"
     )
-    rules.add_argument(
-        "--step-seconds", type=float, help="your run's typical seconds per training step (overrides the config's "
-        "step_seconds; every window, baseline and `for` is sized in steps from it)"
-    )
+    rules.add_argument("--step-seconds", type=float, help=STEP_SECONDS_HELP)
     rules.set_defaults(run=_rules)
 
 
@@ -180,7 +219,19 @@ def _add_kubernetes(commands: Subparsers) -> None:
     k8s = commands.add_parser("kubernetes", help="generate Prometheus Operator manifests (rules, dashboards, scrape)")
     k8s.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
     k8s.add_argument("--out", default="deploy/kubernetes", help="folder of the manifests (default: deploy/kubernetes)")
+    k8s.add_argument("--step-seconds", type=float, help=STEP_SECONDS_HELP)
     k8s.set_defaults(run=_kubernetes)
+
+
+def _add_reference(commands: Subparsers) -> None:
+    ref = commands.add_parser("reference", help="generate the reference pages: alerts, framework matrix, "
+                              "configuration")
+    ref.add_argument("--config", help="a YAML MixinConfig (defaults otherwise)")
+    ref.add_argument("--step-seconds", type=float, help=STEP_SECONDS_HELP)
+    ref.add_argument("--runbooks", default="docs/runbooks.md", help="the runbooks, whose 'Silent when' the alert "
+                     "table quotes (default: docs/runbooks.md)")
+    ref.add_argument("--out", default="docs", help="folder of the pages (default: docs)")
+    ref.set_defaults(run=_reference)
 
 
 def _add_demo(commands: Subparsers) -> None:
@@ -235,8 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-exporter", description=__doc__)
     parser.add_argument("--version", action="version", version=f"grpo-exporter {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_catalog, _add_rules, _add_dashboards, _add_kubernetes, _add_demo, _add_bench, _add_inspect,
-                _add_hash_password):
+    for add in (_add_catalog, _add_rules, _add_dashboards, _add_kubernetes, _add_reference, _add_demo, _add_bench,
+                _add_inspect, _add_hash_password):
         add(commands)
     return parser
 

@@ -19,7 +19,7 @@ class StopLines(BaseModel):
     engine_gap_stop_nats: float = Field(
         0.01, gt=0, description="the seed's stop line for the mean engine gap (seed: mean >= 0.01 stop and check, "
         "after measuring your own clean baseline; the line applies to the mean, never the max). A clean gap above it "
-        "is a notice to confirm once (GRPOEngineLogprobGapAboveSeedLine); a gap above it and engine_gap_jump_factor "
+        "is a notice to confirm once (GRPOEngineLogprobGapCleanLevelHigh); a gap above it and engine_gap_jump_factor "
         "x the accepted level stops (the guard, GRPOEngineLogprobGapCritical)",
     )
     engine_gap_healthy_nats: float = Field(

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import gpu_only
 import pytest
 import torch
-from doc_snippets import snippet
+from doc_snippets import assert_never_as_documented, snippet
 
 gpu_only.install()  # flash-attn, vLLM: imported by OpenRLHF's trainer modules, never run here
 
@@ -70,6 +70,7 @@ def test_observe_experiences_reads_openrlhfs_batches() -> None:
     assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(DRIFT, abs=1e-6)
     assert m["grpo_kl_ref_nats"] == pytest.approx(torch.exp(torch.tensor(-0.2)).item() + 0.2 - 1, rel=1e-4)
     assert m["grpo_completions_total"] == 16
+    assert_never_as_documented(m, "OpenRLHF (`monitored_ppo_trainer`)")
     assert m["grpo_advantage_abs_max"] == pytest.approx(0.5)
 
 

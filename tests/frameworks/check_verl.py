@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from doc_snippets import assert_never_as_documented
 from omegaconf import OmegaConf
 from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
@@ -72,6 +73,7 @@ def test_observe_dataproto_reads_verls_batch(tmp_path) -> None:
     assert m['grpo_reward_mean{component="total"}'] == pytest.approx(float(truth["acc"].mean()))
     assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(DRIFT, abs=1e-6)
     assert m["grpo_truncated_completions_total"] == float((truth["lengths"] == T).sum())
+    assert_never_as_documented(m, "verl v0 (`RayPPOTrainer`)")
     adv = truth["advantages"][truth["mask"].bool()].abs().max()
     assert m["grpo_advantage_abs_max"] == pytest.approx(float(adv), rel=1e-6)
     assert m["grpo_kl_ref_nats"] == pytest.approx(np.exp(-0.1) + 0.1 - 1, rel=1e-4)  # k3 of a constant 0.1 gap

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import verl
+from doc_snippets import assert_never_as_documented
 from omegaconf import OmegaConf
 
 from grpo_exporter.integrations.verl_v1 import install, monitored_task_runner, monitored_v1_trainer
@@ -173,6 +174,7 @@ def test_a_sync_step_is_read_from_the_transfer_queue(tq: Any) -> None:
     assert m['grpo_reward_mean{component="total"}'] == pytest.approx(sum(acc) / 12)
     assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(DRIFT, abs=1e-5)
     assert m["grpo_entropy_mean_nats"] == pytest.approx(0.75)  # per token, from the old-log-prob pass
+    assert_never_as_documented(m, "verl v1 (`PPOTrainer`, TransferQueue)")
     assert m["grpo_advantage_abs_max"] == pytest.approx(float(torch.cat(advantages.unbind()).abs().max()))
     assert m['grpo_completion_length_tokens_sum{outcome="all"}'] == sum(lengths)
     assert m["grpo_grad_norm_pre_clip"] == pytest.approx(3.0)  # verl's reduce_metrics: the mini-batch mean

@@ -14,3 +14,20 @@ def snippet(marker: str) -> str:
     blocks = re.findall(r"```py\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.DOTALL)
     (code,) = [b for b in blocks if marker in b]
     return code
+
+
+#: one series per input group of docs/frameworks.md
+GROUP_SERIES = {"verdicts": "grpo_pass_at_k_ratio", "engine": "grpo_engine_logprob_gap_mean_nats",
+                "ratios": "grpo_onpolicy_checked_tokens_total", "entropy": "grpo_entropy_mean_nats",
+                "kl": "grpo_kl_ref_nats", "grad": "grpo_grad_norm_pre_clip",
+                "staleness": "grpo_rollout_staleness_versions", "tools": "grpo_loss_mask_tool_tokens_total"}
+
+
+def assert_never_as_documented(metrics: dict[str, float], mode: str) -> None:
+    """docs/frameworks.md's "never" for ``mode`` holds on the framework's own objects: no series of a group it
+    says the adapter never hands over is published."""
+    from grpo_exporter.reference.frameworks import MODES
+
+    published = {key.partition("{")[0] for key in metrics}
+    wrong = sorted(g for g, name in GROUP_SERIES.items() if g not in MODES[mode] and name in published)
+    assert not wrong, f"{mode}: published {wrong}, which docs/frameworks.md says it never hands over"

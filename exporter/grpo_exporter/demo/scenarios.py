@@ -1,7 +1,7 @@
 """The fault scenarios: what each injects, when, and which alert (and layer) it should page with.
 
 The rollout engine computes in bf16, as real engines do: its healthy gap (~0.015 nats on the permutation task)
-is noise above the seed's 0.01 line, which the run's notice GRPOEngineLogprobGapAboveSeedLine (info, once) says.
+is noise above the seed's 0.01 line, which the run's notice GRPOEngineLogprobGapCleanLevelHigh (info, once) says.
 The demo trains at :data:`STEPS_PER_SECOND` against rules with time shrunk 50x (``demo_mixin``). A fault whose
 alert compares against the run's own history (a rolling baseline: 20 samples in a window that ends 12 s back)
 is injected only after :data:`HISTORY_STEPS` healthy steps; the others after :data:`EARLY_STEPS`.

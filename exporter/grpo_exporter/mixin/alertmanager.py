@@ -10,10 +10,15 @@ evidence, as long as any alert they mute may still fire from their time, see
 ``promql.Alert.rule``). A layer-1 warning (a drifting gap, the fuse) and the optimizer family
 (grad-norm spikes, clipping on every step) mute nothing, so a warning never mutes a critical; and a critical
 alert mutes the warning of the same family for the same run.
+
+A receiver whose webhook is not configured has no integration: its alerts are shown in Alertmanager's UI and
+API and go nowhere else (never to a placeholder URL that swallows them); the generators say so on stderr.
+``operator_config`` is the same routing as the Prometheus Operator's ``AlertmanagerConfig`` resource.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from grpo_exporter.catalog import Layer
@@ -38,10 +43,7 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
                  "repeat_interval": c.duration(c.notice_repeat_interval_s)},
             ],
         },
-        "receivers": [
-            {"name": "pager", "webhook_configs": [{"url": c.pager_webhook_url, "send_resolved": True}]},
-            {"name": "default", "webhook_configs": [{"url": c.default_webhook_url, "send_resolved": True}]},
-        ],
+        "receivers": [_receiver("pager", c.pager_webhook_url), _receiver("default", c.default_webhook_url)],
         "inhibit_rules": [
             {
                 "source_matchers": [f'layer="{Layer.GRADIENT.value}"', 'severity="critical"'],
@@ -55,3 +57,40 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
             },
         ],
     }
+
+
+def _receiver(name: str, url: str | None) -> dict[str, Any]:
+    return {"name": name, "webhook_configs": [{"url": url, "send_resolved": True}]} if url else {"name": name}
+
+
+MATCHER = re.compile(r'^(?P<name>[a-zA-Z_][a-zA-Z0-9_]*)(?P<op>=~|!~|!=|=)"(?P<value>.*)"$')
+CAMEL = {"group_by": "groupBy", "group_wait": "groupWait", "group_interval": "groupInterval",
+         "repeat_interval": "repeatInterval", "send_resolved": "sendResolved", "webhook_configs": "webhookConfigs",
+         "inhibit_rules": "inhibitRules", "source_matchers": "sourceMatch", "target_matchers": "targetMatch"}
+
+
+def _matcher(text: str) -> dict[str, str]:
+    found = MATCHER.match(text)
+    if found is None:  # the matchers above are ours; a new form must be taught here
+        raise ValueError(f"cannot convert the Alertmanager matcher {text!r} to the operator's form")
+    return {"name": found["name"], "value": found["value"], "matchType": found["op"]}
+
+
+def _operator_form(value: Any, key: str = "") -> Any:
+    if isinstance(value, dict):
+        return {CAMEL.get(k, k): _operator_form(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        if key in ("matchers", "source_matchers", "target_matchers"):
+            return [_matcher(m) for m in value]
+        return [_operator_form(v) for v in value]
+    return value
+
+
+def operator_config(c: MixinConfig) -> dict[str, Any]:
+    """The ``spec`` of an ``AlertmanagerConfig`` (monitoring.coreos.com/v1alpha1) with the same routing and
+    inhibitions: the operator's schema is camelCase with matchers as objects. The operator routes to it only
+    alerts whose ``namespace`` label is the resource's own (its default matcher strategy), which is why the
+    Kubernetes PrometheusRule labels every alert with ``namespace`` (our alerts aggregate it away)."""
+    plain = alertmanager_config(c)
+    return {"route": _operator_form(plain["route"]), "receivers": _operator_form(plain["receivers"]),
+            "inhibitRules": _operator_form(plain["inhibit_rules"])}

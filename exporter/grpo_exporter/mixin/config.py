@@ -15,13 +15,14 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from grpo_exporter.config import load_yaml_mapping
+from grpo_exporter.mixin.deploy_config import DeploySettings
 from grpo_exporter.thresholds import EventLines, StopLines
 
 Severity = Literal["critical", "warning", "info"]
 RUNBOOK_FALLBACK = "docs/runbooks.md"
 
 
-class MixinConfig(StopLines, EventLines):
+class MixinConfig(StopLines, EventLines, DeploySettings):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # ---- selection ----
@@ -297,18 +298,13 @@ class MixinConfig(StopLines, EventLines):
     severities: dict[str, Severity] = Field(
         default_factory=dict, description="per-alert severity overrides, e.g. {GRPORolloutsStale: info}"
     )
-    pager_webhook_url: str = Field(
-        "http://127.0.0.1:9887/unused-pager", description="Alertmanager: where critical alerts go"
-    )
-    default_webhook_url: str = Field(
-        "http://127.0.0.1:9887/unused-default", description="Alertmanager: where everything else goes"
-    )
+    # pager_webhook_url, default_webhook_url and the Kubernetes settings: DeploySettings
     group_wait_s: int = Field(30, ge=0, description="Alertmanager group_wait (scaled by time_scale)")
     group_interval_s: int = Field(300, ge=1, description="Alertmanager group_interval (scaled)")
     repeat_interval_s: int = Field(4 * 3600, ge=1, description="Alertmanager repeat_interval (scaled)")
     notice_repeat_interval_s: int = Field(
         30 * 24 * 3600, ge=1, description="Alertmanager repeat_interval of info notices (scaled): a notice such as "
-        "GRPOEngineLogprobGapAboveSeedLine holds for the whole run and is said once, not every repeat_interval",
+        "GRPOEngineLogprobGapCleanLevelHigh holds for the whole run and is said once, not every repeat_interval",
     )
 
     def steps_s(self, steps: float, floor_s: float = 0.0) -> float:
@@ -340,9 +336,9 @@ class MixinConfig(StopLines, EventLines):
                 return f"{total // size}{unit}"
         return f"{total}s"
 
-    def matchers(self, **labels: str) -> str:
-        """``{label="value",<selector>}`` for a metric selection."""
-        parts = [f'{k}="{v}"' for k, v in labels.items()]
+    def matchers(self, *raw: str, **labels: str) -> str:
+        """``{<raw matchers>,label="value",<selector>}`` for a metric selection."""
+        parts = [*raw, *(f'{k}="{v}"' for k, v in labels.items())]
         if self.selector:
             parts.append(self.selector)
         return "{" + ",".join(parts) + "}"

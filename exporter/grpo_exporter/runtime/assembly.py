@@ -4,6 +4,7 @@ recorder (``recorder_dir``), the stages that drive them, and the scrape endpoint
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from prometheus_client.registry import CollectorRegistry
@@ -21,8 +22,11 @@ from grpo_exporter.runtime.run_state import RunState
 from grpo_exporter.runtime.stages import STAGE_BLOCKS, Stages
 from grpo_exporter.serving.endpoint import Endpoint, Listen
 from grpo_exporter.serving.publication import Publication
+from grpo_exporter.serving.server import PortInUseError
 from grpo_exporter.step import families_of
 from grpo_exporter.stitching import StepStitcher
+
+log = logging.getLogger("grpo_exporter")
 
 
 def _flight_recorder(config: MonitorConfig, rank: int, world: int, publication: Publication, report: Reporter,
@@ -67,6 +71,10 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
         config.anchor_steps, {"grpo_regression_accuracy_ratio": config.regression_anchor_evaluations}))
     report = Reporter(publication, config)
     rank, world = distributed.world()
+    if config.distributed == "rank0" and rank != 0:
+        raise ValueError(f"distributed: expected a monitor on rank 0 only with distributed='rank0', got one "
+                         f"constructed on rank {rank} of {world} (construct it under `if rank == 0`, or use "
+                         "'merge' with a monitor on every rank)")
     edit_worker = EditDistanceWorker(
         publication, lambda exc: report.error("rollout", exc, "edit distance worker"), config.edit_distance_budget_s,
     )
@@ -76,8 +84,17 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
     publication.merge(static_values(config))
     publication.publish()
     endpoint = Endpoint(publication, config.run, registry, lambda exc: report.error("scrape", exc),
-                        _listen(config) if rank == 0 else None)
+                        _listen(config) if rank == 0 else None,
+                        None if config.strict else lambda exc, port: _busy_port(report, exc, port))
     return stages, endpoint
+
+
+def _busy_port(report: Reporter, exc: PortInUseError, port: int) -> None:
+    """A taken port never stops training: the endpoint serves on a free one, said here and counted."""
+    report.count("scrape")
+    log.warning("grpo-exporter: %s; serving on the free port %d instead (GRPOMonitor.port; Prometheus will not "
+                "find it there: give each job on a node its own port, or port=0 with service discovery). "
+                "Training continues; strict=True raises PortInUseError instead.", exc.strerror or exc, port)
 
 
 __all__ = ["assemble"]

@@ -103,9 +103,11 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     max_pending_micro_steps: int = Field(
         256, ge=1, description="micro-steps held for one optimizer step; further ones are dropped and counted"
     )
-    distributed: Literal["merge", "local"] = Field(
-        "merge", description="with torch.distributed: merge the ranks' readings (every rank constructs a monitor "
-        "at the same point), or `local`: each monitor publishes its own rank's values (e.g. a monitor on rank 0 only)",
+    distributed: Literal["merge", "local", "rank0"] = Field(
+        "merge", description="with torch.distributed: `merge` the ranks' readings (every rank constructs a monitor "
+        "at the same point: its setup is a collective, so a monitor on rank 0 alone would wait for the others); "
+        "`rank0`: a monitor on rank 0 only, publishing rank 0's values (constructed on another rank it raises); "
+        "`local`: each rank's monitor publishes its own values (rank 0 serves)",
     )
     distributed_timeout_s: float = Field(
         300.0, gt=0, description="longest wait of a rank in an exporter collective (its own gloo group); after a "

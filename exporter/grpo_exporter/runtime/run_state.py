@@ -44,7 +44,7 @@ def engine_gap_notice(run: str, clean: float, stop: float, rollouts: int, runboo
         f"reference_baseline={{'grpo_engine_logprob_gap_mean_nats': {clean:.4g}}} "
         "(a keyword, a YAML file, or GRPO_EXPORTER_REFERENCE_BASELINE), so later runs start from it. The run is "
         "judged against this level meanwhile: a jump or a systematic gap pages; this notice does not repeat. "
-        f"runbook: {runbook_url}#grpoenginelogprobgapaboveseedline"
+        f"runbook: {runbook_url}#grpoenginelogprobgapcleanlevelhigh"
     )
 
 

@@ -13,7 +13,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from grpo_exporter.serving.collector import CatalogCollector
 from grpo_exporter.serving.publication import Publication
-from grpo_exporter.serving.server import MetricsServer
+from grpo_exporter.serving.server import MetricsServer, PortInUseError
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,26 @@ class Endpoint:
     HTTP when ``listen`` is given."""
 
     def __init__(self, publication: Publication, run: str, registry: CollectorRegistry,
-                 on_error: Callable[[Exception], None], listen: Listen | None) -> None:
+                 on_error: Callable[[Exception], None], listen: Listen | None,
+                 on_busy: Callable[[PortInUseError, int], None] | None = None) -> None:
+        """``on_busy``: when the port is taken, serve on a free one and say so to it (with the error and the
+        chosen port); None raises PortInUseError (strict mode)."""
         self._collector = CatalogCollector(publication, run, registry, on_error=on_error)
         self._server: MetricsServer | None = None
         if listen is not None:
             ProcessCollector(registry=registry)
-            self._server = MetricsServer(registry, listen.host, listen.port, listen.tls_cert, listen.tls_key,
-                                         listen.auth_user, listen.auth_password_hash)
+            try:
+                self._server = self._serve(registry, listen, listen.port)
+            except PortInUseError as exc:
+                if on_busy is None:
+                    raise
+                self._server = self._serve(registry, listen, 0)
+                on_busy(exc, self._server.port)
+
+    @staticmethod
+    def _serve(registry: CollectorRegistry, listen: Listen, port: int) -> MetricsServer:
+        return MetricsServer(registry, listen.host, port, listen.tls_cert, listen.tls_key, listen.auth_user,
+                             listen.auth_password_hash)
 
     @property
     def port(self) -> int | None:

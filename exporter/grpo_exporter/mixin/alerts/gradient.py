@@ -55,7 +55,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
             for_steps=2,
         ),
         Alert(
-            "GRPOEngineLogprobGapAboveSeedLine", Layer.GRADIENT, "engine_logprob_gap_level", "info",
+            "GRPOEngineLogprobGapCleanLevelHigh", Layer.GRADIENT, "engine_logprob_gap_level", "info",
             f"max by ({BY}) (grpo_engine_logprob_gap_clean_baseline_nats{c.matchers()}) >= {c.engine_gap_stop_nats:g} "
             f"unless on({BY}) max by ({BY}) ({ref}{c.matchers(metric='grpo_engine_logprob_gap_mean_nats')})", 0,
             "The run's own clean engine gap sits above the seed's stop line: confirm it once, then record it.",

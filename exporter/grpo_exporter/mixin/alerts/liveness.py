@@ -16,11 +16,15 @@ def alerts(c: MixinConfig) -> list[Alert]:
     """This part's alerts, in the order they are written to the rule file."""
     lookback = c.duration(c.lifecycle_lookback_s)
     finished = f"(max by ({BY}) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}])) == 1)"
+    pod_targets = c.matchers('pod!=""')
+    last_finished = f"max by (job, instance) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}]))"
     return [
         Alert(
             "GRPOExporterDown", Layer.LIVENESS, "exporter", "critical",
-            f"up{c.matchers()} == 0 unless on(job, instance) "
-            f"(max by (job, instance) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}])) == 1)", 120,
+            # a static target (local, compose) is down between runs: it pages only after serving a run that did
+            # not report its normal end; a discovered pod (the `pod` label) exists only while its training does
+            f"(up{c.matchers()} == 0 and on(job, instance) ({last_finished} == 0)) or "
+            f"(up{pod_targets} == 0 unless on(job, instance) ({last_finished} == 1))", 120,
             "The grpo-exporter target is down and its run did not end normally: nothing below can be judged.",
             "Prometheus cannot scrape {{ $labels.job }} {{ $labels.instance }} (up = " + template_value("%g") + ") and the "
             "run there never reported a normal end (grpo_run_finished).",
