@@ -40,30 +40,3 @@ def test_following_the_docs_verbatim_catches_each_fault(doc, code, fault, caplog
     if fault == "mask" and "completion_lengths" not in code:
         pytest.fail(f"{doc}: an example without completion_lengths cannot audit the mask")
     assert named == expected, caplog.text
-
-
-#: the ```py blocks of docs/integrations.md, each run as written by its framework's test
-INTEGRATION_RUNNERS = {
-    "MonitoredGRPOTrainer": "tests/test_integration_trl.py::test_the_docs_two_lines_run_as_written",
-    "monitored_task_runner": "tests/frameworks/check_verl_v1.py::test_the_docs_v1_lines_run_as_written",
-    "monitored_ray_trainer": "tests/frameworks/check_verl.py::test_the_docs_v0_lines_run_as_written",
-    "monitored_ppo_trainer": "tests/frameworks/check_openrlhf.py::"
-                             "test_the_monitored_trainer_is_a_ray_actor_class_whose_monitor_lives_in_the_trainer",
-}
-
-
-def test_every_integration_snippet_has_a_test_that_runs_it():
-    """docs/integrations.md has no ```python block (those would need a runner here) and each ```py block is
-    the one its framework's test finds by name, and that test exists."""
-    import re
-
-    from doc_examples import ROOT
-
-    text = (ROOT / "docs" / "integrations.md").read_text(encoding="utf-8")
-    assert not examples("docs/integrations.md")
-    blocks = re.findall(r"```py\n(.*?)```", text, flags=re.DOTALL)
-    assert sorted(m for b in blocks for m in INTEGRATION_RUNNERS if m in b) == sorted(INTEGRATION_RUNNERS)
-    assert len(blocks) == len(INTEGRATION_RUNNERS)
-    for runner in INTEGRATION_RUNNERS.values():
-        path, name = runner.split("::")
-        assert f"def {name}(" in (ROOT / path).read_text(encoding="utf-8"), runner

@@ -453,9 +453,9 @@ def test_an_untested_framework_release_fails_at_import_naming_the_range(monkeypa
     assert require("transformers", "trl", TESTED) is not None
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/integrations.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/quickstart-trl.md"])
 def test_the_docs_two_lines_run_as_written(model_dir, tmp_path, doc) -> None:
-    """The TRL snippet of the README and of docs/integrations.md (```py blocks: they need TRL, so the core
+    """The TRL snippet of the README and of docs/quickstart-trl.md (```py blocks: they need TRL, so the core
     doc-example test leaves them to this file), run verbatim but for a free port, the tiny model's path and its
     tokenizer."""
     text = (Path(__file__).resolve().parents[1] / doc).read_text(encoding="utf-8")

@@ -1,17 +1,19 @@
-"""The ```py blocks of docs/integrations.md that need a framework of this virtualenv: each check file runs its
-framework's block as written (tests/test_doc_examples.py checks that every block has a runner)."""
+"""The ```py blocks of the framework quickstarts (docs/quickstart-*.md) that need a framework of this
+virtualenv: each check file runs its framework's block as written (tests/test_doc_blocks.py checks that every
+block has a runner)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def snippet(marker: str) -> str:
-    """The one ```py block of docs/integrations.md that names ``marker``."""
-    blocks = re.findall(r"```py\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.DOTALL)
+    """The one ```py block of the quickstarts that names ``marker``."""
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted(DOCS.glob("quickstart-*.md")))
+    blocks = re.findall(r"```py\n(.*?)```", text, flags=re.DOTALL)
     (code,) = [b for b in blocks if marker in b]
     return code
 

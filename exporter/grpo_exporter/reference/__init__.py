@@ -11,6 +11,8 @@ def reference_pages(c: MixinConfig, runbooks: str) -> dict[str, str]:
     from grpo_exporter.reference.alert_table import alert_table
     from grpo_exporter.reference.config_docs import exporter_reference, rules_reference
     from grpo_exporter.reference.frameworks import framework_matrix
+    from grpo_exporter.reference.inputs_docs import inputs_reference
 
     return {"alerts.md": alert_table(c, runbooks), "frameworks.md": framework_matrix(c),
-            "config-exporter.md": exporter_reference(), "config-rules.md": rules_reference()}
+            "config-exporter.md": exporter_reference(), "config-rules.md": rules_reference(),
+            "inputs.md": inputs_reference()}
