@@ -26,15 +26,17 @@ from services import binary
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted({ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md"),
                *(ROOT / "deploy").rglob("README.md"), ROOT / "rules" / "README.md"})
+DOC_EXAMPLES = "tests/test_doc_examples.py::test_following_the_docs_verbatim_catches_each_fault"
 #: (document, a string in the block) -> the test that runs that block as written
 RUNNERS = {
-    ("README.md", "GRPOMonitor(run="): "tests/test_doc_examples.py::test_following_the_docs_verbatim_catches_each_fault",
+    ("README.md", "GRPOMonitor(run="): DOC_EXAMPLES,
     ("README.md", "MonitoredGRPOTrainer"): "tests/test_integration_trl.py::test_the_docs_two_lines_run_as_written",
-    ("docs/exporter.md", "GRPOMonitor("): "tests/test_doc_examples.py::test_following_the_docs_verbatim_catches_each_fault",
+    ("docs/exporter.md", "GRPOMonitor("): DOC_EXAMPLES,
     ("docs/checks.md", "abc_consistency("): "tests/test_checks.py::test_the_guide_example_runs_as_written",
     ("docs/checks.md", "preflight(trainer"):
         "tests/test_integration_trl.py::test_the_checks_guide_trl_example_runs_as_written",
-    ("docs/recorder.md", "recorder_dir="): "tests/test_recorder.py::test_the_guide_example_runs_as_written_and_records_the_nan",
+    ("docs/recorder.md", "recorder_dir="):
+        "tests/test_recorder.py::test_the_guide_example_runs_as_written_and_records_the_nan",
     ("docs/quickstart-loop.md", "llm.generate("):
         "tests/test_quickstarts.py::test_the_loop_quickstart_runs_as_written_and_reads_bf16_noise",
     ("docs/quickstart-trl.md", "MonitoredGRPOTrainer"):
@@ -138,3 +140,29 @@ def test_every_runner_is_used():
     used = {(d, m) for d, _, lang, body in BLOCKS if lang in ("python", "py") for (dd, m) in RUNNERS
             if dd == d and m in body}
     assert used == set(RUNNERS), set(RUNNERS) - used
+
+
+#: development records, dated measurements of how this repository was built and calibrated (not instructions)
+RECORDS = {"docs/architecture.md", "docs/benchmarks.md", "docs/worlds.md", "docs/worlds-200.md",
+           "docs/worlds-conflict.md"}
+#: internal words a user cannot act on: the source's article numbers and Chinese, its nickname, our history
+INTERNAL = re.compile(r"第|篇|三态|[\u4e00-\u9fff]|\bissue \d+|\bprevious stop|\bearlier stops?\b|"
+                      r"(?<!random )(?<!torch random )\bseeds?\b(?![=_])|seed's", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if str(d.relative_to(ROOT)) not in RECORDS],
+                         ids=lambda d: str(d.relative_to(ROOT)))
+def test_user_docs_use_user_words(doc):
+    """The source's findings are stated in English with their numbers; an RNG seed is a 'random seed'."""
+    found = [f"{i}: {line.strip()[:120]}" for i, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1)
+             if INTERNAL.search(line.replace("--seed", ""))]
+    assert not found, "\n".join(found)
+
+
+def test_pages_use_user_words():
+    """The alerts' summaries and descriptions, which a pager shows, say nothing internal either."""
+    alerts = yaml.safe_load((ROOT / "rules" / "grpo-alerts.rules.yml").read_text(encoding="utf-8"))
+    for group in alerts["groups"]:
+        for rule in group["rules"]:
+            for text in rule.get("annotations", {}).values():
+                assert not INTERNAL.search(text), (rule["alert"], text)

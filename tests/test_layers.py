@@ -24,7 +24,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "runtime": (4, "runtime"), "recorder": (4, "runtime"), "checks": (4, "runtime"),
     "integrations": (5, "integrations"),
     "cli": (6, "tools"), "bench": (6, "tools"), "demo": (6, "tools"), "mixin": (6, "tools"),
-    "metric_docs": (6, "tools"), "": (6, "tools"),  # the package itself re-exports the public API
+    "metric_docs": (6, "tools"), "reference": (6, "tools"),
+    "": (6, "tools"),  # the package itself re-exports the public API
     # paths kept for imports written before the runtime moved into its folder
     "monitor": (6, "tools"), "monitor_config": (6, "tools"), "guard": (6, "tools"),
 }

@@ -11,7 +11,7 @@ Conventions (binding, checked by :func:`validate` at import time):
 * every label has a bounded set of values: either listed here, or bounded by a named config knob;
 * the ``run`` label is added to every series by the collector and is not listed per metric.
 
-Layers are the seed's signal chain ("信号链四问"): a failure in a layer makes every layer behind it meaningless.
+Layers are the signal chain (four questions): a failure in a layer makes every layer behind it meaningless.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_engine_logprob_gap_nats", SU,
         "Per-token |rollout_logprobs - old_logprobs| on loss tokens: the rollout engine and the trainer "
         "disagreeing on the same token under the same weights, in nats. Quantiles describe the last step; "
-        "_sum/_count are cumulative. Seed: mean < 0.001 healthy, mean >= 0.01 stop training; the 0.01 line "
+        "_sum/_count are cumulative. Mean < 0.001 healthy, mean >= 0.01 stop training; the 0.01 line "
         "applies to the mean, never to the max.",
         G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), quantiles=GAP_QUANTILES,
     ),
@@ -290,7 +290,7 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_engine_logprob_gap_clean_baseline_nats", GA,
         "The run's own clean engine gap: the mean of the per-rollout mean gaps of its first gap_baseline_steps "
         "(20) rollouts, frozen, in nats; absent before. A gap many times it is another probability path even far "
-        "below 0.001 (seed: measure your own clean baseline first).",
+        "below 0.001 (measure your own clean baseline first).",
         G, "nats", inputs=("rollout_logprobs", "old_logprobs", *_TOKEN), source=Source.MONITOR,
     ),
     Metric(
@@ -374,7 +374,7 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_onpolicy_outside_clip_tokens_total", C,
         "Loss tokens whose importance ratio is already outside [1-eps_low, 1+eps_high] on the first update "
-        "of a fresh rollout batch, before any weight changed (seed: 'clip before any update' = stop).",
+        "of a fresh rollout batch, before any weight changed ('clip before any update' = stop).",
         G, "tokens", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN),
     ),
     Metric(
@@ -397,7 +397,7 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_onpolicy_log_ratio_clean_baseline_nats", GA,
         "The run's own recomputation noise: the mean of grpo_onpolicy_log_ratio_abs_max_nats over its first "
         "anchor_steps (20) on-policy updates, frozen, in nats; absent before. An on-policy max |log r| many "
-        "times it is another probability path even inside the clip band (seed: the first update's ratio is 1).",
+        "times it is another probability path even inside the clip band (the first update's ratio is 1).",
         G, "nats", inputs=("logprobs", "old_logprobs", "on_policy", *_TOKEN), source=Source.MONITOR,
     ),
     Metric(
@@ -417,7 +417,7 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_loss_mask_length_mismatch_sequences_total", C,
-        "Sequences with loss tokens whose loss-token count differs from completion_lengths (seed: assert "
+        "Sequences with loss tokens whose loss-token count differs from completion_lengths (assert "
         "loss_mask.sum() == completion tokens).",
         G, "sequences", inputs=("completion_lengths", *_TOKEN),
     ),
@@ -457,7 +457,7 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_grad_norm_spike_steps_total", C,
-        "Optimizer steps whose pre-clip grad norm exceeded grad_spike_factor (10, seed) times the median of the "
+        "Optimizer steps whose pre-clip grad norm exceeded grad_spike_factor (10) times the median of the "
         "previous grad_spike_window_steps non-zero norms, counted in the process: a one-step spike is never "
         "missed between scrapes, and zero norms (no signal-carrying group) never make the median 0.",
         G, "steps", inputs=("grad_norm_pre_clip",), source=Source.MONITOR,
@@ -554,7 +554,7 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_noise_advantage_groups_ratio", GA,
-        "Share of the last rollout batch's groups whose advantage is reward noise made loud (seed 第 4 篇 2.2): "
+        "Share of the last rollout batch's groups whose advantage is reward noise made loud: "
         "the group's reward range is above 0 but below noise_range_fraction (0.01) of the reward's scale "
         "(reward_scale, else the batch's own reward range) and the advantage divides by the group's sigma, which "
         "scales any spread to full size. 0 without sigma-normalisation (advantage_norm none or batch), where a "
@@ -718,7 +718,7 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_all_incorrect_groups_expected_ratio", GA,
         "The all-incorrect part of the zero-variance prediction, E[(1-p)^G] over the batch's prompts (same "
-        "posteriors). The seed reads the two sides apart: all-correct groups beyond their prediction are data "
+        "posteriors). The field notes read the two sides apart: all-correct groups beyond their prediction are data "
         "too easy or a policy learning faster than its history; all-incorrect beyond theirs a verifier or "
         "ability problem, or a policy repeating one answer.",
         S, "ratio", inputs=("all_incorrect_prob",), merge=Merge.RATIO,
@@ -808,7 +808,7 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_regression_completions_total", C,
         "Completions of the mastered-prompt regression set evaluated (observe_regression): a small held set of "
         "prompts the policy already solves, checked every K steps, because a run that filters all-correct groups "
-        "(DAPO dynamic sampling) no longer sees them in training (seed 第 4 篇 (collapse root causes) 4.3).",
+        "(DAPO dynamic sampling) no longer sees them in training.",
         D, "completions", inputs=("regression_correct",), source=Source.MONITOR,
     ),
     Metric(
@@ -820,7 +820,7 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_regression_accuracy_ratio", GA,
         "Accuracy of the last evaluation of the mastered-prompt regression set; its early window (the mean of "
         "the first regression_anchor_evaluations) is published as grpo_run_anchor. An alarm, not a ruler: a set "
-        "of dozens of prompts moves by several points between evaluations (seed 4.3).",
+        "of dozens of prompts moves by several points between evaluations.",
         D, "ratio", inputs=("regression_correct",), source=Source.MONITOR,
     ),
     Metric(
@@ -874,7 +874,7 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_preflight_check_passed", GA,
         "1 when the last run of a preflight check (grpo_exporter.checks, published with "
-        "GRPOMonitor.publish_check) passed, 0 when it failed or could not tell: the seed's 0/1 tests before any "
+        "GRPOMonitor.publish_check) passed, 0 when it failed or could not tell: the 0/1 tests before any "
         "curve (fix, never tune). Absent until a check is published.",
         G, labels=(Label("check", PREFLIGHT_CHECKS),), inputs=("preflight_report",), source=Source.MONITOR,
     ),
@@ -887,7 +887,7 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_recorder_incidents_total", C,
         "Incidents the flight recorder wrote (recorder_dir): last normal, first anomalous and next step of each "
-        "episode of layer-1 triggers, for `grpo-exporter inspect` (seed: 三态保存 before any curve).",
+        "episode of layer-1 triggers, for `grpo-exporter inspect` (the three states to save before reading any curve).",
         G, "incidents", inputs=("recorder_dir",), source=Source.MONITOR,
     ),
     Metric(

@@ -20,12 +20,12 @@ RatioLevel = Literal["token", "sequence"]
 ClipKind = Literal["ppo", "cap", "none"]
 
 #: the band the on-policy check judges each token with when the loss has no per-token PPO band (a sequence-level
-#: ratio, a ratio cap or no hard clip): the seed's default [0.8, 1.2] (第 1 篇 (triage) 1.1)
+#: ratio, a ratio cap or no hard clip): the default [0.8, 1.2])
 DEFAULT_ONPOLICY_EPS = (0.2, 0.2)
 
 
 class MetricsConfig(BaseModel):
-    """Knobs of the metric math. Defaults follow the seed and common GRPO setups."""
+    """Knobs of the metric math. Defaults follow the field notes and common GRPO setups."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -64,7 +64,7 @@ class MetricsConfig(BaseModel):
     )
     noise_range_fraction: float = Field(
         0.01, gt=0.0, lt=1.0, description="a group whose reward range is above 0 but below this fraction of the "
-        "reward's scale, under sigma-normalisation, draws its advantage from reward noise (seed 第 4 篇 2.2): "
+        "reward's scale, under sigma-normalisation, draws its advantage from reward noise: "
         "grpo_noise_advantage_groups_ratio",
     )
     reward_scale: float | None = Field(

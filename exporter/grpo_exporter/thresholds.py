@@ -3,7 +3,7 @@ these fields.
 
 ``MonitorConfig`` (the guard, the in-process event counters) and ``MixinConfig`` (the rules, alerts and
 dashboards) both inherit these models, so a line has one name, one default and one description wherever it
-is set. The numbers are the seed's.
+is set. The numbers are the field notes'.
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class StopLines(BaseModel):
-    """Layer-1 stop criteria (seed 第 6 篇 (crash triage): fix, never tune). Documented once, in docs/exporter.md."""
+    """Layer-1 stop criteria (fix, never tune). Documented once, in docs/exporter.md."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     engine_gap_stop_nats: float = Field(
-        0.01, gt=0, description="the seed's stop line for the mean engine gap (seed: mean >= 0.01 stop and check, "
+        0.01, gt=0, description="the stop line for the mean engine gap (mean >= 0.01 stop and check, "
         "after measuring your own clean baseline; the line applies to the mean, never the max). A clean gap above it "
         "is a notice to confirm once (GRPOEngineLogprobGapCleanLevelHigh); a gap above it and engine_gap_jump_factor "
         "x the accepted level stops (the guard, GRPOEngineLogprobGapCritical)",
     )
     engine_gap_healthy_nats: float = Field(
-        0.001, gt=0, description="mean engine gap below which a run is usually healthy (seed: mean < 0.001): a "
+        0.001, gt=0, description="mean engine gap below which a run is usually healthy (mean < 0.001): a "
         "reference line of the dashboards; the alerts judge the gap against the run's accepted level instead",
     )
     engine_gap_jump_factor: float = Field(
@@ -38,7 +38,7 @@ class StopLines(BaseModel):
     )
     onpolicy_clip_stop_ratio: float = Field(
         0.01, ge=0, lt=1, description="share of loss tokens outside the clip range on an on-policy update above "
-        "which training stops: the guard's stop and GRPORatioClippedBeforeUpdate (seed: clipping before any "
+        "which training stops: the guard's stop and GRPORatioClippedBeforeUpdate (clipping before any "
         "update = stop; 1% leaves room for a stray rounding token, not for a second probability path)",
     )
 
@@ -56,7 +56,7 @@ class EventLines(BaseModel):
 
     grad_spike_factor: float = Field(
         10.0, gt=1, description="a step's pre-clip grad norm above this multiple of the median of the previous "
-        "non-zero norms counts in grpo_grad_norm_spike_steps_total and pages GRPOGradNormSpike (seed: 10x); each "
+        "non-zero norms counts in grpo_grad_norm_spike_steps_total and pages GRPOGradNormSpike (10x); each "
         "norm is taken per share of loss tokens with non-zero advantage (the gradient's dilution), so a "
         "converging run whose steps swing between one mixed group and several is no spike",
     )
@@ -75,7 +75,7 @@ class EventLines(BaseModel):
     )
     gap_baseline_steps: int = Field(
         20, ge=1, description="rollouts whose mean engine gap make the run's own clean gap "
-        "(grpo_engine_logprob_gap_clean_baseline_nats, frozen after them; seed: measure your own clean baseline), "
+        "(grpo_engine_logprob_gap_clean_baseline_nats, frozen after them; measure your own clean baseline), "
         "the accepted level when no reference_baseline gives one",
     )
     gap_clean_factor: float = Field(

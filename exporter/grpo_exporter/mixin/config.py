@@ -4,7 +4,7 @@ Each knob says why you would change it and which alert it feeds. Windows, baseli
 are sized in *steps* from ``step_seconds`` (with a floor in seconds each), so a run of 20-second steps and one
 of 10-minute steps both get windows that hold several steps; all scale with ``time_scale`` (a demo or an
 end-to-end test shrinks every window at once).
-Thresholds are the seed's where it gives one; the others are stated as such.
+Thresholds are the field notes' where they give one; the others are stated as such.
 """
 
 from __future__ import annotations
@@ -118,14 +118,14 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
     # grad_spike_factor, grad_spike_window_steps, grad_spike_min_steps, gap_baseline_steps, gap_clean_factor,
     # gap_floor_nats: EventLines (judged by the exporter or against what it publishes)
     grad_clip_active_ratio: float = Field(
-        0.9, gt=0, le=1, description="GRPOGradClippingEveryStep: share of optimizer steps clipped. Seed: clipping "
+        0.9, gt=0, le=1, description="GRPOGradClippingEveryStep: share of optimizer steps clipped. Clipping "
         "on nearly every step = root cause unsolved."
     )
     grad_clip_carry_factor: float = Field(
         2.0, gt=1, description="GRPOGradClippingEveryStep pages only while the clip carries the update: the median "
         "pre-clip norm over the clip window is at least this multiple of the median post-clip norm (the clip removes "
-        "half of the typical update or more). 2 is the smallest integer scaling error (seed 第 6 篇 (crash triage) "
-        "1.5 步: a norm off by the accumulation steps or world size). A norm steady a little above a configured line "
+        "half of the typical update or more). 2 is the smallest integer scaling error "
+        "(a norm off by the accumulation steps or world size). A norm steady a little above a configured line "
         "is the run's effective learning rate (world 130 of docs/worlds-200.md: 1.25x the line on 84% of its steps), "
         "not a fault."
     )
@@ -169,7 +169,7 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
     ess_drop_factor: float = Field(0.5, gt=0, lt=1, description="GRPOESSDrop: token ESS ratio below this x baseline")
     zero_variance_margin: float = Field(
         0.1, ge=0, lt=1, description="GRPOZeroVarianceAbovePrediction: observed share above the predicted "
-        "E[p^G+(1-p)^G] by more than this (absolute). The seed: never a fixed 50% line."
+        "E[p^G+(1-p)^G] by more than this (absolute). The field notes: never a fixed 50% line."
     )
     lower_clip_min: float = Field(0.05, gt=0, lt=1, description="GRPOLowerClipDominant: lower clip share above")
     upper_clip_max: float = Field(
@@ -185,10 +185,10 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         0.1, gt=0, lt=1, description="GRPOFewGroupsCarrySignal: share of groups with reward variance (the only "
         "ones with a task gradient) below this over a window, while all-correct groups are not 80% of "
         "the zero-variance ones (a learned task is success; all-correct beyond its prediction is "
-        "GRPOZeroVarianceAbovePrediction's). Seed: at 六七成 zero-variance groups filtering already costs a lot; "
+        "GRPOZeroVarianceAbovePrediction's). At 60-70% zero-variance groups filtering already costs a lot; "
         "at 90% the update is decided by a handful of groups"
     )
-    clip_fraction_high: float = Field(0.2, gt=0, lt=1, description="GRPOClipFractionHigh: seed's 20%")
+    clip_fraction_high: float = Field(0.2, gt=0, lt=1, description="GRPOClipFractionHigh: the usual 20% danger line")
     # staleness_max_versions: EventLines (counted by the exporter)
 
     # ---- layer 4 thresholds ----
@@ -199,24 +199,24 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
     )
     entropy_alarm_factor: float = Field(
         0.85, gt=0, lt=1, description="GRPOPolicyCollapseOnset: windowed entropy below this x the run's "
-        "early window is the alarm (the seed: mean entropy is only an alarm line, and it falls in any run that "
+        "early window is the alarm (the field notes: mean entropy is only an alarm line, and it falls in any run that "
         "learns); it pages only while pass@G also falls below the level it held (the run's early window, or its "
         "trailing baseline where that is higher), by more than "
         "`collapse_standard_errors` of its sampling error and than `pass_drop_margin`, and falls towards pass@1 "
-        "(the spread pass@G - pass@1 narrows by `pass_drop_margin`): the seed's collapse, pass@k falling while "
+        "(the spread pass@G - pass@1 narrows by `pass_drop_margin`): the collapse, pass@k falling while "
         "pass@1 holds"
     )
     collapse_standard_errors: float = Field(
         2.5, gt=0, description="GRPOPolicyCollapseOnset: how many standard errors of the difference "
         "between pass@G's windowed mean and the level it held (sqrt(p(1-p)(1/groups + 1/groups)), the groups "
         "each holds) the fall must exceed. More than two: the window is judged afresh at every evaluation. At 10-min "
-        "steps and 16 groups a step, 3 paged a collapse over 8 h (half-way at 4 h) at 7.8 h on its slowest seed of "
-        "8 and 2.5 at 7.3 h, the other seeds within 2.4-3.2 h"
+        "steps and 16 groups a step, 3 paged a collapse over 8 h (half-way at 4 h) at 7.8 h on its slowest random seed "
+        "of 8 and 2.5 at 7.3 h, the others within 2.4-3.2 h"
     )
     collapse_min_groups: int = Field(
         100, ge=1, description="GRPOPolicyCollapseOnset: judged only when the collapse window holds this many "
-        "groups (the seed: dozens of prompts are an alarm, not a ruler). Below it a pass@G near 1 moves by whole "
-        "groups, far from the normal approximation its standard error assumes: at 4 groups a step, 4 failed "
+        "groups (dozens of prompts are an alarm, not a ruler). Below it a pass@G near 1 moves by whole groups, "
+        " far from the normal approximation its standard error assumes: at 4 groups a step, 4 failed "
         "groups of 40 read as a fall of 0.08 from 0.98"
     )
     pass_drop_margin: float = Field(
@@ -236,7 +236,7 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         "GRPOEntropyCollapse compares against it: a run that learned, then declines for hours)"
     )
     unique_ratio_min: float = Field(
-        0.2, gt=0, lt=1, description="GRPODiversityCollapse: distinct completions per group (seed: 16 samples "
+        0.2, gt=0, lt=1, description="GRPODiversityCollapse: distinct completions per group (16 samples "
         "down to 2-3 distinct is collapse), paged only while pass@G falls (`pass_drop_margin` below its trailing "
         "baseline, `peak_drop_margin` below its best, or over the baseline's window `peak_drop_margin` below the "
         "run's early window; each also by its sampling error): identical correct completions are a learned task"
@@ -256,12 +256,12 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
     regression_min_drop: float = Field(
         0.05, gt=0, lt=1, description="GRPOMasteredPromptsRegressed: and by at least this much accuracy: a set "
         "solved without a miss early (pooled p near 1, its noise estimate near 0) must not page on one or two "
-        "misses, and a large set's few-point shift is no forgetting (seed 4.3: dozens of prompts are an alarm, not "
+        "misses, and a large set's few-point shift is no forgetting (dozens of prompts are an alarm, not "
         "a ruler)"
     )
     noise_groups_max: float = Field(
         0.3, gt=0, lt=1, description="GRPOAdvantageFromRewardNoise: the share of groups, over a trend window, whose "
-        "advantage is a sub-1% reward spread scaled to full size by sigma (not the seed's number: the seed says to "
+        "advantage is a sub-1% reward spread scaled to full size by sigma (our number: the field notes say to "
         "watch the range before normalisation; a 0/1 verifier leaves no such group, a weak component's noise can "
         "supply 94-100% of them)"
     )
@@ -271,8 +271,8 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         "constrained run's KL levels off)"
     )
     kl_runaway_min_nats: float = Field(
-        0.5, gt=0, description="GRPOKLToReferenceRunaway: and above this many nats per token (not the seed's: "
-        "our line where a policy is far from its reference by any constrained run we know; below it growth is "
+        0.5, gt=0, description="GRPOKLToReferenceRunaway: and above this many nats per token (not a published line: "
+        "ours, where a policy is far from its reference by any constrained run we know; below it growth is "
         "the ordinary drift of the first hours, 1e-4 to 1e-2 nats, tenfold and harmless)"
     )
     pool_overhead_growth: float = Field(
@@ -281,8 +281,8 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         "1/this of its anchor): filling the batch costs twice the generation it did, the pool shrinking"
     )
     pool_kept_max: float = Field(
-        0.4, gt=0, lt=1, description="GRPODynamicSamplingPoolShrinking: and the kept share at most this: the seed's "
-        "six or seven in ten groups all-correct or all-incorrect (第 4 篇 4.1), where filling the batch takes "
+        0.4, gt=0, lt=1, description="GRPODynamicSamplingPoolShrinking: and the kept share at most this: "
+        "six or seven in ten groups all-correct or all-incorrect, where filling the batch takes "
         "a lot of extra generation; a run that starts there pages only at 1/pool_overhead_growth of its start"
     )
 

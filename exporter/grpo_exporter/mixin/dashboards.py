@@ -112,7 +112,7 @@ def training_health(c: MixinConfig) -> DashboardSpec:
     layer1 = RowSpec("1 · Does the gradient match what I think?", (
         PanelSpec("Do trainer and rollout engine agree on log-probs? (mean gap)",
                   f"Mean |rollout - trainer| log-prob gap on loss tokens against the run's accepted level (the reference "
-                  f"run's, else its own first {c.gap_baseline_steps} rollouts). Seed: < {c.engine_gap_healthy_nats:g} "
+                  f"run's, else its own first {c.gap_baseline_steps} rollouts). < {c.engine_gap_healthy_nats:g} "
                   f"usually healthy, {c.engine_gap_stop_nats:g} stop and check after measuring your own clean baseline "
                   f"(a bf16 engine's noise sits at 0.010-0.018). Warning at {c.gap_clean_factor:g}x the accepted level, "
                   f"critical at {c.engine_gap_jump_factor:g}x it above {c.engine_gap_stop_nats:g}. Judge the mean, never the max.",
@@ -204,7 +204,7 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q(f"max by (run, component) (grpo_reward_group_range_mean{{{SEL}}})", "range {{run}} {{component}}")),
                   "none", min=0),
         PanelSpec("Is the advantage made of reward noise?",
-                  f"Share of groups whose sub-1% reward spread sigma turns into a full-size advantage (trend mean, line at {c.noise_groups_max:g}), and where correctness ties, each component's share of the reward variance: the seed's warning, a model chasing score noise.",
+                  f"Share of groups whose sub-1% reward spread sigma turns into a full-size advantage (trend mean, line at {c.noise_groups_max:g}), and where correctness ties, each component's share of the reward variance: the warning, a model chasing score noise.",
                   (q("run:grpo_noise_advantage_groups:trend_mean", "noise groups {{run}}"),
                    q(f"max by (run, component) (grpo_reward_tied_variance_ratio{{{SEL}}})", "tied variance {{run}} {{component}}")),
                   "percentunit", thresholds=((c.noise_groups_max, "orange"),), min=0),
@@ -276,7 +276,7 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                      f'(rate(grpo_update_tokens_total{{advantage_sign="positive",{SEL}}}[{W}]))', "upper reachable {{run}}")),
                   "percentunit", thresholds=((c.lower_clip_min, "orange"),), min=0),
         PanelSpec("How many tokens lie outside the clip range at all?",
-                  f"Clipped plus opposite-sign out-of-range tokens over the signed (non-zero advantage) update tokens, which alone can be clipped; the seed's danger line is {c.clip_fraction_high:g}.",
+                  f"Clipped plus opposite-sign out-of-range tokens over the signed (non-zero advantage) update tokens, which alone can be clipped; the danger line is {c.clip_fraction_high:g}.",
                   (q("run:grpo_tokens_outside_clip:window_ratio"),),
                   "percentunit", thresholds=((c.clip_fraction_high, "red"),), min=0),
         PanelSpec("How are update tokens split by advantage sign?",
@@ -312,7 +312,7 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q("run:grpo_pass_at_group_size:anchor", "pass@G, early window {{run}}")),
                   "percentunit", min=0),
         PanelSpec("Do completions of one prompt still differ?",
-                  "Distinct completions per group (seed: 2-3 of 16 is collapse) and the median normalised edit distance.",
+                  "Distinct completions per group (2-3 of 16 is collapse) and the median normalised edit distance.",
                   (q(f"max by (run) (grpo_unique_completions_ratio{{{SEL}}})", "distinct {{run}}"),
                    q(f"max by (run) (grpo_edit_distance_median_ratio{{{SEL}}})", "edit distance {{run}}")),
                   "percentunit", thresholds=((c.unique_ratio_min, "orange"),), min=0),

@@ -58,9 +58,9 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "GRPOEngineLogprobGapCleanLevelHigh", Layer.GRADIENT, "engine_logprob_gap_level", "info",
             f"max by ({BY}) (grpo_engine_logprob_gap_clean_baseline_nats{c.matchers()}) >= {c.engine_gap_stop_nats:g} "
             f"unless on({BY}) max by ({BY}) ({ref}{c.matchers(metric='grpo_engine_logprob_gap_mean_nats')})", 0,
-            "The run's own clean engine gap sits above the seed's stop line: confirm it once, then record it.",
+            "The run's own clean engine gap sits above the stop line: confirm it once, then record it.",
             "The clean engine log-prob gap of run {{ $labels.run }} (its first "
-            f"{c.gap_baseline_steps} rollouts) is " + template_value("%.4g") + f" nats, above the seed's stop line "
+            f"{c.gap_baseline_steps} rollouts) is " + template_value("%.4g") + f" nats, above the stop line "
             f"{c.engine_gap_stop_nats:g}. A bf16/fp16 engine is often here (0.010-0.018 on healthy bf16 stacks). "
             "Confirm it with the A/B/C preflight (trainer twice and engine once on frozen weights); if it holds, "
             "record it as reference_baseline grpo_engine_logprob_gap_mean_nats so later runs start from it. The "
