@@ -11,7 +11,7 @@ Conventions (binding, checked by :func:`validate` at import time):
 * every label has a bounded set of values: either listed here, or bounded by a named config knob;
 * the ``run`` label is added to every series by the collector and is not listed per metric.
 
-Layers are the signal chain (four questions): a failure in a layer makes every layer behind it meaningless.
+Layers are the seed's signal chain ("信号链四问"): a failure in a layer makes every layer behind it meaningless.
 """
 
 from __future__ import annotations

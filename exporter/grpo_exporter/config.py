@@ -20,12 +20,12 @@ RatioLevel = Literal["token", "sequence"]
 ClipKind = Literal["ppo", "cap", "none"]
 
 #: the band the on-policy check judges each token with when the loss has no per-token PPO band (a sequence-level
-#: ratio, a ratio cap or no hard clip): the default [0.8, 1.2])
+#: ratio, a ratio cap or no hard clip): the seed's default [0.8, 1.2] (第 1 篇 (triage) 1.1)
 DEFAULT_ONPOLICY_EPS = (0.2, 0.2)
 
 
 class MetricsConfig(BaseModel):
-    """Knobs of the metric math. Defaults follow the field notes and common GRPO setups."""
+    """Knobs of the metric math. Defaults follow the seed and common GRPO setups."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -3,7 +3,7 @@ these fields.
 
 ``MonitorConfig`` (the guard, the in-process event counters) and ``MixinConfig`` (the rules, alerts and
 dashboards) both inherit these models, so a line has one name, one default and one description wherever it
-is set. The numbers are the field notes'.
+is set. The numbers are the seed's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class StopLines(BaseModel):
-    """Layer-1 stop criteria (fix, never tune). Documented once, in docs/exporter.md."""
+    """Layer-1 stop criteria (seed 第 6 篇 (crash triage): fix, never tune). Documented once, in docs/exporter.md."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -4,7 +4,7 @@ Each knob says why you would change it and which alert it feeds. Windows, baseli
 are sized in *steps* from ``step_seconds`` (with a floor in seconds each), so a run of 20-second steps and one
 of 10-minute steps both get windows that hold several steps; all scale with ``time_scale`` (a demo or an
 end-to-end test shrinks every window at once).
-Thresholds are the field notes' where they give one; the others are stated as such.
+Thresholds are the seed's where it gives one; the others are stated as such.
 """
 
 from __future__ import annotations

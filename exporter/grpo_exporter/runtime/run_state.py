@@ -34,7 +34,7 @@ SOLVE_TERMS = "solve_rate_terms"  # the rollout's solve-rate moment terms, carri
 
 
 def engine_gap_notice(run: str, clean: float, stop: float, rollouts: int, runbook_url: str) -> str:
-    """The one notice of a run whose own clean engine gap sits above the stop line."""
+    """The one notice of a run whose own clean engine gap sits above the seed's stop line."""
     return (
         f"grpo-exporter notice [layer 1-gradient] run={run}: the clean engine log-prob gap of the first {rollouts} "
         f"rollouts is {clean:.4g} nats, above the stop line {stop:g}. A bf16/fp16 engine beside its trainer "
@@ -129,7 +129,7 @@ class RunState:
     def after_rollout(self, metrics: Mapping[str, float]) -> Derived:
         """The run's clean engine gap (frozen after ``gap_baseline_steps`` rollouts) and the accepted level the
         gap is judged against: the reference run's gap when configured, else the clean gap. When the clean gap
-        freezes above the stop line with no accepted level configured, one notice says so (a bf16/fp16
+        freezes above the seed's stop line with no accepted level configured, one notice says so (a bf16/fp16
         engine's noise can sit there; the A/B/C preflight confirms it, and the reference records it)."""
         out = Derived()
         gap = metrics.get(catalog.key("grpo_engine_logprob_gap_mean_nats"))

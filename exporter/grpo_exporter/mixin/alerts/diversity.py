@@ -21,7 +21,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
     w = c.window()
     ref = "grpo_reference_baseline"
     # pass@G falling: sharply against its trailing baseline, or slowly against the best the run has shown; by
-    # more than its margin and than the window's own sampling error (how many samples decide): 2 standard
+    # more than its margin and than the window's own sampling error (seed: how many samples decide): 2 standard
     # errors sqrt(p(1-p)/groups) of the window's mean; for the slow leg 4 of the difference to the peak (which
     # is the best of many noisy means); four groups a step of G=16 move pass@G in quanta of 0.25
     pass_g_sharp = (
@@ -39,7 +39,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
         f"on(job, run) clamp_min(2 * {anchor_sampling_error()}, {c.peak_drop_margin:g}))"
     )
     pass_g_falls = f"{pass_g_sharp} or on(job, run) {pass_g_slow} or on(job, run) {pass_g_long}"
-    # the signature early:
+    # the seed's signature early (第 2 篇 ③: pass@1 holds or rises while pass@k falls; entropy only the alarm):
     # pass@G over the collapse window below the level it held by more than their sampling error, and the spread
     # pass@G - pass@1 narrower than early (pass@G falls towards pass@1, not with it), while entropy is below
     # its alarm line. A collapse over 8 h pages within its first half; a task being learned (pass@G holds or
@@ -99,7 +99,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:baseline_median) or "
             "run:grpo_edit_distance_median_ratio:window_mean < on(job, run) "
             f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:anchor)) "
-            # the collapse is pass@k falling: identical completions while pass@G holds are a
+            # the seed's collapse is pass@k falling (第 2 篇 (diversity monitoring) ③): identical completions while pass@G holds are a
             # learned task (one right answer), at any pass@1 and any warm start
             f"and on(job, run) ({pass_g_falls})", 900,
             "Completions of the same prompt became (nearly) identical while pass@G falls.",

@@ -107,7 +107,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
 
 
 def _noise(c: MixinConfig) -> Alert:
-    """Advantage drawn from reward noise (the last bit of variance, when correctness ties, may
+    """Advantage drawn from reward noise (seed 第 4 篇 2.2: the last bit of variance, when correctness ties, may
     come from punctuation, length or a weak component, and sigma-normalisation makes it a full-size signal)."""
     trend = c.window(c.trend_window_steps)
     return Alert(
@@ -125,7 +125,7 @@ def _noise(c: MixinConfig) -> Alert:
 
 
 def _kl(c: MixinConfig) -> list[Alert]:
-    """The KL to the reference where a KL penalty is configured (too strong and nothing is
+    """The KL to the reference where a KL penalty is configured (seed 第 4 篇 一: too strong and nothing is
     learned; implemented wrong, no real constraint): a runaway against its own past, and a KL that stays exactly 0."""
     trend = earlier = c.window(c.trend_window_steps)  # two trend windows side by side: now, and the one before
     penalised = f"and on(job, run) max by ({BY}) (grpo_kl_penalty_coefficient{c.matchers()}) > 0"

@@ -31,7 +31,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
         Alert(
             "GRPOZeroVarianceAbovePrediction", Layer.SAMPLES, "zero_variance", "warning",
             # the zero-variance groups that are not all-correct against their own prediction E[(1-p)^G]: all-correct
-            # groups beyond theirs are the "data too easy" (or a policy learning faster than its history),
+            # groups beyond theirs are the seed's "data too easy" (or a policy learning faster than its history),
             # no alarm; without the split (no correctness, or a prediction without it) the whole share vs E[...]
             # by more than the margin and than 2 standard errors of the observed share over the window's groups
             "run:grpo_unsolved_zero_variance_groups:window_ratio > on(job, run) "
@@ -114,7 +114,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
 
 def _pool(c: MixinConfig) -> Alert:
     """A dynamic-sampling loop's kept share of generated groups over a trend window, against its early window
-    (the batch stays full while the prompt pool shrinks, and the cost is the extra
+    (seed 第 4 篇 4.1 and 4.3: the batch stays full while the prompt pool shrinks, and the cost is the extra
     generation)."""
     early = f'max by ({BY}) (grpo_run_anchor{c.matchers(metric="grpo_kept_groups_ratio")})'
     trend = c.window(c.trend_window_steps)
