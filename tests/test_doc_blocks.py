@@ -166,3 +166,11 @@ def test_pages_use_user_words():
         for rule in group["rules"]:
             for text in rule.get("annotations", {}).values():
                 assert not INTERNAL.search(text), (rule["alert"], text)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_relative_links_point_at_files_that_exist(doc):
+    text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.S | re.M)
+    broken = [target for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+              if "://" not in target and not (doc.parent / target).exists()]
+    assert not broken, broken

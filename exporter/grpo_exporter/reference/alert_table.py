@@ -67,7 +67,7 @@ def silent_when(runbooks: str) -> dict[str, str]:
         name, _, body = section.partition("\n")
         m = re.search(r"\*\*Silent when:?\*\*:?\s*(.*?)(?:\n\s*\n|\Z)", body, flags=re.S)
         if m:
-            found[name.strip()] = " ".join(m[1].split())
+            found[name.strip()] = " ".join(m[1].split()).replace("](#", "](runbooks.md#")
     return found
 
 
