@@ -35,7 +35,8 @@ def _stop(layer: str, severity: str) -> str:
 def _matches(matchers: list[str], labels: dict[str, str]) -> bool:
     for text in matchers:
         m = MATCHER.match(text)
-        assert m is not None, text
+        if m is None:  # the generator writes only this form
+            raise ValueError(f"an inhibit matcher of an unknown form: {text!r}")
         value = labels.get(m["name"], "")
         hit = re.fullmatch(m["value"], value) is not None if "~" in m["op"] else value == m["value"]
         if hit == (m["op"] in ("!=", "!~")):
