@@ -12,8 +12,10 @@ gradients.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import ParamSpec
 
 import torch
@@ -32,9 +34,70 @@ def cached_constant(maxsize: int) -> Callable[[Callable[P, Tensor]], Callable[P,
             with torch.inference_mode(False):
                 return make(*args, **kwargs)
 
-        return functools.lru_cache(maxsize=maxsize)(normal)  # type: ignore[return-value]
+        cached = functools.lru_cache(maxsize=maxsize)(normal)
+
+        @functools.wraps(make)
+        def constant_of(*args: P.args, **kwargs: P.kwargs) -> Tensor:
+            made: dict[str, Tensor] | None = getattr(_tracing, "made", None)
+            if made is None:
+                return cached(*args, **kwargs)  # type: ignore[arg-type]
+            # a traced operator of the program, made once per trace and never kept in the cache; the key is
+            # printed, as a size may be symbolic (unhashable)
+            key = f"{make.__module__}.{make.__qualname__}{args!r}{sorted(kwargs.items())!r}"
+            if key not in made:
+                made[key] = make(*args, **kwargs)
+            return made[key]
+
+        constant_of.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        return constant_of
 
     return wrap
+
+
+_tracing = threading.local()
+
+#: tables of a fixed size, made once per device outside any trace (:func:`table`), which a trace takes as constants
+_TABLES: list[Callable[[str], Tensor]] = []
+
+
+def table(make: Callable[[str], Tensor]) -> Callable[[str], Tensor]:
+    """A constant table of a fixed size per device (its argument: the device's name), cached like
+    :func:`cached_constant`; a trace reads the cached table as a constant of its program, so
+    :func:`prepare_tables` makes every table for the device before a trace starts."""
+    cached = functools.lru_cache(maxsize=8)(make)
+
+    @functools.wraps(make)
+    def made(device: str) -> Tensor:
+        with torch.inference_mode(False):
+            return cached(device)
+
+    made.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    _TABLES.append(made)
+    return made
+
+
+def prepare_tables(device: torch.device) -> None:
+    """Make every :func:`table` for ``device`` (before a trace, which must not make them itself)."""
+    for make in _TABLES:
+        make(str(device))
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """While this thread traces a stage into a program (:mod:`grpo_exporter.step.program`): the cached
+    constants are made as operators of the trace (their sizes may be symbolic), and nothing made from a tracer
+    is kept in a cache."""
+    before = getattr(_tracing, "made", None)
+    _tracing.made = {}
+    try:
+        yield
+    finally:
+        _tracing.made = before
+
+
+def is_tracing() -> bool:
+    """True while this thread traces a stage (:func:`tracing`)."""
+    return getattr(_tracing, "made", None) is not None
 
 
 @cached_constant(maxsize=128)

@@ -13,11 +13,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.constants import cached_constant, constant
+from grpo_exporter.functional.constants import cached_constant, constant, table
 from grpo_exporter.functional.groups import Groups
 from grpo_exporter.functional.histogram import histogram
 from grpo_exporter.functional.histogram_host import TopMean
-from grpo_exporter.functional.reading import Ratio, count, fraction, sum64
+from grpo_exporter.functional.reading import Ratio, count, finite_or_zero, fraction, sum64
 
 
 class Entropy(NamedTuple):
@@ -29,7 +29,7 @@ def entropy_stats(masked: Tensor, tokens: Tensor, top_fraction: float) -> Entrop
     """Mean token entropy over finite loss tokens, and the mean over the top ``top_fraction`` of them, from the
     entropy on loss tokens (fp32, 0 elsewhere) and ``tokens``, its finite loss tokens: a non-finite entropy
     reads 0 and is out of the count."""
-    kept = torch.nan_to_num(masked, nan=0.0, posinf=0.0, neginf=0.0)
+    kept = finite_or_zero(masked)
     top = TopMean(histogram(kept, None, exact_min=False, kept=kept, valid_count=tokens), top_fraction)
     return Entropy(fraction(sum64(kept), tokens), top)
 
@@ -53,11 +53,26 @@ def pass_at_ks(correct: Tensor, groups: Groups, ks: Sequence[int]) -> Ratio:
     return fraction(torch.where(eligible, 1.0 - none_passes, 0.0).sum(dim=0), count(eligible, 0))
 
 
+_TABLE = 1 << 17  # positions whose multipliers are one table per device, which a compiled stage takes as is
+
+
 @cached_constant(maxsize=32)
 def _multipliers(width: int, device: str) -> Tensor:
-    """(width,) fixed random odd 64-bit multipliers, one per position (seeded: the same in every process)."""
+    """(width,) fixed random odd 64-bit multipliers, one per position (seeded: the same in every process): the
+    first ``width`` of one table up to :data:`_TABLE` positions (sliced, so a traced width may be symbolic)."""
+    if width <= _TABLE:
+        return _multiplier_table(device)[:width]
+    return _random_odd(width).to(device)
+
+
+@table
+def _multiplier_table(device: str) -> Tensor:
+    return _random_odd(_TABLE).to(device)
+
+
+def _random_odd(width: int) -> Tensor:
     gen = torch.Generator().manual_seed(0x6772706F)
-    return (torch.randint(-(2**62), 2**62, (width,), generator=gen, dtype=torch.int64) * 2 + 1).to(device)
+    return torch.randint(-(2**62), 2**62, (width,), generator=gen, dtype=torch.int64) * 2 + 1
 
 
 def sequence_hashes(completion_ids: Tensor, positions: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ from grpo_exporter.functional.reading import (
     count,
     count_nonfinite,
     finite,
+    finite_or_zero,
     fraction,
     keep_bits,
     largest,
@@ -105,7 +106,7 @@ def engine_gap_of(
     Seed (第 3 篇 (signal health) §3): mean < 0.001 is usually healthy, mean near or above 0.01 stop and check;
     p99/p99.9 track the worst tokens; max locates samples but never carries the 0.01 line.
     """
-    kept = torch.nan_to_num(difference, nan=0.0, posinf=0.0, neginf=0.0).abs_()
+    kept = finite_or_zero(difference).abs_()
     total = sum64(kept)
     exact_min = 0.0 in quantiles
     valid = loss_mask & finite(difference) if exact_min else None
@@ -235,5 +236,5 @@ def kl_k3_of(d: Tensor, tokens: Tensor) -> Ratio:
     unbiased and non-negative per token. Taken as expm1(d) - d: two passes, and fp32 rounding relative to d
     instead of to 1 (exp(d) - 1 loses the d^2/2 of a policy near its reference). A non-finite d reads 0 (whose
     k3 is 0) and leaves the count."""
-    kept = torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0)
+    kept = finite_or_zero(d)
     return fraction(sum64(torch.expm1(kept).sub_(kept)), tokens)

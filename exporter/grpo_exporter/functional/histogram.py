@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.constants import cached_constant
+from grpo_exporter.functional.constants import cached_constant, is_tracing
 from grpo_exporter.functional.reading import count, f32_bits, filled, keep_bits, largest, smallest, zeroed
 
 MANTISSA_BITS = 7
@@ -87,6 +87,8 @@ def histogram(
     else:
         lowest = _zero(values.device)
     # non-negative fp32 values order as their bits do: an integer max, without the float kernel's NaN checks
+    if is_tracing():
+        return Histogram(counts, lowest, largest(kept, 0.0))
     return Histogram(counts, lowest, largest(kept.view(torch.int32), 0).view(torch.float32))
 
 
@@ -98,7 +100,7 @@ def histograms(x: Tensor, members: Tensor) -> Histogram:
     values = x.float().contiguous()
     rows = _row_offsets(k, values.device).unsqueeze(1)
     keys = torch.where(members, _bucket_keys(values).unsqueeze(0) + rows, k * BUCKETS)
-    counts = torch.bincount(keys.flatten(), minlength=k * BUCKETS + 1)[: k * BUCKETS].view(k, BUCKETS)
+    counts = key_counts(keys.flatten(), k * BUCKETS + 1)[: k * BUCKETS].view(k, BUCKETS)
     lowest = torch.where(members, values, math.inf).amin(dim=1)
     highest = torch.where(members, values, 0.0).amax(dim=1)
     return Histogram(counts, lowest, highest)
@@ -120,8 +122,21 @@ def _banked_counts(values: Tensor) -> Tensor:
     implementation choices). The bank is folded into the subtraction the keys take anyway: three passes over the bits
     (clamp, subtract, shift) and the count."""
     values = values.reshape(1) if values.dim() == 0 else values
+    if is_tracing():  # compiled, the scatter's adds are atomic: no bank to spread them over
+        return key_counts(_bucket_keys(values).flatten(), BUCKETS)
     keys = _bucket_keys(values, _bank_offsets(values.shape[-1], values.device))
-    return torch.bincount(keys.flatten(), minlength=BANKS * BUCKETS).view(BANKS, BUCKETS).sum(0)
+    return key_counts(keys.flatten(), BANKS * BUCKETS).view(BANKS, BUCKETS).sum(0)
+
+
+def key_counts(keys: Tensor, size: int) -> Tensor:
+    """(size,) int64 counts of the integer ``keys`` (each in [0, size)): ``bincount`` eagerly; in a traced
+    stage (:func:`~grpo_exporter.functional.constants.is_tracing`) an accumulating scatter into ``size`` bins,
+    whose length is known from the shapes (``bincount``'s depends on the largest key) and which the compiler
+    fuses with the keys' arithmetic (no keys tensor in memory)."""
+    if is_tracing():
+        ones = torch.ones((), dtype=torch.int64, device=keys.device).expand(keys.shape)
+        return torch.zeros(size, dtype=torch.int64, device=keys.device).scatter_add_(0, keys.long(), ones)
+    return torch.bincount(keys, minlength=size)
 
 
 BANKS = 3  # the largest count whose bank offsets keep every key's bits below 2^31

@@ -30,9 +30,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.histogram import histogram
+from grpo_exporter.functional.histogram import histogram, key_counts
 from grpo_exporter.functional.histogram_host import Quantiles
-from grpo_exporter.functional.reading import Ratio, count, finite, fraction, keep_bits, sum64, zeroed
+from grpo_exporter.functional.reading import Ratio, count, finite, finite_or_zero, fraction, keep_bits, sum64, zeroed
 
 LOG_WEIGHT_BOUND = 20.0  # |log w| clamp before exp (verl SAFETY_BOUND): finite readings for any gap
 
@@ -61,7 +61,7 @@ def mismatch_of(
     """The mismatch readings of ``difference`` = rollout_logprobs - old_logprobs on the loss mask (fp32, 0
     elsewhere, (N, T)); ``tokens``: its finite loss tokens (the engine gap's count); ``cap``: the
     rollout-correction cap whose truncated / masked share is counted (None: not counted)."""
-    delta = torch.nan_to_num(difference, nan=0.0, posinf=0.0, neginf=0.0)
+    delta = finite_or_zero(difference)
     log_w = delta.neg().clamp_(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)  # 0 off the mask and where non-finite
     w = torch.exp(log_w)
     k3 = torch.expm1(log_w).sub_(log_w)  # exp(l) - 1 - l, rounding relative to l (as the ref KL's k3)
@@ -123,5 +123,5 @@ def turn_gaps(gap: Tensor, scored: Tensor, tool_mask: Tensor, turns: int) -> lis
     turn"), which one mean over all tokens hides."""
     turn = torch.where(scored, turn_index(tool_mask, turns), 0).flatten()
     totals = torch.zeros(turns + 1, dtype=torch.float64, device=gap.device).index_add_(0, turn, gap.flatten().double())
-    counts = torch.bincount(turn, minlength=turns + 1)
+    counts = key_counts(turn, turns + 1)
     return [fraction(totals[k], counts[k]) for k in range(1, turns + 1)]

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.constants import cached_constant
+from grpo_exporter.functional.constants import cached_constant, is_tracing
 
 
 class Reading(NamedTuple):
@@ -127,7 +127,7 @@ def keep_bits(mask: Tensor) -> Tensor:
     """``mask`` in the form :func:`zeroed` and :func:`filled` read fastest, built once per mask: int32 words,
     all ones where ``mask`` and 0 elsewhere (ANDed with fp32 bits they keep a value or make it +0.0); below
     :data:`SMALL` positions the bool mask itself."""
-    return mask if mask.numel() < SMALL else mask.to(torch.int32).neg_()
+    return mask if mask.numel() < SMALL or is_tracing() else mask.to(torch.int32).neg_()
 
 
 def zeroed(x: Tensor, mask: Tensor) -> Tensor:
@@ -156,7 +156,7 @@ def filled(x: Tensor, mask: Tensor, fill: float) -> Tensor:
 
 def _bits(x: Tensor, mask: Tensor) -> Tensor:
     """Words for a bool ``mask`` against a large ``x`` (a per-row mask may broadcast over a large one)."""
-    if mask.dtype == torch.bool and max(x.numel(), mask.numel()) >= SMALL:
+    if mask.dtype == torch.bool and max(x.numel(), mask.numel()) >= SMALL and not is_tracing():
         return mask.to(torch.int32).neg_()
     return mask
 
@@ -176,6 +176,14 @@ def finite(x: Tensor) -> Tensor:
     return x.abs() < math.inf
 
 
+def finite_or_zero(x: Tensor) -> Tensor:
+    """``x`` with NaN and +-inf read as 0 (``nan_to_num`` eagerly; compiled, a ``where`` on :func:`finite`,
+    which vectorises where ``isnan`` does not)."""
+    if is_tracing():
+        return torch.where(finite(x), x, 0.0)
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def nonfinite(x: Tensor) -> Tensor:
     """Bool tensor: ``x`` is NaN or +-Inf (see :func:`finite`)."""
     if not x.is_floating_point():
@@ -191,6 +199,8 @@ def count_nonfinite(x: Tensor, scratch: Tensor | None = None) -> Tensor:
     shape and dtype to write ``x - x`` into (a count per tensor of a step reuses one)."""
     if not x.is_floating_point():
         return torch.zeros((), dtype=torch.int64, device=x.device)
+    if is_tracing():  # compiled, the comparison fuses into the pass that reads ``x`` anyway
+        return nonfinite(x).sum()
     difference = x - x if scratch is None else torch.sub(x, x, out=scratch)
     return torch.count_nonzero(difference.view(_SAME_WIDTH_INT[x.element_size()]))
 
@@ -203,6 +213,8 @@ def count(mask: Tensor, dim: int | None = None) -> Tensor:
     tensor faster than ``sum``. Along ``dim``: the bytes summed as uint8 into int32 (a count per row of a token
     tensor, far below 2^31), faster than ``count_nonzero`` along a dimension or ``any`` (CPU; the ratios are in
     docs/benchmarks.md, implementation choices)."""
+    if is_tracing() and mask.dtype == torch.bool:  # compiled: a plain sum vectorises, a bytes view does not
+        return mask.sum() if dim is None else mask.sum(dim=dim, dtype=torch.int32)
     if dim is None:
         return torch.count_nonzero(mask)
     if mask.dtype != torch.bool:

@@ -26,6 +26,7 @@ from grpo_exporter.functional.reading import (
     count_nonfinite,
     filled,
     finite,
+    finite_or_zero,
     fraction,
     keep_bits,
     largest,
@@ -244,7 +245,7 @@ def importance_weights(log_ratios: LogRatio, quantiles: Sequence[float], tokens:
     kept = zeroed(log_ratios.ratio, log_ratios.keep)
     h = histogram(log_ratios.ratio, log_ratios.valid, 0.0 in quantiles, log_ratios.keep, kept, tokens)
     weights = Quantiles(h, quantiles)
-    return ImportanceWeights(weights, sum64(torch.nan_to_num(kept, posinf=0.0)), tokens - count_nonfinite(kept))
+    return ImportanceWeights(weights, sum64(finite_or_zero(kept)), tokens - count_nonfinite(kept))
 
 
 class ZeroVariance(NamedTuple):

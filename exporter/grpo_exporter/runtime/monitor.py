@@ -36,6 +36,7 @@ from grpo_exporter.checks import ABCReport, AccumulationReport, MaskTableReport,
 from grpo_exporter.keywords import UPDATE_FIELDS, RolloutFields, UpdateFields, check_keywords
 from grpo_exporter.runtime import evaluations, guard
 from grpo_exporter.runtime.assembly import assemble
+from grpo_exporter.runtime.compilation import CompiledStages
 from grpo_exporter.runtime.monitor_config import MonitorConfig
 
 PreflightReport = ABCReport | AccumulationReport | ReachReport | MaskTableReport
@@ -220,6 +221,12 @@ class GRPOMonitor:
         if self._stages.recorder is not None:
             self._stages.recorder.wait(timeout)
 
+    @property
+    def compilation(self) -> CompiledStages:
+        """The compiled stages' state (``compile_step``): programs ready, compilations, fallbacks by reason;
+        ``compilation.wait()`` blocks until the compiler thread is idle (a warm-up before timing)."""
+        return self._stages.compiled
+
     def close(self) -> None:
         """Publish what is pending, mark the run finished (``grpo_run_finished`` 1: a normal end pages nothing),
         and stop serving once a scrape has seen it. Idempotent; observe calls after it raise."""
@@ -235,6 +242,7 @@ class GRPOMonitor:
             self._publication.merge({catalog.key("grpo_run_finished"): 1.0})
             self._publication.publish()
         self._closed = True
+        self._stages.compiled.close()
         self._stages.edit_worker.shutdown()
         self._endpoint.close(self.config.close_linger_s)
 

@@ -117,6 +117,15 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         30.0, ge=0, description="after close() marks the run finished, keep serving until one more scrape (at most "
         "this long; not at all when nothing ever scraped): Prometheus must see the normal end, or it pages",
     )
+    compile_step: Literal["auto", "off"] = Field(
+        "off", description="`auto` (experimental): each stage's per-token work runs as one program compiled by "
+        "torch.compile (inductor), made on a background thread at the first step of each kind and used once ready "
+        "(the eager step serves until then, and wherever compiling fails: counted and logged once); `off`: eager only",
+    )
+    compile_min_positions: int = Field(
+        1 << 16, ge=0, description="N x T below which a stage runs eagerly even with compile_step=auto: there a "
+        "step costs its fixed cost, which the compiled program does not lower (docs/benchmarks.md)",
+    )
     edit_distance_groups: int = Field(
         4, ge=0, description="groups per rollout whose in-group edit distance is computed off-thread; 0 = off"
     )

@@ -24,6 +24,7 @@ from grpo_exporter.ranks import distributed
 from grpo_exporter.recorder import FlightRecorder
 from grpo_exporter.runtime import guard
 from grpo_exporter.runtime.background import EditDistanceWorker, edit_distance_carry
+from grpo_exporter.runtime.compilation import CompiledStages
 from grpo_exporter.runtime.evaluations import Evaluation
 from grpo_exporter.runtime.monitor_config import MonitorConfig
 from grpo_exporter.runtime.param_sample import sample_parameters
@@ -73,6 +74,7 @@ class Stages:
     ) -> None:
         self.config, self.state, self.publication, self.report = config, state, publication, report
         self.reducer, self.stitcher, self.edit_worker, self.recorder = reducer, stitcher, edit_worker, recorder
+        self.compiled = CompiledStages(config, config.compile_step, config.compile_min_positions)
 
     # ---- the rollout -----------------------------------------------------------------------------------
 
@@ -219,10 +221,14 @@ class Stages:
         if inputs is not None and inputs.empty and self.report.due(f"empty:{stage}"):
             log.info("grpo-exporter: stage %r got an empty batch (N=0 completions): its metrics are skipped for "
                      "this step, not counted as an error (said at most once a minute)", stage)
-        result = compute_step_carrying(
-            inputs if inputs is not None else StepInputs(), self.config, carry, self.config.strict, merger,
-            STAGE_BLOCKS[stage], failed_inputs=failed or inputs is None,
-        )
+        result = None
+        if merger is None and inputs is not None:  # the rank merge's parts are the eager step's (for now)
+            result = self.compiled.compute(STAGE_BLOCKS[stage], inputs, carry, failed)
+        if result is None:
+            result = compute_step_carrying(
+                inputs if inputs is not None else StepInputs(), self.config, carry, self.config.strict, merger,
+                STAGE_BLOCKS[stage], failed_inputs=failed or inputs is None,
+            )
         if merger is not None:
             result = merger.apply(result)
             if self.config.strict and result.errors:

@@ -115,8 +115,25 @@ def _bucket_keys(name: str, labels: tuple[tuple[str, str], ...]) -> tuple[Sample
                  for b in (*family.buckets, math.inf))
 
 
+class Staged(NamedTuple):
+    """Where a stage's readings lie in its transferred block: the packed values, the regions, and whether the
+    rank merge's parts are in it."""
+
+    packed: Packed
+    layout: TransferLayout
+    merged: bool
+
+
+class LateCounts(Exception):  # noqa: N818 -- a signal to the compiled stage's caller, not an error
+    """A compiled stage's block says some witnessed non-finite counts must be taken from their tensors, which
+    only the eager step holds: the caller computes the step eagerly."""
+
+
 class Gather:
-    """Collects readings keyed by catalogue sample keys, then transfers them to the host in one go."""
+    """Collects readings keyed by catalogue sample keys, then transfers them to the host in one go. ``traced``:
+    the readings are a compiled stage's trace (:mod:`grpo_exporter.step.program`), whose tensors are gone."""
+
+    traced = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -131,7 +148,7 @@ class Gather:
         if isinstance(value, Element):
             self.entries.append(Entry(key, always(value.vector), value.index))
             return
-        if isinstance(value, (int, float)):
+        if isinstance(value, (int, float, torch.SymInt)):  # a host number (a size, when traced: symbolic)
             value = scalar(value, torch.float64, self.device)
         if isinstance(value, Tensor):
             value = always(value)
@@ -181,6 +198,13 @@ class Gather:
         numeric mask holding other values than 0 and 1), with ``merger`` what the merge across ranks needs,
         and the carried vectors; then, on the host, the checks. The carried vectors stay CPU tensors (views of
         the transferred block): whoever reads them converts them, off the training thread."""
+        block, staged = self.staged(merger)
+        host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
+        return self.read(host, staged, stage_tags)
+
+    def staged(self, merger: Merger | None) -> tuple[Tensor, Staged]:
+        """The device block of every reading (packed, one ``cat``) and where each lies in it. A compiled stage
+        (:mod:`grpo_exporter.step.program`) traces this far, and reads its block with the traced layout."""
         packed_parts = pack(self.entries)
         parts = list(packed_parts.parts)
         if self.checks:
@@ -200,13 +224,26 @@ class Gather:
         if not any(p.dtype == torch.float64 for p in parts):  # cat promotes the parts to their widest dtype
             parts.append(torch.zeros(0, dtype=torch.float64, device=self.device))
         block = torch.cat(parts)  # every part converted to fp64 in the copy (bools, counts, fp32/bf16 values)
-        host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
+        return block, Staged(packed_parts, layout, extra is not None)
+
+    def read(self, host: Tensor, staged: Staged, stage_tags: set[str]) -> StepResult:
+        """The step's result from its block on the host (:meth:`staged`'s layout): values, checks, carried
+        vectors, the merger's parts."""
+        layout = staged.layout
         packed = host[: layout.listed].tolist()
         with on_host_copy():
-            metrics, families = self._read(host, packed, packed_parts, layout, stage_tags)
+            metrics, families = self._read(host, packed, staged.packed, layout, stage_tags)
         carried = {name: host[start : start + width] for name, start, width in layout.carried_at()}
-        merge_host = packed[layout.merge_at : layout.listed] if extra is not None else None
+        merge_host = packed[layout.merge_at : layout.listed] if staged.merged else None
         return StepResult(metrics, carried, self.errors, families, frozenset(self.failed), merge_host)
+
+    def reader(self) -> Gather:
+        """A gather with these readings' layout and fresh errors, to read another block of the same layout."""
+        other = Gather(self.device)
+        other.entries, other.carried, other.checks = self.entries, self.carried, self.checks
+        other.errors, other.failed = list(self.errors), set(self.failed)
+        other.traced = self.traced
+        return other
 
     def _read(
         self, host: Tensor, packed: list[float], packed_parts: Packed, layout: TransferLayout, stage_tags: set[str],
@@ -239,6 +276,8 @@ class Gather:
                 else:
                     out[e.key] = 0.0
         if late:
+            if self.traced:
+                raise LateCounts(len(late))
             out |= zip((key for key, _ in late), counts_after_transfer([t for _, t in late]), strict=True)
         families = frozenset(catalog.family_of(sample).name for sample in {e.key.sample for e in self.entries})
         for (name, _), bad in zip(self.checks, packed[layout.checks_at : layout.merge_at], strict=True):

@@ -190,12 +190,13 @@ def reading_host_copy() -> bool:
     return getattr(_host, "active", False)
 
 
-def scalar(value: Tensor | float, dtype: torch.dtype, device: torch.device) -> Tensor:
+def scalar(value: Tensor | float | torch.SymInt, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``value`` as a tensor of ``dtype`` on ``device``: a Python number by a fill (a kernel; ``as_tensor`` of a
     number is a copy from host memory, on an accelerator a blocking one that waits for the training stream)."""
     if isinstance(value, Tensor):
         return value.to(device=device, dtype=dtype)
-    return torch.full((), float(value), dtype=dtype, device=device)
+    fill = value if isinstance(value, torch.SymInt) else float(value)  # a traced size stays symbolic
+    return torch.full((), fill, dtype=dtype, device=device)  # type: ignore[arg-type]
 
 
 def counts_after_transfer(tensors: list[Tensor]) -> list[float]:

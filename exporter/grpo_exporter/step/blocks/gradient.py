@@ -177,7 +177,7 @@ def grad_norms(out: Gather, ctx: Context) -> None:
         out.add("grpo_grad_norm_post_clip", scalar(post, torch.float32, out.device))
     limit = x.max_grad_norm
     if limit is not None:
-        above = pre_t > (limit.to(out.device) if isinstance(limit, Tensor) else float(limit))
+        above = pre_t > (limit.to(out.device, pre_t.dtype) if isinstance(limit, Tensor) else float(limit))
         out.add("grpo_grad_clip_active_steps_total", above.to(torch.int64))
 
 
@@ -187,4 +187,4 @@ def update_size(out: Gather, ctx: Context) -> None:
     if x.params_before is not None and x.params_after is not None:
         out.add("grpo_param_relative_update", gradient.relative_update(x.params_before, x.params_after))
     if x.policy_version is not None and x.rollout_policy_version is not None:
-        out.add("grpo_rollout_staleness_versions", float(x.policy_version - x.rollout_policy_version))
+        out.add("grpo_rollout_staleness_versions", x.policy_version - x.rollout_policy_version)

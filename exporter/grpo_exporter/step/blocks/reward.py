@@ -17,7 +17,7 @@ from grpo_exporter.step.registry import produces
 @produces("grpo_completions_total", stages=("rollout",))
 def completions(out: Gather, ctx: Context) -> None:
     if ctx.x.rewards is not None:
-        out.add("grpo_completions_total", float(ctx.x.rewards.shape[0]))
+        out.add("grpo_completions_total", ctx.x.rewards.shape[0])
 
 
 @produces("grpo_reward_mean", "grpo_reward_group_std_mean", "grpo_reward_group_range_mean", stages=("rollout",))
@@ -92,8 +92,8 @@ def agent_loop(out: Gather, ctx: Context) -> None:
         stats = reward.length_stats(x.turns, [torch.ones_like(x.turns, dtype=torch.bool)], qs)
         out.summary("grpo_completion_turns", Element(stats.totals, 0), Element(stats.counts, 0), stats.quantiles[0], qs)
     if x.tool_calls is not None:
-        out.add("grpo_tool_calls_total", float(x.tool_calls))
+        out.add("grpo_tool_calls_total", x.tool_calls)
     if x.tool_failures is not None:
-        out.add("grpo_tool_call_failures_total", float(x.tool_failures))
+        out.add("grpo_tool_call_failures_total", x.tool_failures)
     if x.partial is not None:
         out.add("grpo_partial_completions_total", x.partial.sum())

@@ -44,7 +44,7 @@ def token_staleness(out: Gather, ctx: Context) -> None:
 @produces("grpo_aborted_completions_total", stages=("rollout",))
 def aborted(out: Gather, ctx: Context) -> None:
     if ctx.x.aborted_completions is not None:
-        out.add("grpo_aborted_completions_total", float(ctx.x.aborted_completions))
+        out.add("grpo_aborted_completions_total", ctx.x.aborted_completions)
 
 
 @produces("grpo_ess_ratio", "grpo_importance_weight", "grpo_token_importance_weight", stages=("update",))
@@ -125,11 +125,11 @@ def dynamic_sampling(out: Gather, ctx: Context) -> None:
     groups it generated, beside the zero-variance share), taken as counted."""
     x = ctx.x
     if x.generated_groups is not None:
-        out.add("grpo_generated_groups_total", float(x.generated_groups))
+        out.add("grpo_generated_groups_total", x.generated_groups)
     for outcome, count in (("all_correct", x.filtered_all_correct_groups),
                            ("all_incorrect", x.filtered_all_incorrect_groups)):
         if count is not None:
-            out.add("grpo_filtered_groups_total", float(count), outcome=outcome)
+            out.add("grpo_filtered_groups_total", count, outcome=outcome)
 
 
 @produces("grpo_mixed_group_solve_rate_ratio", stages=("rollout",))

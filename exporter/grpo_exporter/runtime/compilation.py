@@ -1,0 +1,202 @@
+"""The compiled stages of one monitor (:mod:`grpo_exporter.step.program`): made on a background thread, used
+when ready, the eager step otherwise.
+
+A stage call asks :meth:`CompiledStages.compute` first. Below ``compile_min_positions`` (N x T) the eager step
+serves: there a step costs its fixed cost, which compilation does not lower. Otherwise a ready program whose
+guards admit the step's sizes computes it; when none does, the eager step serves this step and the call's
+signature and sizes (host facts, no tensor) go to the compiler thread, which traces the stage on zeros of those
+sizes, compiles the program and runs it once: no training step waits on compilation. The thread holds a lock
+while it compiles; a stage call that finds it held runs eagerly (``torch.compiler.set_stance`` is process-wide,
+and a step must never compile on the training thread: the compiled call runs with ``fail_on_recompile``).
+
+Every way of not using a compiled program is counted by reason (:attr:`CompiledStages.fallbacks`) and the
+first of each reason is logged once: ``compiler`` (tracing or compiling failed: that signature stays eager),
+``run`` (a compiled call raised: that signature stays eager), ``recompile`` (the compiled call would have
+recompiled: refused, and the variant is compiled in the background), ``late`` (a non-finite log-prob on a loss
+token: the eager step takes the counts it needs), ``busy``, ``pending``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_exporter.config import MetricsConfig
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.step import program as step_program
+from grpo_exporter.step.gather import LateCounts, StepResult
+from grpo_exporter.step.program import Signature
+from grpo_exporter.step.registry import Block
+
+log = logging.getLogger("grpo_exporter")
+
+MAX_PROGRAMS = 4  # per signature: size classes whose traces took different branches (small / large tensors)
+OPTIONS = {"compile_threads": 1}  # no compile worker processes inside a training process
+
+Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
+
+
+def meta(t: Tensor) -> Meta:
+    return tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.is_inference()
+
+
+def examples(metas: Sequence[Meta]) -> list[Tensor]:
+    """Zero tensors of these sizes, strides, dtypes and devices, inference tensors where the step's were (the
+    compiled call's guards tell them apart): a trace's and a warm-up's arguments."""
+    out = []
+    for size, stride, dtype, device, inference in metas:
+        with torch.inference_mode(inference):
+            out.append(torch.empty_strided(size, stride, dtype=dtype, device=device).zero_())
+    return out
+
+
+@dataclass
+class Ready:
+    """A compiled program and what it took to make."""
+
+    program: step_program.Program
+    runner: step_program.Runner
+    seconds: float
+
+
+@dataclass
+class CompiledStages:
+    """Per-monitor state of compilation: the ``ready`` programs by signature, the compiler thread's queue, and
+    the counts the bench and the logs read. ``mode``: "auto" (compile above ``min_positions``) or "off"."""
+
+    config: MetricsConfig
+    mode: str = "auto"
+    min_positions: int = 1 << 16
+    ready: dict[Signature, list[Ready]] = field(default_factory=dict)
+    refused: dict[Signature, str] = field(default_factory=dict)
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    compiled_steps: int = 0
+    compiles: int = 0
+    first_compile_s: float | None = None
+    _pending: set[tuple[Signature, tuple[Meta, ...] | None]] = field(default_factory=set)
+    _queue: queue.Queue[Any] = field(default_factory=queue.Queue)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _thread: threading.Thread | None = None
+    _closed: bool = False
+
+    def compute(self, blocks: Sequence[Block], inputs: StepInputs, carry: dict[str, Tensor], failed: bool,
+                ) -> StepResult | None:
+        """The stage's step by a compiled program, or None when the eager step must serve (counted, and a
+        program queued when one could serve it)."""
+        if self.mode == "off" or self._closed or inputs.empty or _positions(inputs) < self.min_positions:
+            return None
+        sig = step_program.signature(blocks, inputs, carry, failed)
+        if sig in self.refused:
+            return None
+        args = step_program.leaves(inputs, carry)
+        ready = next((r for r in self.ready.get(sig, ()) if r.program.admits(args)), None)
+        if ready is None:
+            self._request(sig, blocks, args, None)
+            return None
+        if not self._lock.acquire(blocking=False):
+            self._fallback("busy")
+            return None
+        try:
+            with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+                result = step_program.run(ready.program, ready.runner, args, {t for b in blocks for t in b.tags})
+        except LateCounts:
+            self._fallback("late")
+            return None
+        except Exception as exc:  # the compiled call failed: this step and signature are eager's
+            if "recompile" in str(exc).lower():
+                self._fallback("recompile", exc)
+                self._request(sig, blocks, args, ready)
+            else:
+                self.refused[sig] = f"run: {exc!r}"
+                self._fallback("run", exc)
+            return None
+        finally:
+            self._lock.release()
+        self.compiled_steps += 1
+        return result
+
+    def _request(self, sig: Signature, blocks: Sequence[Block], args: Sequence[Tensor],
+                 ready: Ready | None) -> None:
+        """Queue a trace and compilation (``ready`` None) or a warm-up of ``ready`` for these sizes."""
+        metas = tuple(meta(t) for t in args)
+        key = (sig, None if ready is None else metas)  # one trace of a signature at a time
+        if key in self._pending or (ready is None and len(self.ready.get(sig, ())) >= MAX_PROGRAMS):
+            self._fallback("pending")
+            return
+        self._pending.add(key)
+        self._fallback("pending")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="grpo-exporter-compile", daemon=True)
+            self._thread.start()
+        self._queue.put((key, sig, tuple(blocks), metas, ready))
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            key, sig, blocks, metas, ready = job
+            try:
+                with self._lock:
+                    self._build(sig, blocks, metas, ready)
+            except Exception as exc:  # a compiler missing or failing: this signature stays eager
+                self.refused[sig] = f"compiler: {exc!r}"
+                self._fallback("compiler", exc)
+            finally:
+                self._pending.discard(key)
+
+    def _build(self, sig: Signature, blocks: Sequence[Block], metas: Sequence[Meta],
+               ready: Ready | None) -> None:
+        start = time.perf_counter()
+        args = examples(metas)
+        device = metas[0][3] if metas else torch.device("cpu")
+        if ready is None:
+            program = step_program.trace(blocks, self.config, sig, args, device)
+            ready = Ready(program, step_program.compile_program(program, OPTIONS), 0.0)
+        with torch.inference_mode():
+            ready.runner(*args)  # compiles here, off the training thread
+        ready.seconds = time.perf_counter() - start
+        self.compiles += 1
+        if self.first_compile_s is None:
+            self.first_compile_s = ready.seconds
+        known = self.ready.setdefault(sig, [])
+        if ready not in known:
+            known.append(ready)
+        log.info("grpo-exporter: compiled the %s stage's program in %.1f s (%d compiled so far)",
+                 "/".join(sig.stage[:1]) or "?", ready.seconds, self.compiles)
+
+    def _fallback(self, reason: str, exc: BaseException | None = None) -> None:
+        self.fallbacks[reason] += 1
+        if exc is not None and self.fallbacks[reason] == 1:
+            log.warning("grpo-exporter: the compiled step fell back to eager (%s: %r); counted, said once", reason,
+                        exc)
+
+    def wait(self, timeout_s: float = 600.0) -> bool:
+        """Block until the compiler thread has nothing queued (for warm-ups, benches and tests): True if idle."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self._pending
+
+    def close(self) -> None:
+        """Stop the compiler thread after its current job (a compilation in progress runs to its end)."""
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+
+
+def _positions(inputs: StepInputs) -> int:
+    """N x T of the stage's token tensors (0 without any): the size that decides eager or compiled."""
+    for t in (inputs.loss_mask, inputs.logprobs, inputs.old_logprobs, inputs.completion_ids):
+        if t is not None:
+            return t.numel()
+    return 0

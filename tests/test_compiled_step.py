@@ -1,0 +1,188 @@
+"""The compiled stage (:mod:`grpo_exporter.step.program`, :mod:`grpo_exporter.runtime.compilation`): the same
+readings as the eager step on random, heavy-tailed, all-masked and non-finite inputs; a compiler that fails
+falls back to eager, counted; no step waits on compilation."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from grpo_exporter.bench import monitor_step, new_monitor, workload
+from grpo_exporter.config import MetricsConfig
+from grpo_exporter.inputs import StepInputs
+from grpo_exporter.runtime.compilation import CompiledStages
+from grpo_exporter.step import ROLLOUT_BLOCKS, UPDATE_BLOCKS, compute_step_carrying
+from grpo_exporter.step import program as step_program
+
+CFG = MetricsConfig(group_size=16)
+
+
+def _stages(w: workload.Workload) -> dict[str, tuple[dict, tuple]]:
+    rollout = {"rewards": w.rewards, "correct": w.correct, "truncated": w.truncated, "rollout_logprobs": w.rollout,
+               "old_logprobs": w.old, "loss_mask": w.mask, "completion_lengths": w.lengths,
+               "completion_ids": w.completion_ids}
+    update = {"logprobs": w.new, "old_logprobs": w.old, "ref_logprobs": w.ref, "entropy": w.entropy,
+              "advantages": w.advantages, "loss_mask": w.mask, "on_policy": True,
+              "grad_norm_pre_clip": torch.ones(()), "max_grad_norm": 1.0, "policy_version": 7,
+              "rollout_policy_version": 5}
+    return {"rollout": (rollout, ROLLOUT_BLOCKS), "update": (update, UPDATE_BLOCKS)}
+
+
+#: the two size classes a trace tells apart (N x T below 2^16: bool masks; above: the large-tensor path), each
+#: traced at its first size and run at both: one program serves every N and T of its class
+CLASSES = {"small": (10_000, 30_000), "large": (60_000, 250_000)}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[tuple[str, str], tuple[step_program.Program, step_program.Runner]]:
+    """One program per stage and size class, traced at the class's first size, compiled once for the module."""
+    out = {}
+    for name, (first, _) in CLASSES.items():
+        for stage, (fields, blocks) in _stages(workload.make(first)).items():
+            x = StepInputs(**fields)
+            sig = step_program.signature(blocks, x, {}, False)
+            program = step_program.trace(blocks, CFG, sig, step_program.leaves(x, {}), x.device)
+            out[name, stage] = (program, step_program.compile_program(program, {"compile_threads": 1}))
+    return out
+
+
+def _variants(w: workload.Workload, kind: str) -> workload.Workload:
+    g = torch.Generator().manual_seed(3)
+    if kind == "heavy":  # log-ratios and gaps with Cauchy tails: ratios far outside the clip, weights huge
+        noise = torch.distributions.Cauchy(0.0, 0.5).sample(w.new.shape)
+        return workload.Workload(**{**w.__dict__, "new": w.old + noise.clamp(-60, 60),
+                                    "rollout": w.old + torch.randn(w.old.shape, generator=g).abs() * 0.3})
+    if kind == "masked":  # every loss token masked off: the per-token readings are absent
+        return workload.Workload(**{**w.__dict__, "mask": torch.zeros_like(w.mask)})
+    if kind == "nonfinite":  # NaN and inf on loss tokens (the witnessed counts need the eager step)
+        new, ent = w.new.clone(), w.entropy.clone()
+        new[0, 0], new[3, 1], ent[2, 0] = math.nan, math.inf, math.nan
+        return workload.Workload(**{**w.__dict__, "new": new, "entropy": ent})
+    return w
+
+
+@pytest.mark.parametrize("kind", ["random", "heavy", "masked", "nonfinite"])
+@pytest.mark.parametrize(("size_class", "size"), [(c, s) for c, sizes in CLASSES.items() for s in sizes])
+def test_compiled_readings_equal_eager(compiled, kind: str, size_class: str, size: int) -> None:
+    w = _variants(workload.make(size, seed=size + len(kind)), kind)
+    late = 0
+    for stage, (fields, blocks) in _stages(w).items():
+        x = StepInputs(**fields)
+        program, runner = compiled[size_class, stage]
+        args = step_program.leaves(x, {})
+        assert program.admits(args), "one trace serves every N and T of the class (no recompile by size)"
+        tags = {t for b in blocks for t in b.tags}
+        eager = compute_step_carrying(x, CFG, {}, True, blocks=blocks).metrics
+        try:
+            with torch.inference_mode():
+                got = step_program.run(program, runner, args, tags).metrics
+        except step_program.LateCounts:
+            late += 1  # the caller computes this step eagerly
+            continue
+        assert set(got) == set(eager)
+        if kind != "masked":
+            assert len(eager) > 60  # the stage's per-token families are there to compare
+        for key, value in eager.items():
+            if "_bucket" in key or "_total" in key:
+                assert got[key] == value, key  # counts and histogram buckets exact
+            else:
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-9), key
+    assert (late > 0) == (kind == "nonfinite")
+
+
+def test_a_failing_compiler_falls_back_to_eager_counted(monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(step_program, "compile_program", broken)
+    w = workload.make(10_000)
+    stages = CompiledStages(CFG, "auto", 0)
+    fields, blocks = _stages(w)["update"]
+    x = StepInputs(**fields)
+    assert stages.compute(blocks, x, {}, False) is None  # eager serves while the compiler works
+    assert stages.wait(60)
+    assert stages.fallbacks["compiler"] == 1
+    sig = step_program.signature(blocks, x, {}, False)
+    assert "no C++ compiler" in stages.refused[sig]
+    assert stages.compute(blocks, x, {}, False) is None  # the signature stays eager, asks nothing more
+    assert stages.fallbacks["compiler"] == 1
+    assert not stages._pending
+    stages.close()
+
+
+def test_no_step_waits_on_compilation(monkeypatch) -> None:
+    release = threading.Event()
+    real = step_program.trace
+
+    def slow(*args, **kwargs):
+        release.wait(30)  # the compiler is busy for as long as the test says
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_program, "trace", slow)
+    w = workload.make(10_000)
+    stages = CompiledStages(CFG, "auto", 0)
+    fields, blocks = _stages(w)["update"]
+    x = StepInputs(**fields)
+    for _ in range(3):  # every call returns at once (eager), the compiler still at work
+        assert stages.compute(blocks, x, {}, False) is None
+    assert stages.fallbacks["pending"] == 3
+    assert stages.compiles == 0
+    release.set()
+    assert stages.wait(300)
+    assert stages.compiles == 1
+    assert not stages.refused
+    result = stages.compute(blocks, x, {}, False)
+    assert result is not None
+    assert stages.compiled_steps == 1
+    eager = compute_step_carrying(x, CFG, {}, True, blocks=blocks).metrics
+    assert set(result.metrics) == set(eager)
+    stages.close()
+
+
+def test_off_and_small_steps_stay_eager() -> None:
+    w = workload.make(10_000)
+    fields, blocks = _stages(w)["update"]
+    x = StepInputs(**fields)
+    assert CompiledStages(CFG, "off", 0).compute(blocks, x, {}, False) is None
+    small = CompiledStages(CFG, "auto", x.loss_mask.numel() + 1)
+    assert small.compute(blocks, x, {}, False) is None
+    assert not small._pending
+    assert small._thread is None
+
+
+def _published(mon) -> dict[str, float]:
+    out = {}
+    for family in mon.registry.collect():
+        for sample in family.samples:
+            timing = sample.name.startswith(("grpo_observe_duration", "grpo_exporter_")) or "timestamp" in sample.name
+            if sample.name.startswith("grpo_") and not timing:  # the training's readings, not the exporter's own
+                out[sample.name + repr(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def test_a_monitor_publishes_the_same_with_its_compiled_stages() -> None:
+    """The monitor's own path: a step eager while the programs compile, then compiled steps, published alike."""
+    w = workload.make(10_000)
+    compiled = new_monitor(edit_distance_groups=0, compile_step="auto", compile_min_positions=0)
+    eager = new_monitor(edit_distance_groups=0)
+    try:
+        for step in range(4):  # on_policy alternates by step: two update signatures
+            for mon in (compiled, eager):
+                monitor_step(mon, w, step)
+            assert compiled.compilation.wait(600)
+        before = compiled.compilation.compiled_steps
+        for step in range(4, 6):
+            for mon in (compiled, eager):
+                monitor_step(mon, w, step)
+        assert compiled.compilation.compiled_steps - before == 4  # two rollouts, two updates
+        assert not compiled.compilation.refused
+        got, want = _published(compiled), _published(eager)
+        assert set(got) == set(want)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-9), key
+    finally:
+        compiled.close()
+        eager.close()
