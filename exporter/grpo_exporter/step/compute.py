@@ -49,23 +49,35 @@ def compute_step_carrying(
     rejected; the rank still takes part in the merge (so the ranks' collectives stay in step) with every
     family of the stage marked failed, hence absent on every rank; alone, a rank publishes what it has.
     """
-    out = Gather(inputs.device)
-    out.carried = dict(carry)
     stage = BLOCKS if blocks is None else blocks
     tags = {tag for block in stage for tag in block.tags}
-    if failed_inputs:
-        out.failed |= tags
-    out.checks = list(inputs.value_errors)
     with torch.inference_mode():
-        ctx = Context(inputs, config)
-        # an empty batch: nothing to measure and no error; its families keep their last values, and merged
-        # across ranks this rank adds nothing to the others' union
-        for block in stage if not inputs.empty else ():
-            out.run(block, ctx, strict)
+        out = run_blocks(inputs, config, carry, stage, strict, failed_inputs)
         result = out.transfer(merger, tags)
     if strict and result.errors and merger is None:  # with a merger, the caller raises after the ranks merged
         raise result.errors[0][1]
     return result
+
+
+def run_blocks(inputs: StepInputs, config: MetricsConfig, carry: dict[str, Tensor], blocks: tuple[Block, ...],
+               strict: bool, failed_inputs: bool, traced: bool = False) -> Gather:
+    """A stage's blocks run on the inputs, their readings gathered (not yet transferred): the work that both the
+    eager step and a traced program (:func:`~grpo_exporter.step.program.trace`, ``traced=True``) do.
+
+    An empty batch (N = 0) runs no block: nothing to measure and no error; its families keep their last values,
+    and merged across ranks this rank adds nothing to the others' union. A trace is only made of a step with
+    completions, so it does not test N (which would add a guard on the symbolic size).
+    """
+    out = Gather(inputs.device)
+    out.traced = traced
+    out.carried = dict(carry)
+    if failed_inputs:
+        out.failed |= {tag for block in blocks for tag in block.tags}
+    out.checks = list(inputs.value_errors)
+    ctx = Context(inputs, config)
+    for block in blocks if traced or not inputs.empty else ():
+        out.run(block, ctx, strict)
+    return out
 
 
 #: the layers' block modules, in the order their blocks run and lay out the transfer (each module's blocks in

@@ -30,7 +30,7 @@ from torch import Tensor
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional.constants import prepare_tables, tracing
 from grpo_exporter.inputs import StepInputs
-from grpo_exporter.step.context import Context
+from grpo_exporter.step.compute import run_blocks
 from grpo_exporter.step.gather import Gather, LateCounts, Staged, StepResult
 from grpo_exporter.step.registry import Block
 
@@ -129,7 +129,6 @@ class Program(NamedTuple):
 
     graph: torch.fx.GraphModule
     guards: str | None
-    placeholders: list[Any]
     gather: Gather
     staged: Staged
 
@@ -154,15 +153,7 @@ def trace(blocks: Sequence[Block], config: MetricsConfig, sig: Signature, args: 
 
     def stage(*args: Tensor) -> Tensor:
         x, carried = _rebuilt(sig, args, device, None if n_at is None else args[n_at].shape[0])
-        out = Gather(device)
-        out.traced = True
-        out.carried = dict(carried)
-        if sig.failed:
-            out.failed |= {tag for block in blocks for tag in block.tags}
-        out.checks = list(x.value_errors)
-        ctx = Context(x, config)
-        for block in blocks:
-            out.run(block, ctx, strict=True)
+        out = run_blocks(x, config, carried, tuple(blocks), True, sig.failed, traced=True)
         block_tensor, staged = out.staged(None)
         held["gather"], held["staged"] = out, staged
         return block_tensor
@@ -174,7 +165,7 @@ def trace(blocks: Sequence[Block], config: MetricsConfig, sig: Signature, args: 
     shape_env = graph.shape_env
     assert shape_env is not None  # a symbolic trace has one
     guards = shape_env.produce_guards_expression(placeholders) if shape_env.guards else None
-    return Program(graph, guards, placeholders, held["gather"], held["staged"])
+    return Program(graph, guards, held["gather"], held["staged"])
 
 
 def _n_position(sig: Signature) -> int | None:
@@ -193,10 +184,9 @@ def _n_position(sig: Signature) -> int | None:
     return None
 
 
-#: tensor fields whose first dimension is not N (0-d scalars, parameter lists)
+#: tensor fields whose first dimension is not N: 0-d scalars (the update's norms, loss and entropy)
 _NOT_PER_COMPLETION = frozenset({
-    "grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss", "entropy_mean", "zero_variance_prob",
-    "all_incorrect_prob",
+    "grad_norm_pre_clip", "grad_norm_post_clip", "max_grad_norm", "loss", "entropy_mean",
 })
 
 
@@ -216,5 +206,6 @@ def run(program: Program, runner: Runner, args: Sequence[Tensor], stage_tags: se
     block = runner(*args)
     host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
     return program.gather.reader().read(host, program.staged, stage_tags)
+
 
 __all__ = ["LateCounts", "Program", "Runner", "Signature", "compile_program", "leaves", "run", "signature", "trace"]
