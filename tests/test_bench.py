@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grpo_exporter import bench, catalog
+from grpo_exporter.bench import compiled as compiled_bench
 from grpo_exporter.bench.naive import floor_step, naive_core_step, naive_step
 from grpo_exporter.bench.probes import counting, minor_faults, operators, passes
 from grpo_exporter.bench.worker import worker_cost
@@ -151,6 +152,30 @@ def test_bench_smallest_size_runs_and_reports(capsys) -> None:
     assert "recorder on / off" in out
     assert "page faults / step" in out
     assert "| 64 |" in out  # the edit-distance job's row
+    assert "The compiled step" in out
+    assert "| 0.0 of 0 | 0 | 0 | 0 | - |" in out  # 10K: below compile_min_positions, eager is chosen
+
+
+def test_compiled_bench_serves_every_stage_compiled_and_counts_what_it_launches() -> None:
+    """The compiled column's counts (the times are the bench's to report): with the threshold at 0 every stage
+    call of the timed rounds is compiled, none falls back or recompiles, the three programs (rollout, update on
+    and off policy) are made once, and a compiled step launches fused kernels and fewer aten operators."""
+    r = compiled_bench.measure(10_000, rounds=2, device=torch.device("cpu"), min_positions=0)
+    assert (r.compiled_calls, r.stage_calls) == (2.0, 2)
+    assert r.fallbacks == {}
+    assert r.recompiles == 0
+    assert r.compiles == 3
+    assert r.first_compile_s is not None
+    assert r.first_compile_s > 0
+    assert r.kernels > 0
+    assert 0 < r.compiled_operators < r.eager_operators / 2
+    assert r.eager_s > 0
+    assert r.compiled_s > 0
+    assert r.floor_s > 0
+    lines = compiled_bench.table([r]).splitlines()
+    assert len(lines) == 3
+    assert len({line.count("|") for line in lines}) == 1
+    assert "| 2.0 of 2 | 0 | 0 | 3 |" in lines[2]
 
 
 def test_framework_shape_is_what_a_loop_hands_over() -> None:

@@ -5,17 +5,21 @@ falls back to eager, counted; no step waits on compilation."""
 from __future__ import annotations
 
 import math
+import re
 import threading
 
 import pytest
 import torch
 
+from grpo_exporter import catalog
 from grpo_exporter.bench import monitor_step, new_monitor, workload
+from grpo_exporter.catalog import COMPILE_FALLBACKS
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.runtime.compilation import CompiledStages
 from grpo_exporter.step import ROLLOUT_BLOCKS, UPDATE_BLOCKS, compute_step_carrying
 from grpo_exporter.step import program as step_program
+from monitor_helpers import registry_value
 
 CFG = MetricsConfig(group_size=16)
 
@@ -179,6 +183,14 @@ def test_a_monitor_publishes_the_same_with_its_compiled_stages() -> None:
                 monitor_step(mon, w, step)
         assert compiled.compilation.compiled_steps - before == 4  # two rollouts, two updates
         assert not compiled.compilation.refused
+        state = compiled.compilation
+        # compiled while warming up: the rollouts of steps 1-3 and the updates of steps 2-3; then 4
+        assert registry_value(compiled, "grpo_exporter_compiled_stage_calls_total") == state.compiled_steps == 9
+        assert state.fallbacks["pending"] >= 3  # the first rollout and the two updates' first calls
+        for reason in COMPILE_FALLBACKS:
+            published = registry_value(compiled, catalog.key("grpo_exporter_compiled_fallbacks_total", reason=reason))
+            assert (published or 0.0) == state.fallbacks[reason], reason
+        assert registry_value(eager, "grpo_exporter_compiled_stage_calls_total") is None
         got, want = _published(compiled), _published(eager)
         assert set(got) == set(want)
         for key, value in want.items():
@@ -186,3 +198,14 @@ def test_a_monitor_publishes_the_same_with_its_compiled_stages() -> None:
     finally:
         compiled.close()
         eager.close()
+
+
+def test_every_fallback_reason_is_a_value_of_the_published_label() -> None:
+    """The reasons the compiled stages count are the catalogue's values of the fallback counter's label (a
+    reason outside them would fail to publish)."""
+    import inspect
+
+    from grpo_exporter.runtime import compilation
+
+    said = set(re.findall(r'_fallback\("(\w+)"', inspect.getsource(compilation)))
+    assert said == set(COMPILE_FALLBACKS)

@@ -248,6 +248,8 @@ ESS_LEVELS = ("token", "sequence")
 TURNS = ("1", "2", "3", "4", "5+")  # the model turns of a multi-turn completion; the last gathers the later ones
 STAGES = ("rollout", "update", "grad", "guard", "publish", "scrape", "distributed")
 ERROR_STAGES = (*STAGES, "recorder")  # the flight recorder's writer thread fails apart from any observe call
+#: why a stage call of a monitor with compile_step="auto" took the eager step (grpo_exporter.runtime.compilation)
+COMPILE_FALLBACKS = ("compiler", "run", "recompile", "late", "busy", "pending")
 
 _COMPONENT = Label("component", bound="max_reward_components (names from reward_components, plus 'total')")
 _K = Label("k", bound="pass_k (plus 1 and group_size)")
@@ -851,6 +853,22 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_exporter_errors_total", C,
         "Errors caught inside the exporter, by stage; training went on.",
         L, "errors", labels=(Label("stage", ERROR_STAGES),), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_exporter_compiled_stage_calls_total", C,
+        "Stage calls (a rollout, an update) computed by a compiled program (compile_step=\"auto\"); absent "
+        "while none was.",
+        L, "calls", source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_exporter_compiled_fallbacks_total", C,
+        "Stage calls at or above compile_min_positions that the eager step served instead of a compiled "
+        "program (compile_step=\"auto\"), by reason: pending (its program is being compiled, off the training "
+        "thread), busy (the compiler held its lock), recompile (the call would have recompiled: refused, compiled "
+        "in the background), late (a non-finite log-prob on a loss token: counts only the eager step takes), "
+        "compiler or run (compiling or running failed: that input signature stays eager, logged once). The "
+        "readings are the same either way; a steady rate other than pending at start costs speed, not data.",
+        L, "fallbacks", labels=(Label("reason", COMPILE_FALLBACKS),), source=Source.MONITOR,
     ),
     Metric(
         "grpo_dropped_reward_components_total", C,

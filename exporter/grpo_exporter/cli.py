@@ -167,6 +167,12 @@ def _bench(args: argparse.Namespace) -> int:
           f"{torch.__version__}, device {args.device}; medians of {args.rounds} interleaved rounds; {allocator}\n")
     widths = [int(w) for w in args.worker_widths.split(",") if w]
     print(bench.table(results, long, [worker_cost(w) for w in widths]))
+    if not args.eager_only:
+        from grpo_exporter.bench import compiled
+
+        shaped = [(size, "bench") for size in sizes] + [(size, "framework") for size in framework]
+        print("\nThe compiled step (compile_step=\"auto\") against the eager step, same metric set:\n")
+        print(compiled.table(compiled.run(shaped, args.rounds, torch.device(args.device))))
     return 0
 
 
@@ -262,6 +268,8 @@ def _add_bench(commands: Subparsers) -> None:
     bench.add_argument("--cold-allocator", action="store_true",
                        help="skip freeing one 30 MiB block first: glibc's malloc as in a process that never "
                        "trained (it then gives memory back to the system after nearly every large step)")
+    bench.add_argument("--eager-only", action="store_true",
+                       help="skip the compiled step's table (compile_step=\"auto\" against the eager step)")
     bench.add_argument("--worker-widths", default="256,1024,4096",
                        help="completion widths T for the edit-distance job's cost, comma-separated ('' = skip)")
     bench.set_defaults(run=_bench)

@@ -104,9 +104,13 @@ def training_health(c: MixinConfig) -> DashboardSpec:
         PanelSpec("How many steps per minute?", "Training throughput; a drop to 0 precedes GRPOTrainingStalled.",
                   (q(f"sum by (run) (rate(grpo_steps_total{{{SEL}}}[{W}])) * 60"),), "short", width=6, min=0),
         PanelSpec("Is the exporter healthy?",
-                  "Scrape target up, and exporter errors per second by stage (should be 0).",
+                  "Scrape target up, exporter errors per second by stage (should be 0), and with compile_step=\"auto\" "
+                  "stage calls per second the eager step served instead of a compiled one, by reason (pending at "
+                  "start is normal; the readings are the same either way).",
                   (q('up{job=~"$job"}', "up {{instance}}"),
-                   q(f"sum by (run, stage) (rate(grpo_exporter_errors_total{{{SEL}}}[{W}]))", "errors {{run}} {{stage}}")),
+                   q(f"sum by (run, stage) (rate(grpo_exporter_errors_total{{{SEL}}}[{W}]))", "errors {{run}} {{stage}}"),
+                   q(f"sum by (run, reason) (rate(grpo_exporter_compiled_fallbacks_total{{{SEL}}}[{W}]))",
+                     "eager instead of compiled {{run}} {{reason}}")),
                   "short", width=6, min=0),
     ))
     layer1 = RowSpec("1 · Does the gradient match what I think?", (

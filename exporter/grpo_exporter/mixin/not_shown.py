@@ -5,6 +5,8 @@ from __future__ import annotations
 
 NOT_SHOWN: dict[str, str] = {
     "grpo_observe_duration_seconds": "exporter self-timing; read it in Prometheus when tuning the exporter",
+    "grpo_exporter_compiled_stage_calls_total": "exporter self-monitoring (compile_step); the exporter panel shows "
+    "its fallbacks to the eager step",
     "grpo_recorder_disk_usage_bytes": "flight-recorder housekeeping: the incidents' bytes, kept within its disk budget",
     "grpo_recorder_removed_incidents_total": "flight-recorder housekeeping: incidents removed, oldest first, for the budget",
     "grpo_dropped_reward_components_total": "configuration feedback (raise max_reward_components), not a training signal",

@@ -40,6 +40,7 @@ from grpo_exporter.step.registry import Block
 log = logging.getLogger("grpo_exporter")
 
 MAX_PROGRAMS = 4  # per signature: size classes whose traces took different branches (small / large tensors)
+MAX_LAYOUTS = 256  # per program: the admitted layouts remembered
 OPTIONS = {"compile_threads": 1}  # no compile worker processes inside a training process
 
 Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
@@ -61,17 +62,30 @@ def examples(metas: Sequence[Meta]) -> list[Tensor]:
 
 @dataclass
 class Ready:
-    """A compiled program and what it took to make."""
+    """A compiled program, what it took to make, and the layouts (sizes, strides, offsets) its guards admitted:
+    a training loop repeats a few, and evaluating the guards costs more than looking one up."""
 
     program: step_program.Program
     runner: step_program.Runner
     seconds: float
+    admitted: set[tuple[Any, ...]] = field(default_factory=set)
+
+    def admits(self, args: Sequence[Tensor]) -> bool:
+        layout = tuple((t.shape, t.stride(), t.storage_offset()) for t in args)
+        if layout in self.admitted:
+            return True
+        if not self.program.admits(args):
+            return False
+        if len(self.admitted) < MAX_LAYOUTS:
+            self.admitted.add(layout)
+        return True
 
 
 @dataclass
 class CompiledStages:
     """Per-monitor state of compilation: the ``ready`` programs by signature, the compiler thread's queue, and
-    the counts the bench and the logs read. ``mode``: "auto" (compile above ``min_positions``) or "off"."""
+    the counts the bench and the logs read. Inductor's settings are per thread: ``options`` are the compiler
+thread's (the bench adds a kernel profile). ``mode``: "auto" (compile above ``min_positions``) or "off"."""
 
     config: MetricsConfig
     mode: str = "auto"
@@ -82,6 +96,9 @@ class CompiledStages:
     compiled_steps: int = 0
     compiles: int = 0
     first_compile_s: float | None = None
+    options: dict[str, Any] = field(default_factory=lambda: dict(OPTIONS))  # inductor's, for programs made later
+    _published: Counter[str] = field(default_factory=Counter)  # fallbacks and compiled steps already published
+    _counts_lock: threading.Lock = field(default_factory=threading.Lock)  # the compiler thread counts too
     _pending: set[tuple[Signature, tuple[Meta, ...] | None]] = field(default_factory=set)
     _queue: queue.Queue[Any] = field(default_factory=queue.Queue)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -98,7 +115,7 @@ class CompiledStages:
         if sig in self.refused:
             return None
         args = step_program.leaves(inputs, carry)
-        ready = next((r for r in self.ready.get(sig, ()) if r.program.admits(args)), None)
+        ready = next((r for r in self.ready.get(sig, ()) if r.admits(args)), None)
         if ready is None:
             self._request(sig, blocks, args, None)
             return None
@@ -121,7 +138,8 @@ class CompiledStages:
             return None
         finally:
             self._lock.release()
-        self.compiled_steps += 1
+        with self._counts_lock:
+            self.compiled_steps += 1
         return result
 
     def _request(self, sig: Signature, blocks: Sequence[Block], args: Sequence[Tensor],
@@ -161,7 +179,7 @@ class CompiledStages:
         device = metas[0][3] if metas else torch.device("cpu")
         if ready is None:
             program = step_program.trace(blocks, self.config, sig, args, device)
-            ready = Ready(program, step_program.compile_program(program, OPTIONS), 0.0)
+            ready = Ready(program, step_program.compile_program(program, self.options), 0.0)
         with torch.inference_mode():
             ready.runner(*args)  # compiles here, off the training thread
         ready.seconds = time.perf_counter() - start
@@ -175,10 +193,21 @@ class CompiledStages:
                  "/".join(sig.stage[:1]) or "?", ready.seconds, self.compiles)
 
     def _fallback(self, reason: str, exc: BaseException | None = None) -> None:
-        self.fallbacks[reason] += 1
+        with self._counts_lock:
+            self.fallbacks[reason] += 1
         if exc is not None and self.fallbacks[reason] == 1:
             log.warning("grpo-exporter: the compiled step fell back to eager (%s: %r); counted, said once", reason,
                         exc)
+
+    def unpublished(self) -> tuple[int, dict[str, int]]:
+        """(compiled stage calls, fallbacks by reason) counted since the last call: what the monitor adds to
+        ``grpo_exporter_compiled_stage_calls_total`` and ``grpo_exporter_compiled_fallbacks_total``."""
+        with self._counts_lock:
+            now = Counter(self.fallbacks)
+            now["\0compiled"] = self.compiled_steps
+            fresh, self._published = now - self._published, now
+        compiled = fresh.pop("\0compiled", 0)
+        return compiled, dict(fresh)
 
     def wait(self, timeout_s: float = 600.0) -> bool:
         """Block until the compiler thread has nothing queued (for warm-ups, benches and tests): True if idle."""

@@ -213,6 +213,20 @@ class Stages:
         held, self.state.held_audit = self.state.held_audit, None
         return self.publish(held, set()) if held else []
 
+    def _count_compiled(self) -> None:
+        """Add the compiled stage calls and fallbacks counted since the last step to the published counters."""
+        if self.compiled.mode == "off":
+            return
+        compiled, fallbacks = self.compiled.unpublished()
+        increments: dict[str, float] = {
+            catalog.metric("grpo_exporter_compiled_fallbacks_total").key(reason=reason): float(n)
+            for reason, n in fallbacks.items()
+        }
+        if compiled:
+            increments[catalog.metric("grpo_exporter_compiled_stage_calls_total").key()] = float(compiled)
+        if increments:
+            self.publication.add(increments)
+
     def compute(self, stage: str, inputs: StepInputs | None, carry: dict[str, Tensor], failed: bool = False
                 ) -> StepResult:
         """The stage's step on this rank, merged across ranks (every rank merges once, whatever failed on it);
@@ -224,6 +238,7 @@ class Stages:
         result = None
         if merger is None and inputs is not None:  # the rank merge's parts are the eager step's (for now)
             result = self.compiled.compute(STAGE_BLOCKS[stage], inputs, carry, failed)
+            self._count_compiled()
         if result is None:
             result = compute_step_carrying(
                 inputs if inputs is not None else StepInputs(), self.config, carry, self.config.strict, merger,
