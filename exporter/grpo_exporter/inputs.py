@@ -8,6 +8,7 @@ field raises :class:`InputError` naming the field, what was expected and what ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -85,9 +86,11 @@ FIELDS: dict[str, FieldSpec] = {
 }
 
 
+@functools.cache
 def fields_where(axis: str | None = None, kind: str | None = None, stitched: str | None = None,
                  update: bool | None = None, rollout: bool | None = None) -> tuple[str, ...]:
-    """The field names whose spec matches every given attribute, in table order."""
+    """The field names whose spec matches every given attribute, in table order (made once per query: the
+    validation of every step asks the same few)."""
     wanted = {"axis": axis, "kind": kind, "stitched": stitched, "update": update, "rollout": rollout}
     return tuple(name for name, spec in FIELDS.items()
                  if all(value is None or getattr(spec, key) == value for key, value in wanted.items()))
