@@ -13,13 +13,15 @@ Every way of not using a compiled program is counted by reason (:attr:`CompiledS
 first of each reason is logged once: ``compiler`` (tracing or compiling failed: that signature stays eager),
 ``run`` (a compiled call raised: that signature stays eager), ``recompile`` (the compiled call would have
 recompiled: refused, and the variant is compiled in the background), ``late`` (a non-finite log-prob on a loss
-token: the eager step takes the counts it needs), ``busy``, ``pending``.
+token: the eager step takes the counts it needs), ``busy``, ``pending``. The monitor publishes them, and the
+compiled calls, as counters (``grpo_exporter_compiled_fallbacks_total{reason}``,
+``grpo_exporter_compiled_stage_calls_total``). The compiler thread is a daemon (a compilation never holds a
+finished process); :meth:`CompiledStages.close` waits a bounded time for it to end.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
+from grpo_exporter.runtime.background import DaemonExecutor
 from grpo_exporter.step import program as step_program
 from grpo_exporter.step.gather import LateCounts, StepResult
 from grpo_exporter.step.program import Signature
@@ -40,6 +43,7 @@ from grpo_exporter.step.registry import Block
 log = logging.getLogger("grpo_exporter")
 
 MAX_PROGRAMS = 4  # per signature: size classes whose traces took different branches (small / large tensors)
+CLOSE_TIMEOUT_S = 30.0  # close() waits this long for a compilation in progress (5-20 s measured on 2 cores)
 MAX_LAYOUTS = 256  # per program: the admitted layouts remembered
 OPTIONS = {"compile_threads": 1}  # no compile worker processes inside a training process
 
@@ -83,9 +87,11 @@ class Ready:
 
 @dataclass
 class CompiledStages:
-    """Per-monitor state of compilation: the ``ready`` programs by signature, the compiler thread's queue, and
-    the counts the bench and the logs read. Inductor's settings are per thread: ``options`` are the compiler
-thread's (the bench adds a kernel profile). ``mode``: "auto" (compile above ``min_positions``) or "off"."""
+    """Per-monitor state of compilation: the ``ready`` programs by signature, the compiler thread (one
+    :class:`~grpo_exporter.runtime.background.DaemonExecutor`, started by the first request), and the counts
+    the bench, the logs and the published counters read. Inductor's settings are per thread: ``options`` are
+    the compiler thread's (the bench adds a kernel profile). ``mode``: "auto" (compile above ``min_positions``)
+    or "off"."""
 
     config: MetricsConfig
     mode: str = "auto"
@@ -97,12 +103,12 @@ thread's (the bench adds a kernel profile). ``mode``: "auto" (compile above ``mi
     compiles: int = 0
     first_compile_s: float | None = None
     options: dict[str, Any] = field(default_factory=lambda: dict(OPTIONS))  # inductor's, for programs made later
-    _published: Counter[str] = field(default_factory=Counter)  # fallbacks and compiled steps already published
+    _published: Counter[str] = field(default_factory=Counter)  # fallbacks already published
+    _published_steps: int = 0  # compiled steps already published
     _counts_lock: threading.Lock = field(default_factory=threading.Lock)  # the compiler thread counts too
     _pending: set[tuple[Signature, tuple[Meta, ...] | None]] = field(default_factory=set)
-    _queue: queue.Queue[Any] = field(default_factory=queue.Queue)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _thread: threading.Thread | None = None
+    _executor: DaemonExecutor | None = None
     _closed: bool = False
 
     def compute(self, blocks: Sequence[Block], inputs: StepInputs, carry: dict[str, Tensor], failed: bool,
@@ -152,25 +158,20 @@ thread's (the bench adds a kernel profile). ``mode``: "auto" (compile above ``mi
             return
         self._pending.add(key)
         self._fallback("pending")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="grpo-exporter-compile", daemon=True)
-            self._thread.start()
-        self._queue.put((key, sig, tuple(blocks), metas, ready))
+        if self._executor is None:
+            self._executor = DaemonExecutor("grpo-exporter-compile")
+        self._executor.submit(self._job, key, sig, tuple(blocks), metas, ready)
 
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            key, sig, blocks, metas, ready = job
-            try:
-                with self._lock:
-                    self._build(sig, blocks, metas, ready)
-            except Exception as exc:  # a compiler missing or failing: this signature stays eager
-                self.refused[sig] = f"compiler: {exc!r}"
-                self._fallback("compiler", exc)
-            finally:
-                self._pending.discard(key)
+    def _job(self, key: tuple[Signature, tuple[Meta, ...] | None], sig: Signature, blocks: Sequence[Block],
+             metas: Sequence[Meta], ready: Ready | None) -> None:
+        try:
+            with self._lock:
+                self._build(sig, blocks, metas, ready)
+        except Exception as exc:  # a compiler missing or failing: this signature stays eager
+            self.refused[sig] = f"compiler: {exc!r}"
+            self._fallback("compiler", exc)
+        finally:
+            self._pending.discard(key)
 
     def _build(self, sig: Signature, blocks: Sequence[Block], metas: Sequence[Meta],
                ready: Ready | None) -> None:
@@ -203,11 +204,10 @@ thread's (the bench adds a kernel profile). ``mode``: "auto" (compile above ``mi
         """(compiled stage calls, fallbacks by reason) counted since the last call: what the monitor adds to
         ``grpo_exporter_compiled_stage_calls_total`` and ``grpo_exporter_compiled_fallbacks_total``."""
         with self._counts_lock:
-            now = Counter(self.fallbacks)
-            now["\0compiled"] = self.compiled_steps
-            fresh, self._published = now - self._published, now
-        compiled = fresh.pop("\0compiled", 0)
-        return compiled, dict(fresh)
+            fallbacks, compiled = Counter(self.fallbacks), self.compiled_steps
+        fresh = (compiled - self._published_steps, dict(fallbacks - self._published))
+        self._published, self._published_steps = fallbacks, compiled
+        return fresh
 
     def wait(self, timeout_s: float = 600.0) -> bool:
         """Block until the compiler thread has nothing queued (for warm-ups, benches and tests): True if idle."""
@@ -216,11 +216,16 @@ thread's (the bench adds a kernel profile). ``mode``: "auto" (compile above ``mi
             time.sleep(0.05)
         return not self._pending
 
-    def close(self) -> None:
-        """Stop the compiler thread after its current job (a compilation in progress runs to its end)."""
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Take no more compilations and let the compiler thread end, waiting at most ``timeout_s`` for a
+        compilation in progress (it cannot be interrupted). A thread that still ran while the interpreter tore
+        down could abort the process (see :class:`~grpo_exporter.runtime.background.DaemonExecutor`); one that
+        outlives the wait is logged. Returns whether no compiler thread runs any more."""
         self._closed = True
-        if self._thread is not None:
-            self._queue.put(None)
+        if self._executor is None or self._executor.shutdown(timeout_s):
+            return True
+        log.warning("grpo-exporter: a compilation was still running %.0f s after close(); abandoned", timeout_s)
+        return False
 
 
 def _positions(inputs: StepInputs) -> int:

@@ -120,7 +120,8 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     compile_step: Literal["auto", "off"] = Field(
         "off", description="`auto` (experimental): each stage's per-token work runs as one program compiled by "
         "torch.compile (inductor), made on a background thread at the first step of each kind and used once ready "
-        "(the eager step serves until then, and wherever compiling fails: counted and logged once); `off`: eager only",
+        "(the eager step serves until then, and wherever compiling fails: logged once, counted in "
+        "grpo_exporter_compiled_fallbacks_total{reason}); `off`: eager only",
     )
     compile_min_positions: int = Field(
         1 << 16, ge=0, description="N x T below which a stage runs eagerly even with compile_step=auto: there a "
