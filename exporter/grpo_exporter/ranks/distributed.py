@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from datetime import timedelta
 
 import torch
@@ -43,7 +43,7 @@ from grpo_exporter.catalog import Merge
 from grpo_exporter.functional.reading import Extreme
 from grpo_exporter.ranks.layout import Layout
 from grpo_exporter.ranks.merges import kind_merges, split
-from grpo_exporter.step import Entry, StepMetrics, StepResult
+from grpo_exporter.step import Entry, Merger, StepMetrics, StepResult
 
 log = logging.getLogger("grpo_exporter")
 
@@ -146,6 +146,16 @@ class StageMerge:
         self.accepts = {merge: k.accepts for k in self.kinds for merge in k.kinds if k.accepts}
         self.problems: list[str] = []
         self.readings: dict[int, Entry] = {}
+
+    def key(self) -> Hashable:
+        return self.layout.families, self.components
+
+    def fresh(self) -> StageMerge:
+        return StageMerge(self.reducer, self.layout, self.components)
+
+    def adopt(self, traced: Merger) -> None:
+        assert isinstance(traced, StageMerge)  # made by fresh()
+        self.readings, self.problems = dict(traced.readings), list(traced.problems)
 
     # ---- on the device, before the one transfer --------------------------------------------------------
 

@@ -36,7 +36,7 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.runtime.background import DaemonExecutor
 from grpo_exporter.step import program as step_program
-from grpo_exporter.step.gather import LateCounts, StepResult
+from grpo_exporter.step.gather import LateCounts, Merger, StepResult
 from grpo_exporter.step.program import Signature
 from grpo_exporter.step.registry import Block
 
@@ -112,25 +112,27 @@ class CompiledStages:
     _closed: bool = False
 
     def compute(self, blocks: Sequence[Block], inputs: StepInputs, carry: dict[str, Tensor], failed: bool,
-                ) -> StepResult | None:
+                merger: Merger | None = None) -> StepResult | None:
         """The stage's step by a compiled program, or None when the eager step must serve (counted, and a
-        program queued when one could serve it)."""
+        program queued when one could serve it). ``merger``: the step's merge across ranks, which the caller
+        runs after (its device parts ride in the program's block)."""
         if self.mode == "off" or self._closed or inputs.empty or _positions(inputs) < self.min_positions:
             return None
-        sig = step_program.signature(blocks, inputs, carry, failed)
+        sig = step_program.signature(blocks, inputs, carry, failed, merger)
         if sig in self.refused:
             return None
         args = step_program.leaves(inputs, carry)
         ready = next((r for r in self.ready.get(sig, ()) if r.admits(args)), None)
         if ready is None:
-            self._request(sig, blocks, args, None)
+            self._request(sig, blocks, args, None, merger)
             return None
         if not self._lock.acquire(blocking=False):
             self._fallback("busy")
             return None
         try:
             with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
-                result = step_program.run(ready.program, ready.runner, args, {t for b in blocks for t in b.tags})
+                result = step_program.run(ready.program, ready.runner, args, {t for b in blocks for t in b.tags},
+                                          merger)
         except LateCounts:
             self._fallback("late")
             return None
@@ -149,8 +151,9 @@ class CompiledStages:
         return result
 
     def _request(self, sig: Signature, blocks: Sequence[Block], args: Sequence[Tensor],
-                 ready: Ready | None) -> None:
-        """Queue a trace and compilation (``ready`` None) or a warm-up of ``ready`` for these sizes."""
+                 ready: Ready | None, merger: Merger | None = None) -> None:
+        """Queue a trace and compilation (``ready`` None; with a fresh copy of ``merger`` for the trace) or a
+        warm-up of ``ready`` for these sizes."""
         metas = tuple(meta(t) for t in args)
         key = (sig, None if ready is None else metas)  # one trace of a signature at a time
         if key in self._pending or (ready is None and len(self.ready.get(sig, ())) >= MAX_PROGRAMS):
@@ -160,13 +163,14 @@ class CompiledStages:
         self._fallback("pending")
         if self._executor is None:
             self._executor = DaemonExecutor("grpo-exporter-compile")
-        self._executor.submit(self._job, key, sig, tuple(blocks), metas, ready)
+        traced = merger.fresh() if merger is not None and ready is None else None
+        self._executor.submit(self._job, key, sig, tuple(blocks), metas, ready, traced)
 
     def _job(self, key: tuple[Signature, tuple[Meta, ...] | None], sig: Signature, blocks: Sequence[Block],
-             metas: Sequence[Meta], ready: Ready | None) -> None:
+             metas: Sequence[Meta], ready: Ready | None, merger: Merger | None) -> None:
         try:
             with self._lock:
-                self._build(sig, blocks, metas, ready)
+                self._build(sig, blocks, metas, ready, merger)
         except Exception as exc:  # a compiler missing or failing: this signature stays eager
             self.refused[sig] = f"compiler: {exc!r}"
             self._fallback("compiler", exc)
@@ -174,12 +178,12 @@ class CompiledStages:
             self._pending.discard(key)
 
     def _build(self, sig: Signature, blocks: Sequence[Block], metas: Sequence[Meta],
-               ready: Ready | None) -> None:
+               ready: Ready | None, merger: Merger | None) -> None:
         start = time.perf_counter()
         args = examples(metas)
         device = metas[0][3] if metas else torch.device("cpu")
         if ready is None:
-            program = step_program.trace(blocks, self.config, sig, args, device)
+            program = step_program.trace(blocks, self.config, sig, args, device, merger)
             ready = Ready(program, step_program.compile_program(program, self.options), 0.0)
         with torch.inference_mode():
             ready.runner(*args)  # compiles here, off the training thread

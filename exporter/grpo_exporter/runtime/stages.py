@@ -236,8 +236,8 @@ class Stages:
             log.info("grpo-exporter: stage %r got an empty batch (N=0 completions): its metrics are skipped for "
                      "this step, not counted as an error (said at most once a minute)", stage)
         result = None
-        if merger is None and inputs is not None:  # the rank merge's parts are the eager step's (for now)
-            result = self.compiled.compute(STAGE_BLOCKS[stage], inputs, carry, failed)
+        if inputs is not None:
+            result = self.compiled.compute(STAGE_BLOCKS[stage], inputs, carry, failed, merger)
             self._count_compiled()
         if result is None:
             result = compute_step_carrying(

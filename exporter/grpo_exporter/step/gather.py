@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -50,6 +50,20 @@ class Merger(Protocol):
     merge on the host after the step, with the transferred parts (:attr:`StepResult.merge_host`)."""
 
     def device_parts(self, entries: list[Entry], device: torch.device) -> Tensor | None: ...
+
+    def key(self) -> Hashable:
+        """What a compiled stage's program depends on: the merge layout (the same key, the same device parts)."""
+        ...
+
+    def fresh(self) -> Merger:
+        """A merger of the same layout, for a trace (:mod:`grpo_exporter.step.program`) made while this one
+        serves the eager step."""
+        ...
+
+    def adopt(self, traced: Merger) -> None:
+        """Take what ``traced`` learnt from its :meth:`device_parts` in a trace (which slot holds which reading,
+        the problems found), for the host merge of a compiled step."""
+        ...
 
 
 class StepResult(NamedTuple):

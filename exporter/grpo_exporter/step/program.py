@@ -21,7 +21,7 @@ sums and ``where`` instead of bit tricks that serve the eager CPU path); the rea
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -31,7 +31,7 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional.constants import prepare_tables, tracing
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.step.compute import run_blocks
-from grpo_exporter.step.gather import Gather, LateCounts, Staged, StepResult
+from grpo_exporter.step.gather import Gather, LateCounts, Merger, Staged, StepResult
 from grpo_exporter.step.registry import Block
 
 #: what a field of the inputs is, for a program: absent, a tensor (dtype, rank, device), a host number (a
@@ -43,13 +43,16 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs) if f.name != "val
 
 class Signature(NamedTuple):
     """What one program serves: a stage's inputs of these kinds (see :data:`Leaf`), these carried vectors and
-    value checks, with or without failed inputs. Two steps of one signature differ only in sizes and values."""
+    value checks, with or without failed inputs, merged across ranks by this layout (``merge``: the merger's
+    :meth:`~grpo_exporter.step.gather.Merger.key`) or not. Two steps of one signature differ only in sizes and
+    values."""
 
     stage: tuple[str, ...]
     fields: tuple[Leaf, ...]
     checks: tuple[str, ...]
     carried: tuple[tuple[str, torch.dtype, int], ...]
     failed: bool
+    merge: Hashable = None
 
 
 def _kind(value: Any) -> Leaf:
@@ -66,12 +69,14 @@ def _kind(value: Any) -> Leaf:
     return ("tensors", tuple((v.dtype, v.dim(), v.device) for v in value))
 
 
-def signature(blocks: Sequence[Block], inputs: StepInputs, carry: dict[str, Tensor], failed: bool) -> Signature:
+def signature(blocks: Sequence[Block], inputs: StepInputs, carry: dict[str, Tensor], failed: bool,
+              merger: Merger | None = None) -> Signature:
     """The signature of a stage call (host facts only: no tensor is read)."""
     return Signature(
         tuple(b.name for b in blocks), tuple(_kind(getattr(inputs, name)) for name in _FIELDS),
         tuple(name for name, _ in inputs.value_errors),
         tuple((name, t.dtype, t.dim()) for name, t in carry.items()), failed,
+        None if merger is None else merger.key(),
     )
 
 
@@ -125,12 +130,14 @@ def _rebuilt(sig: Signature, args: Sequence[Tensor], device: torch.device, n: in
 
 class Program(NamedTuple):
     """A traced stage: the operator graph (``graph``, arguments :func:`leaves`), the guards on sizes its trace
-    took (``guards``: a Python expression over the arguments), and the readings' layout (``gather``, ``staged``)."""
+    took (``guards``: a Python expression over the arguments), the readings' layout (``gather``, ``staged``),
+    and the merger its trace laid the merge parts out with (``merger``; None without a merge across ranks)."""
 
     graph: torch.fx.GraphModule
     guards: str | None
     gather: Gather
     staged: Staged
+    merger: Merger | None = None
 
     def admits(self, args: Sequence[Tensor]) -> bool:
         """Whether these arguments' sizes satisfy every guard of the trace."""
@@ -142,10 +149,12 @@ class Program(NamedTuple):
 
 
 def trace(blocks: Sequence[Block], config: MetricsConfig, sig: Signature, args: Sequence[Tensor],
-          device: torch.device) -> Program:
+          device: torch.device, merger: Merger | None = None) -> Program:
     """Trace the stage's blocks into a :class:`Program`, on ``args`` (:func:`leaves` of a step of signature
     ``sig``, or tensors of their sizes: only sizes, strides, dtypes and devices are read) and the inputs' device.
-    Every block runs strictly: a block that raises makes no program (the eager step serves)."""
+    Every block runs strictly: a block that raises makes no program (the eager step serves). ``merger``: a
+    :meth:`~grpo_exporter.step.gather.Merger.fresh` merger of the signature's layout; its device parts are
+    traced into the program's block, as the eager step packs them."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     n_at = _n_position(sig)
@@ -154,7 +163,7 @@ def trace(blocks: Sequence[Block], config: MetricsConfig, sig: Signature, args: 
     def stage(*args: Tensor) -> Tensor:
         x, carried = _rebuilt(sig, args, device, None if n_at is None else args[n_at].shape[0])
         out = run_blocks(x, config, carried, tuple(blocks), True, sig.failed, traced=True)
-        block_tensor, staged = out.staged(None)
+        block_tensor, staged = out.staged(merger)
         held["gather"], held["staged"] = out, staged
         return block_tensor
 
@@ -165,7 +174,7 @@ def trace(blocks: Sequence[Block], config: MetricsConfig, sig: Signature, args: 
     shape_env = graph.shape_env
     assert shape_env is not None  # a symbolic trace has one
     guards = shape_env.produce_guards_expression(placeholders) if shape_env.guards else None
-    return Program(graph, guards, held["gather"], held["staged"])
+    return Program(graph, guards, held["gather"], held["staged"], merger)
 
 
 def _n_position(sig: Signature) -> int | None:
@@ -199,10 +208,14 @@ def compile_program(program: Program, options: dict[str, Any] | None = None) -> 
     return torch.compile(program.graph, dynamic=True, fullgraph=True, options=options)
 
 
-def run(program: Program, runner: Runner, args: Sequence[Tensor], stage_tags: set[str]) -> StepResult:
+def run(program: Program, runner: Runner, args: Sequence[Tensor], stage_tags: set[str],
+        merger: Merger | None = None) -> StepResult:
     """One step by a compiled program: its block, moved to the host once and read with the trace's layout.
-    Raises :class:`~grpo_exporter.step.gather.LateCounts` when the step needs a count only the eager step can
-    take (a non-finite log-prob on a loss token)."""
+    ``merger`` (the step's, of the signature's layout) adopts what the trace's merger learnt, for the caller's
+    merge. Raises :class:`~grpo_exporter.step.gather.LateCounts` when the step needs a count only the eager step
+    can take (a non-finite log-prob on a loss token)."""
+    if merger is not None and program.merger is not None:
+        merger.adopt(program.merger)
     block = runner(*args)
     host = block if block.device.type == "cpu" else block.cpu()  # the one device-to-host transfer
     return program.gather.reader().read(host, program.staged, stage_tags)
