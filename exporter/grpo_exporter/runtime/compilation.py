@@ -36,6 +36,7 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.runtime.background import DaemonExecutor
 from grpo_exporter.step import program as step_program
+from grpo_exporter.step.dynamo_frames import compile_lock, foreign_frames, inline_while_traced
 from grpo_exporter.step.gather import LateCounts, Merger, StepResult
 from grpo_exporter.step.program import Signature
 from grpo_exporter.step.registry import Block
@@ -102,6 +103,7 @@ class CompiledStages:
     compiled_steps: int = 0
     compiles: int = 0
     first_compile_s: float | None = None
+    foreign: str | None = None  # why no program is compiled any more (the training's own torch.compile)
     options: dict[str, Any] = field(default_factory=lambda: dict(OPTIONS))  # inductor's, for programs made later
     _published: Counter[str] = field(default_factory=Counter)  # fallbacks already published
     _published_steps: int = 0  # compiled steps already published
@@ -124,7 +126,8 @@ class CompiledStages:
         args = step_program.leaves(inputs, carry)
         ready = next((r for r in self.ready.get(sig, ()) if r.admits(args)), None)
         if ready is None:
-            self._request(sig, blocks, args, None, merger)
+            if not self._shares_dynamo():
+                self._request(sig, blocks, args, None, merger)
             return None
         if not self._lock.acquire(blocking=False):
             self._fallback("busy")
@@ -162,14 +165,28 @@ class CompiledStages:
         self._pending.add(key)
         self._fallback("pending")
         if self._executor is None:
+            inline_while_traced()  # on the training thread, before any trace starts
             self._executor = DaemonExecutor("grpo-exporter-compile")
         traced = merger.fresh() if merger is not None and ready is None else None
         self._executor.submit(self._job, key, sig, tuple(blocks), metas, ready, traced)
 
+    def _shares_dynamo(self) -> bool:
+        """Whether the training compiled frames of its own with ``torch.compile``: then no program is traced or
+        compiled any more (a trace on this thread would interleave with the training's compiled calls, see
+        :mod:`~grpo_exporter.step.dynamo_frames`); the programs already made still serve. Said once."""
+        if self.foreign is None and foreign_frames() > 0:
+            self.foreign = (f"the training compiled {foreign_frames()} frame(s) of its own with torch.compile: no "
+                            "further program is compiled (torch's FX-tracing state is process-wide), the programs "
+                            "made still serve")
+            self._fallback("compiler", RuntimeError(self.foreign))
+        return self.foreign is not None
+
     def _job(self, key: tuple[Signature, tuple[Meta, ...] | None], sig: Signature, blocks: Sequence[Block],
              metas: Sequence[Meta], ready: Ready | None, merger: Merger | None) -> None:
         try:
-            with self._lock:
+            with compile_lock(), self._lock:  # no compilation of the training's interleaves with this one
+                if self._shares_dynamo():
+                    return
                 self._build(sig, blocks, metas, ready, merger)
         except Exception as exc:  # a compiler missing or failing: this signature stays eager
             self.refused[sig] = f"compiler: {exc!r}"

@@ -121,7 +121,9 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         "off", description="`auto` (experimental): each stage's per-token work runs as one program compiled by "
         "torch.compile (inductor), made on a background thread at the first step of each kind and used once ready "
         "(the eager step serves until then, and wherever compiling fails: logged once, counted in "
-        "grpo_exporter_compiled_fallbacks_total{reason}); `off`: eager only",
+        "grpo_exporter_compiled_fallbacks_total{reason}). In a training that uses torch.compile itself, no program "
+        "is made once its own compiled frames exist (torch's FX-tracing state is process-wide), and its first "
+        "compilation may wait for one in progress; `off`: eager only",
     )
     compile_min_positions: int = Field(
         1 << 16, ge=0, description="N x T below which a stage runs eagerly even with compile_step=auto: there a "

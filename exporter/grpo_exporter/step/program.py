@@ -31,6 +31,7 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional.constants import prepare_tables, tracing
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.step.compute import run_blocks
+from grpo_exporter.step.dynamo_frames import exporter_frames
 from grpo_exporter.step.gather import Gather, LateCounts, Merger, Staged, StepResult
 from grpo_exporter.step.registry import Block
 
@@ -204,8 +205,15 @@ Runner = Callable[..., Tensor]
 
 def compile_program(program: Program, options: dict[str, Any] | None = None) -> Runner:
     """``torch.compile`` of the program's graph, dynamic in every size (one compilation serves the sizes its
-    guards admit); compiled at its first call."""
-    return torch.compile(program.graph, dynamic=True, fullgraph=True, options=options)
+    guards admit); compiled at its first call. The frames it compiles count as the exporter's
+    (:func:`~grpo_exporter.step.dynamo_frames.foreign_frames` tells the training's own apart)."""
+    compiled = torch.compile(program.graph, dynamic=True, fullgraph=True, options=options)
+
+    def runner(*args: Tensor) -> Tensor:
+        with exporter_frames():
+            return compiled(*args)
+
+    return runner
 
 
 def run(program: Program, runner: Runner, args: Sequence[Tensor], stage_tags: set[str],
