@@ -235,11 +235,25 @@ def _bf16(w: workload.Workload) -> workload.Workload:
                                entropy=half(w.entropy))
 
 
+def _with_grad(w: workload.Workload) -> workload.Workload:
+    def live(t: torch.Tensor) -> torch.Tensor:
+        return t.clone().requires_grad_()
+
+    return dataclasses.replace(w, new=live(w.new), old=live(w.old), rollout=live(w.rollout))
+
+
+def _strided_fp16(w: workload.Workload) -> workload.Workload:
+    return dataclasses.replace(w, rollout=w.rollout.t().contiguous().t(), old=w.old.to(torch.float16))
+
+
 #: worlds a real loop hands over that the bench step is not: a bf16 trainer and engine; a framework's loop
 #: (separate micro-batch outputs, T - 3, a multi-turn loss mask with tool spans); N and T that change every step
-#: (a batch's longest completion sets T)
+#: (a batch's longest completion sets T); log-probs that still need grad (each recompiled before leaves()
+#: detached them); a column-major engine tensor and fp16 old log-probs
 WORLDS = {
     "bf16": lambda: [_bf16(workload.make(10_000))] * 5,
+    "requires grad": lambda: [_with_grad(workload.make(10_000))] * 5,
+    "strided, fp16": lambda: [_strided_fp16(workload.make(10_000))] * 5,
     "framework": lambda: [workload.make(10_000, shape="framework")] * 5,
     "changing N and T": lambda: [workload.make(10_000, seed=s, width=t)
                                  for s, t in enumerate((256, 200, 256, 173, 310, 97, 411))],

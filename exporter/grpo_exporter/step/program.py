@@ -84,7 +84,8 @@ def signature(blocks: Sequence[Block], inputs: StepInputs, carry: dict[str, Tens
 def leaves(inputs: StepInputs, carry: dict[str, Tensor]) -> list[Tensor]:
     """The program's arguments for a stage call, in :class:`Signature` order: every tensor of the inputs, each
     host number as a 0-d fp64 tensor on the inputs' device (a fill, no copy from host memory), the value checks'
-    counts, the carried vectors."""
+    counts, the carried vectors; detached (a view: the readings take no gradient, and a program compiled for
+    tensors without one would recompile for each that has one)."""
     out: list[Tensor] = []
     device = inputs.device
     for name in _FIELDS:
@@ -101,7 +102,7 @@ def leaves(inputs: StepInputs, carry: dict[str, Tensor]) -> list[Tensor]:
             out.extend(value)
     out.extend(count for _, count in inputs.value_errors)
     out.extend(carry.values())
-    return out
+    return [t.detach() if t.requires_grad else t for t in out]
 
 
 def _rebuilt(sig: Signature, args: Sequence[Tensor], device: torch.device, n: int | None) -> tuple[
