@@ -282,6 +282,43 @@ def test_other_worlds_publish_the_same_compiled_without_recompiling(world: str) 
         eager.close()
 
 
+def test_groups_by_id_and_reward_components_publish_the_same_compiled() -> None:
+    """G = 4 with groups given by shuffled ids (not contiguous), and named reward components: a signature the
+    bench step never has."""
+    from grpo_exporter.bench import EPS_HIGH, EPS_LOW
+    from grpo_exporter.runtime.monitor import GRPOMonitor
+
+    w = workload.make(20_000)
+    groups = torch.randperm(w.n, generator=torch.Generator().manual_seed(1)) // 4
+    components = {"format": torch.rand(w.n, generator=torch.Generator().manual_seed(2)), "correct": w.correct.double()}
+
+    def monitor(**settings: object) -> GRPOMonitor:
+        return GRPOMonitor(run="bench", group_size=4, clip_eps=(EPS_LOW, EPS_HIGH), port=None, close_linger_s=0,
+                           guard="off", edit_distance_groups=0, **settings)
+
+    compiled, eager = monitor(compile_step="auto", compile_min_positions=0), monitor()
+    try:
+        for step in range(4):
+            for mon in (compiled, eager):
+                mon.observe_rollout(step, rewards=w.rewards, correct=w.correct, rollout_logprobs=w.rollout,
+                                    old_logprobs=w.old, loss_mask=w.mask, completion_lengths=w.lengths,
+                                    group_ids=groups, reward_components=components)
+                mon.observe_update(step, logprobs=w.new, old_logprobs=w.old, advantages=w.advantages,
+                                   loss_mask=w.mask, entropy=w.entropy, on_policy=False)
+                mon.end_step()
+            assert compiled.compilation.wait(600)
+        assert compiled.compilation.compiles == 2
+        assert compiled.compilation.compiled_steps == 6  # both stages of steps 1-3
+        got, want = _published(compiled), _published(eager)
+        assert set(got) == set(want)
+        assert any("component" in key for key in want)
+        for key, value in want.items():
+            assert got[key] == _close(value, key), key
+    finally:
+        compiled.close()
+        eager.close()
+
+
 def test_every_fallback_reason_is_a_value_of_the_published_label() -> None:
     """The reasons the compiled stages count are the catalogue's values of the fallback counter's label (a
     reason outside them would fail to publish)."""
