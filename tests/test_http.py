@@ -141,7 +141,7 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
     mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=2,
                       max_pending_micro_steps=1, gap_baseline_steps=1, anchor_steps=1, rollout_correction_cap=1.002,
                       rollout_logprob_nan="unscored", correctness_component="correctness", kl_coef=0.04,
-                      recorder_dir=tmp_path / "incidents", **BASE)
+                      recorder_dir=tmp_path / "incidents", compile_step="auto", **BASE)  # small steps: eager
     model = torch.nn.Linear(4, 3)
     for step in range(3):
         x = make_batch(step).inputs()

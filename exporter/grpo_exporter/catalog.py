@@ -856,8 +856,8 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_exporter_compiled_stage_calls_total", C,
-        "Stage calls (a rollout, an update) computed by a compiled program (compile_step=\"auto\"); absent "
-        "while none was.",
+        "Stage calls (a rollout, an update) computed by a compiled program; present (from 0) with "
+        "compile_step=\"auto\" only.",
         L, "calls", source=Source.MONITOR,
     ),
     Metric(
@@ -866,8 +866,9 @@ CATALOG: tuple[Metric, ...] = (
         "program (compile_step=\"auto\"), by reason: pending (its program is being compiled, off the training "
         "thread), busy (the compiler held its lock), recompile (the call would have recompiled: refused, compiled "
         "in the background), late (a non-finite log-prob on a loss token: counts only the eager step takes), "
-        "compiler or run (compiling or running failed: that input signature stays eager, logged once). The "
-        "readings are the same either way; a steady rate other than pending at start costs speed, not data.",
+        "compiler or run (compiling or running failed, or the training compiles code of its own: no new "
+        "program, logged once). The readings are the same either way; a steady rate other than pending at start "
+        "costs speed, not data. Present (from 0) with compile_step=\"auto\" only.",
         L, "fallbacks", labels=(Label("reason", COMPILE_FALLBACKS),), source=Source.MONITOR,
     ),
     Metric(

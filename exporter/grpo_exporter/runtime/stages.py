@@ -75,6 +75,10 @@ class Stages:
         self.config, self.state, self.publication, self.report = config, state, publication, report
         self.reducer, self.stitcher, self.edit_worker, self.recorder = reducer, stitcher, edit_worker, recorder
         self.compiled = CompiledStages(config, config.compile_step, config.compile_min_positions)
+        if config.compile_step != "off":  # the counters exist from the start, at 0, so that rate() sees them
+            fallbacks = catalog.metric("grpo_exporter_compiled_fallbacks_total")
+            self.publication.add({catalog.metric("grpo_exporter_compiled_stage_calls_total").key(): 0.0}
+                                 | {fallbacks.key(reason=reason): 0.0 for reason in catalog.COMPILE_FALLBACKS})
 
     # ---- the rollout -----------------------------------------------------------------------------------
 
