@@ -77,8 +77,9 @@ class Stages:
         self.compiled = CompiledStages(config, config.compile_step, config.compile_min_positions)
         if config.compile_step != "off":  # the counters exist from the start, at 0, so that rate() sees them
             fallbacks = catalog.metric("grpo_exporter_compiled_fallbacks_total")
-            self.publication.add({catalog.metric("grpo_exporter_compiled_stage_calls_total").key(): 0.0}
-                                 | {fallbacks.key(reason=reason): 0.0 for reason in catalog.COMPILE_FALLBACKS})
+            zeros: dict[str, float] = {fallbacks.key(reason=reason): 0.0 for reason in catalog.COMPILE_FALLBACKS}
+            zeros[catalog.metric("grpo_exporter_compiled_stage_calls_total").key()] = 0.0
+            self.publication.add(zeros)
 
     # ---- the rollout -----------------------------------------------------------------------------------
 
