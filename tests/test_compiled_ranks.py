@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from grpo_exporter.bench import workload
 from grpo_exporter.demo.stack import free_port
+from test_compiled_step import _close
 
 WORLD = 2
 STEPS = 6  # on_policy alternates: a rollout program and two update programs, each served compiled afterwards
@@ -59,6 +60,6 @@ def test_compiled_stages_merge_across_ranks_as_the_eager_ones(tmp_path) -> None:
         got, want = r["compiled"], r["eager"]
         assert set(got) == set(want)
         for key, value in want.items():
-            assert abs(got[key] - value) <= 1e-4 * abs(value) + (1e-8 if "chi_square" in key else 1e-9), key
+            assert got[key] == _close(value, key), key
     merged = STEPS * WORLD * workload.make(10_000).n  # every rank publishes both ranks' completions
     assert [r["compiled"]["grpo_completions_total[('run', 'bench')]"] for r in ranks] == [merged] * WORLD

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from grpo_exporter.bench import _timed, _times, monitor_step, new_monitor
 from grpo_exporter.bench.naive import floor_step
 from grpo_exporter.bench.workload import Workload, make
 from grpo_exporter.runtime.monitor import GRPOMonitor
@@ -82,8 +83,6 @@ def launches(run: Callable[[], Any]) -> tuple[int, int]:
 
 
 def _monitor(compile_step: str, min_positions: int | None) -> GRPOMonitor:
-    from grpo_exporter.bench import new_monitor
-
     threshold = {} if min_positions is None else {"compile_min_positions": min_positions}
     mon = new_monitor(edit_distance_groups=0, compile_step=compile_step, **threshold)
     mon.compilation.options |= KERNEL_PROFILE
@@ -101,8 +100,6 @@ def measure(loss_tokens: int, rounds: int, device: torch.device, shape: str = "b
     """One size: warm up (the compiler thread makes every program the step needs), then ``rounds`` interleaved
     rounds of the eager step, the compiled step and the floor; medians. ``min_positions``: the compiled
     monitor's ``compile_min_positions`` (None: the default, under which a small step stays eager)."""
-    from grpo_exporter.bench import _timed, monitor_step
-
     w = make(loss_tokens, device, shape=shape)
     eager, compiled = _monitor("off", min_positions), _monitor("auto", min_positions)
     try:
@@ -115,9 +112,11 @@ def measure(loss_tokens: int, rounds: int, device: torch.device, shape: str = "b
         times: dict[str, list[float]] = {"eager": [], "compiled": [], "floor": []}
         for r in range(rounds):
             step = WARM_STEPS + 1 + r
-            runs: list[tuple[str, Callable[[], Any]]] = [("eager", functools.partial(monitor_step, eager, w, step)),
-                    ("compiled", functools.partial(monitor_step, compiled, w, step)),
-                    ("floor", lambda: floor_step(w))]
+            runs: list[tuple[str, Callable[[], Any]]] = [
+                ("eager", functools.partial(monitor_step, eager, w, step)),
+                ("compiled", functools.partial(monitor_step, compiled, w, step)),
+                ("floor", lambda: floor_step(w)),
+            ]
             for key, fn in runs[r % 3:] + runs[: r % 3]:
                 times[key].append(_timed(fn))
         fallbacks = dict(state.fallbacks - before)
@@ -141,10 +140,6 @@ def measure(loss_tokens: int, rounds: int, device: torch.device, shape: str = "b
 
 def run(sizes: Sequence[tuple[int, str]], rounds: int, device: torch.device) -> list[CompiledResult]:
     return [measure(size, rounds, device, shape) for size, shape in sizes]
-
-
-def _times(ratio: float) -> str:
-    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
 
 
 def table(results: Sequence[CompiledResult]) -> str:
