@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from grpo_exporter import bench, catalog
 from grpo_exporter.bench import compiled as compiled_bench
+from grpo_exporter.bench.kernel_passes import KernelNests, Nest
 from grpo_exporter.bench.naive import floor_step, naive_core_step, naive_step
 from grpo_exporter.bench.probes import counting, minor_faults, operators, passes
 from grpo_exporter.bench.worker import worker_cost
@@ -169,6 +171,8 @@ def test_compiled_bench_serves_every_stage_compiled_and_counts_what_it_launches(
     assert r.first_compile_s > 0
     assert r.kernels > 0
     assert 0 < r.compiled_operators < r.eager_operators / 2
+    assert r.compiled_passes is not None
+    assert r.floor_passes <= r.compiled_passes < r.eager_passes / 3
     assert r.eager_s > 0
     assert r.compiled_s > 0
     assert r.floor_s > 0
@@ -176,6 +180,22 @@ def test_compiled_bench_serves_every_stage_compiled_and_counts_what_it_launches(
     assert len(lines) == 3
     assert len({line.count("|") for line in lines}) == 1
     assert "| 2.0 of 2 | 0 | 0 | 3 |" in lines[2]
+
+
+_KERNEL_SOURCE = (Path(__file__).parent / "data" / "inductor_kernel.cpp").read_text(encoding="utf-8")
+
+
+def test_compiled_passes_are_the_loop_nests_over_n_by_t() -> None:
+    """A kernel in inductor's C++ form: the flat vector loop (its lane and tail loops cover its positions again)
+    and the row-by-column nest are passes over (N, T); the loop over N, the accumulators' and the 8194 buckets'
+    are not, and the sizes are the call's last arguments."""
+    layout = KernelNests(_KERNEL_SOURCE)
+    assert layout.sizes == ["ks0", "ks1"]
+    assert [n.positions({"ks0": 384, "ks1": 1024}) for n in layout.nests] == [1, 384 * 1024, 384 * 1024, 384, 8194]
+    assert layout.passes(("in", "out", 384, 1024), 384 * 1024) == 2
+    assert layout.passes(("in", "out", 4, 8), 32) == 3  # at a tiny step the buckets' loop is as large as the step
+    with pytest.raises(ValueError, match="loop bound: expected an expression of \\['ks0'\\], came 'ks9'"):
+        Nest("x0", "0", "ks9", []).positions({"ks0": 4})
 
 
 def test_framework_shape_is_what_a_loop_hands_over() -> None:

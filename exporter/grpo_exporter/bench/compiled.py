@@ -6,7 +6,9 @@ Also counted: stage calls served compiled per step (a step below ``compile_min_p
 design), fallbacks and recompiles during the timed rounds (a compiled call that would recompile is refused and
 counted, so recompiles are fallbacks of reason ``recompile``), the first compilation's wall time (on the
 compiler thread: what a training run does not wait for), and what one step launches: aten operators, and the
-compiled programs' fused kernels (each reads its (N, T) inputs once; on a GPU, a kernel launch each).
+compiled programs' fused kernels (on a GPU, a kernel launch each), and the passes over (N, T) of each step:
+the eager step's at the dispatcher (:func:`~grpo_exporter.bench.probes.passes`), the compiled step's as its
+kernels' loop nests and extern operators (:func:`~grpo_exporter.bench.kernel_passes.compiled_passes`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Any
 import torch
 
 from grpo_exporter.bench import _timed, _times, monitor_step, new_monitor
+from grpo_exporter.bench.kernel_passes import compiled_passes
 from grpo_exporter.bench.naive import floor_step
+from grpo_exporter.bench.probes import passes
 from grpo_exporter.bench.workload import Workload, make
 from grpo_exporter.runtime.monitor import GRPOMonitor
 
@@ -48,6 +52,9 @@ class CompiledResult:
     eager_operators: int
     compiled_operators: int
     kernels: int  # fused kernels of the compiled programs launched in one step
+    eager_passes: int  # passes over (N, T) of one step (probes.passes)
+    compiled_passes: int | None  # the same, compiled (kernel_passes; None off a CPU: Triton kernels not parsed)
+    floor_passes: int
 
     @property
     def recompiles(self) -> int:
@@ -124,13 +131,21 @@ def measure(loss_tokens: int, rounds: int, device: torch.device, shape: str = "b
         step = WARM_STEPS + rounds + 1
         eager_ops, _ = launches(functools.partial(monitor_step, eager, w, step))
         compiled_ops, kernels = launches(functools.partial(monitor_step, compiled, w, step))
+        elements = w.n * w.t
+        eager_passes = passes(functools.partial(monitor_step, eager, w, step + 1), elements)
+        served_before = state.compiled_steps
+        counted = compiled_passes(functools.partial(monitor_step, compiled, w, step + 1), elements)
+        # None: a Triton kernel's loops are not parsed, and a stage computed eagerly is not the program's
+        all_compiled = state.compiled_steps - served_before == _stage_calls(compiled, w)
+        compiled_pass_count = counted if device.type == "cpu" and all_compiled else None
         result = CompiledResult(
             loss_tokens=w.loss_tokens, n=w.n, t=w.t, shape=shape,
             eager_s=statistics.median(times["eager"]), compiled_s=statistics.median(times["compiled"]),
             floor_s=statistics.median(times["floor"]), compiled_calls=served / max(rounds, 1),
             stage_calls=_stage_calls(compiled, w), fallbacks=fallbacks, compiles=state.compiles,
             first_compile_s=state.first_compile_s, eager_operators=eager_ops, compiled_operators=compiled_ops,
-            kernels=kernels,
+            kernels=kernels, eager_passes=eager_passes, compiled_passes=compiled_pass_count,
+            floor_passes=passes(lambda: floor_step(w), elements),
         )
     finally:
         eager.close()
@@ -147,8 +162,9 @@ def table(results: Sequence[CompiledResult]) -> str:
     lines = [
         "| loss tokens | N x T | eager step | compiled step | floor | eager / compiled | compiled / floor "
         "| eager / floor | stage calls compiled / step | fallbacks in timed rounds | recompiles | compilations "
-        "| first compilation | aten ops / step: eager | aten ops / step: compiled | fused kernels / step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| first compilation | aten ops / step: eager | aten ops / step: compiled | fused kernels / step "
+        "| passes over (N, T): eager | passes: compiled | passes: floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         shape = f"{r.n} x {r.t}" + (f", {r.shape}" if r.shape != "bench" else "")
@@ -158,6 +174,7 @@ def table(results: Sequence[CompiledResult]) -> str:
             f"| {r.loss_tokens:,} | {shape} | {r.eager_s * 1e3:.1f} ms | {r.compiled_s * 1e3:.1f} ms "
             f"| {r.floor_s * 1e3:.2f} ms | {r.speedup:.2f}x | {_times(r.vs_floor)} | {_times(r.eager_s / r.floor_s)} "
             f"| {r.compiled_calls:.1f} of {r.stage_calls} | {fallbacks} | {r.recompiles} | {r.compiles} | {first} "
-            f"| {r.eager_operators} | {r.compiled_operators} | {r.kernels} |"
+            f"| {r.eager_operators} | {r.compiled_operators} | {r.kernels} | {r.eager_passes} "
+            f"| {'-' if r.compiled_passes is None else r.compiled_passes} | {r.floor_passes} |"
         )
     return "\n".join(lines)

@@ -129,14 +129,34 @@ def _banked_counts(values: Tensor) -> Tensor:
 
 
 def key_counts(keys: Tensor, size: int) -> Tensor:
-    """(size,) int64 counts of the integer ``keys`` (each in [0, size)): ``bincount`` eagerly; in a traced
-    stage (:func:`~grpo_exporter.functional.constants.is_tracing`) an accumulating scatter into ``size`` bins,
-    whose length is known from the shapes (``bincount``'s depends on the largest key) and which the compiler
-    fuses with the keys' arithmetic (no keys tensor in memory)."""
+    """(size,) int64 counts of the integer ``keys`` (each in [0, size)): ``bincount`` eagerly. In a traced
+    stage (:func:`~grpo_exporter.functional.constants.is_tracing`) on a CPU, :func:`_traced_bincount` (the
+    compiler computes the keys in its fused loop and writes them once; inductor's own CPU scatter is an
+    int64 index and a scalar loop, ~2x the ``bincount``: docs/benchmarks.md); on other devices an accumulating
+    scatter into ``size`` bins, whose length is known from the shapes (``bincount``'s depends on the largest key,
+    a device-to-host read on CUDA) and which the compiler fuses with the keys' arithmetic (atomic adds)."""
     if is_tracing():
+        if keys.device.type == "cpu":
+            bank = torch.arange(keys.shape[0], dtype=keys.dtype, device=keys.device) % BANKS
+            return _traced_bincount(keys + bank * size, BANKS * size).view(BANKS, size).sum(0)
         ones = torch.ones((), dtype=torch.int64, device=keys.device).expand(keys.shape)
         return torch.zeros(size, dtype=torch.int64, device=keys.device).scatter_add_(0, keys.long(), ones)
     return torch.bincount(keys, minlength=size)
+
+
+@torch.library.custom_op("grpo_exporter::bincount", mutates_args=())
+def _traced_bincount(keys: Tensor, size: int) -> Tensor:
+    """``bincount`` of (M,) integer ``keys`` in [0, size) as one operator of a known output size (``size``,
+    int64), so that a traced stage keeps it (a compiled program calls it as is)."""
+    counts = torch.bincount(keys, minlength=size)
+    if counts.numel() != size:
+        raise ValueError(f"keys: expected every key in [0, {size}), came a key of {counts.numel() - 1}")
+    return counts
+
+
+@_traced_bincount.register_fake
+def _(keys: Tensor, size: int) -> Tensor:
+    return keys.new_empty((size,), dtype=torch.int64)
 
 
 BANKS = 3  # the largest count whose bank offsets keep every key's bits below 2^31

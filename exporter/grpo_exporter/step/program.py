@@ -14,8 +14,9 @@ the trace's guards, checked at every call: a step whose sizes fail them is compu
 program of its own.
 
 Tracing bypasses the caches of device constants (:func:`~grpo_exporter.functional.constants.tracing`), and a
-few functions take a form the compiler fuses (:func:`~grpo_exporter.functional.histogram.key_counts`, plain
-sums and ``where`` instead of bit tricks that serve the eager CPU path); the readings are the same numbers.
+few functions take a form the compiler serves better (:func:`~grpo_exporter.functional.histogram.key_counts`: a
+count of known size; plain sums and ``where`` instead of bit tricks that serve the eager CPU path); the readings
+are the same numbers.
 """
 
 from __future__ import annotations
