@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from grpo_exporter.bench.probes import _ALLOCATIONS, passes
+from grpo_exporter.bench.probes import is_pass, passes
 
 _KERNEL = re.compile(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\(\[[^\]]*\], r'''(.*?)'''\)", re.M | re.S)
 _INT_PARAM = re.compile(r"const int64_t (\w+)")
@@ -140,22 +140,9 @@ class _Launches:
         return value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils._pytree import tree_leaves
-
         out = self._target(*args, **kwargs)
-        if not _view_or_allocation(self._target):
-            largest = max((t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)),
-                          default=0)
-            self._found[0] += largest * 2 >= self._elements
+        self._found[0] += is_pass(self._target, (args, kwargs, out), self._elements)
         return out
-
-
-def _view_or_allocation(op: Any) -> bool:
-    if isinstance(op, torch._ops.OpOverload):
-        return op.is_view or op.overloadpacket in _ALLOCATIONS
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        return op in _ALLOCATIONS or any(getattr(op, name).is_view for name in op.overloads())
-    return False
 
 
 @contextlib.contextmanager

@@ -79,7 +79,6 @@ def passes(run: Callable[[], Any], elements: int) -> int:
     counted). At large sizes a step's time is about its passes times the cost of one, so the monitor's passes
     over the floor's bound its time over the floor's for any eager implementation that keeps them."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
 
     count = 0
 
@@ -87,15 +86,27 @@ def passes(run: Callable[[], Any], elements: int) -> int:
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             nonlocal count
             out = func(*args, **(kwargs or {}))
-            if not func.is_view and func.overloadpacket not in _ALLOCATIONS:
-                largest = max((t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)),
-                              default=0)
-                count += largest * 2 >= elements
+            count += is_pass(func, (args, kwargs, out), elements)
             return out
 
     with Passes():
         run()
     return count
+
+
+def is_pass(op: Any, tensors: Any, elements: int) -> bool:
+    """Whether a call of ``op`` that read or wrote ``tensors`` (any nesting of arguments and outputs) is a pass
+    over (N, T): some tensor holds at least half of ``elements`` values, and ``op`` is neither a view nor an
+    allocation (an operator overload or its packet; any other callable, e.g. an extern kernel, can be a pass)."""
+    from torch.utils._pytree import tree_leaves
+
+    if isinstance(op, torch._ops.OpOverload) and (op.is_view or op.overloadpacket in _ALLOCATIONS):
+        return False
+    if isinstance(op, torch._ops.OpOverloadPacket) and (
+            op in _ALLOCATIONS or any(getattr(op, name).is_view for name in op.overloads())):
+        return False
+    largest = max((t.numel() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor)), default=0)
+    return largest * 2 >= elements
 
 
 _ALLOCATIONS = frozenset({torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided})
