@@ -57,8 +57,8 @@ _ITERATION = re.compile(r"(x\d+)(?:_\w+)?$")
 
 
 def _evaluate(bound: str, sizes: dict[str, int]) -> int:
-    """A loop's upper bound, as inductor writes it in C++ (``static_cast``, ``c10::div_floor_integer``,
-    ``16L``), at these sizes."""
+    """A loop's bound (lower or upper), as inductor writes it in C++ (``static_cast``,
+    ``c10::div_floor_integer``, ``16L``), at these sizes."""
     text = bound.replace("static_cast<int64_t>", "").replace("c10::convert<int64_t>", "")
     text = text.replace("c10::div_floor_integer", "_floordiv").replace("std::max", "max").replace("std::min", "min")
     text = _LITERAL.sub(r"\1", text)
