@@ -204,6 +204,17 @@ class SampleKey(str):
     def label_dict(self) -> dict[str, str]:
         return dict(self.labels)
 
+    @functools.cached_property
+    def family(self) -> Metric:
+        """The catalogue family this sample belongs to (:func:`family_of`), looked up once per key: the
+        publication asks it of every sample of every step."""
+        return family_of(self.sample)
+
+    @functools.cached_property
+    def additive(self) -> bool:
+        """Whether this sample accumulates across steps (:func:`is_additive`), looked up once per key."""
+        return _is_additive_sample(self.sample)
+
 
 def format_quantile(q: float) -> str:
     """Prometheus label value of a quantile: ``0.5``, ``0.999``, ``1``."""
@@ -1063,7 +1074,7 @@ for _m in CATALOG:
 
 def is_additive(key: str) -> bool:
     """Whether a sample accumulates across steps: counters, and the _sum/_count/_bucket samples."""
-    return _is_additive_sample(key.sample if isinstance(key, SampleKey) else parse_key(key)[0])
+    return key.additive if isinstance(key, SampleKey) else _is_additive_sample(parse_key(key)[0])
 
 
 @functools.lru_cache(maxsize=1024)

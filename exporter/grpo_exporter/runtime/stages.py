@@ -123,7 +123,7 @@ class Stages:
         """The rollout's readings and what the run's state derives from them; its mask audit is held until an
         update audits the mask it trains with (published at the next step otherwise)."""
         audit = {k: v for k, v in result.metrics.items()
-                 if catalog.family_of(catalog.sample_key(k).sample).name in AUDIT}
+                 if catalog.sample_key(k).family.name in AUDIT}
         self.state.held_audit = audit or None
         metrics = {k: v for k, v in result.metrics.items() if k not in audit}
         metrics |= self.state.after_rollout(metrics).gauges

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 
-from grpo_exporter.catalog import SampleKey, family_of, format_quantile, is_additive, metric, sample_key
+from grpo_exporter.catalog import SampleKey, format_quantile, metric, sample_key
 from grpo_exporter.runtime.anchors import RunAnchors
 
 _ANCHOR = "grpo_run_anchor"
@@ -52,10 +52,10 @@ class Publication:
         additive = self._additive
         for key, value in metrics.items():
             key = sample_key(key)
-            if is_additive(key):
+            if key.additive:
                 additive[key] = additive.get(key, 0.0) + value
             else:
-                fresh.setdefault(family_of(key.sample).name, {})[key] = value
+                fresh.setdefault(key.family.name, {})[key] = value
                 gauges[key] = value
         for name, values in fresh.items():
             self._replace(name, values)

@@ -24,10 +24,6 @@ from grpo_exporter.functional.histogram_host import Buckets, HostHistograms, Hos
 from grpo_exporter.functional.reading import Ratio, always
 from grpo_exporter.inputs import InputError
 from grpo_exporter.step.pack import (
-    HOST,
-    PLAIN,
-    RATIO,
-    WITNESSED,
     Element,
     Entry,
     Packed,
@@ -38,6 +34,7 @@ from grpo_exporter.step.pack import (
     pack,
     scalar,
 )
+from grpo_exporter.step.read_table import ReadTable
 
 if TYPE_CHECKING:
     from grpo_exporter.step.context import Context
@@ -156,6 +153,7 @@ class Gather:
         self.errors: list[tuple[str, Exception]] = []
         self.failed: set[str] = set()
         self.checks: list[tuple[str, Tensor]] = []
+        self._table: ReadTable | None = None  # made at the first read; a compiled stage's readers share it
 
     def add(self, name: str, value: Any, suffix: str = "", **labels: str) -> None:
         key = catalog.metric(name).key(suffix, **labels)
@@ -251,49 +249,38 @@ class Gather:
         merge_host = packed[layout.merge_at : layout.listed] if staged.merged else None
         return StepResult(metrics, carried, self.errors, families, frozenset(self.failed), merge_host)
 
+    def table(self, packed_parts: Packed) -> ReadTable:
+        """How these readings are read back (:class:`~grpo_exporter.step.read_table.ReadTable`), made once:
+        a compiled stage makes it when traced, and every :meth:`reader` of it reads by the same table."""
+        if self._table is None:
+            self._table = ReadTable(self.entries, packed_parts.positions)
+        return self._table
+
     def reader(self) -> Gather:
         """A gather with these readings' layout and fresh errors, to read another block of the same layout."""
         other = Gather(self.device)
         other.entries, other.carried, other.checks = self.entries, self.carried, self.checks
         other.errors, other.failed = list(self.errors), set(self.failed)
         other.traced = self.traced
+        other._table = self._table
         return other
 
     def _read(
         self, host: Tensor, packed: list[float], packed_parts: Packed, layout: TransferLayout, stage_tags: set[str],
     ) -> tuple[StepMetrics, frozenset[str]]:
         """After the transfer, on the host: every value (ratios divided, histograms read) and the value checks."""
-        positions = packed_parts.positions
         hists = HostHistograms(
             host[layout.listed : layout.listed + layout.histograms],
             [packed[low] for low, _ in packed_parts.extremes],
             [packed[high] for _, high in packed_parts.extremes],
         ) if layout.histograms else None
-        read: dict[int, list[float] | None] = {}  # each histogram reading once, however many samples it has
-        out: StepMetrics = {}
-        late: list[tuple[SampleKey, Tensor]] = []  # witnessed counts whose witness saw NaN or inf
-        for e, (v, p, kind) in zip(self.entries, positions, strict=True):
-            if kind == HOST:
-                r = e.reading
-                if id(r) not in read:
-                    read[id(r)] = r.read(hists, v)
-                values = read[id(r)]
-                if values is not None:
-                    out[e.key] = values[e.index]
-            elif kind == RATIO and packed[p] > 0:
-                out[e.key] = packed[v] / packed[p]
-            elif kind == PLAIN and packed[p]:
-                out[e.key] = packed[v]
-            elif kind == WITNESSED:
-                if packed[v]:
-                    late.append((e.key, e.reading.tensor))
-                else:
-                    out[e.key] = 0.0
+        table = self.table(packed_parts)
+        out, late = table.read(packed, hists)
         if late:
             if self.traced:
                 raise LateCounts(len(late))
-            out |= zip((key for key, _ in late), counts_after_transfer([t for _, t in late]), strict=True)
-        families = frozenset(catalog.family_of(sample).name for sample in {e.key.sample for e in self.entries})
+            out |= zip((key for key, _ in late), counts_after_transfer([r.tensor for _, r in late]), strict=True)
+        families = table.families
         for (name, _), bad in zip(self.checks, packed[layout.checks_at : layout.merge_at], strict=True):
             if bad:
                 self.errors.append(("input values", InputError(

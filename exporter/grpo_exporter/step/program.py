@@ -177,6 +177,7 @@ def trace(blocks: Sequence[Block], config: MetricsConfig, sig: Signature, args: 
     shape_env = graph.shape_env
     assert shape_env is not None  # a symbolic trace has one
     guards = shape_env.produce_guards_expression(placeholders) if shape_env.guards else None
+    held["gather"].table(held["staged"].packed)  # the host read's table, made once for every step it serves
     return Program(graph, guards, held["gather"], held["staged"], merger)
 
 
