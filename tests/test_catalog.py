@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import re
 from pathlib import Path
 
@@ -118,6 +119,17 @@ def test_key_rejects_undeclared_labels_and_values():
         m.key(prompt="p1")
     with pytest.raises(KeyError, match="no catalogue metric"):
         metric("grpo_clip_fraction")
+
+
+def test_a_key_pickles_as_its_sample_and_labels_without_its_cached_family():
+    key = metric("grpo_clipped_tokens_total").key(bound="upper")
+    fresh = len(pickle.dumps(key))
+    assert key.family is metric("grpo_clipped_tokens_total")
+    assert key.additive
+    back = pickle.loads(pickle.dumps(key))
+    assert len(pickle.dumps(key)) == fresh  # what a rank sends is not grown by the cached catalogue entry
+    assert (back, back.sample, back.labels) == (key, key.sample, key.labels)
+    assert back.family is key.family  # looked up again in this process's catalogue, not a copy
 
 
 def test_generated_metric_reference_is_up_to_date():

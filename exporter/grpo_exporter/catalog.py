@@ -197,8 +197,9 @@ class SampleKey(str):
         self.sample, self.labels = sample, tuple(labels)
         return self
 
-    def __getnewargs__(self) -> tuple[str, tuple[tuple[str, str], ...]]:  # type: ignore[override]
-        return self.sample, self.labels
+    def __reduce__(self) -> tuple[type[SampleKey], tuple[str, tuple[tuple[str, str], ...]]]:
+        """Pickled (and copied) as its sample and labels: not the cached :attr:`family`, a catalogue entry."""
+        return SampleKey, (self.sample, self.labels)
 
     @property
     def label_dict(self) -> dict[str, str]:
