@@ -63,7 +63,7 @@ class RunAnchors:
         now (then :attr:`samples` holds every anchor so far)."""
         froze = False
         for key, value in values.items():
-            name = catalog.family_of(key.sample).name
+            name = key.family.name
             if name not in ANCHORED_FAMILIES or key.sample != name:
                 continue
             mean = self._means.get(key)

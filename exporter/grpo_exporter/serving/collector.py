@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from grpo_exporter.catalog import CATALOG, MetricType, family_of, sample_key
+from grpo_exporter.catalog import CATALOG, MetricType, sample_key
 from grpo_exporter.serving.publication import Publication
 
 _ORDER = {m.name: i for i, m in enumerate(CATALOG)}
@@ -41,7 +41,7 @@ class CatalogCollector(Collector):
             try:
                 parsed = sample_key(key)
                 sample, labels = parsed.sample, parsed.label_dict
-                spec = family_of(sample)
+                spec = parsed.family
                 family = families.get(spec.name)
                 if family is None:
                     # prometheus-client appends _total to counter families itself
