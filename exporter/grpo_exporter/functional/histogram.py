@@ -136,9 +136,8 @@ def key_counts(keys: Tensor, size: int) -> Tensor:
     scatter into ``size`` bins, whose length is known from the shapes (``bincount``'s depends on the largest key,
     a device-to-host read on CUDA) and which the compiler fuses with the keys' arithmetic (atomic adds)."""
     if is_tracing():
-        if keys.device.type == "cpu":
-            bank = torch.arange(keys.shape[0], dtype=keys.dtype, device=keys.device) % BANKS
-            return _traced_bincount(keys + bank * size, BANKS * size).view(BANKS, size).sum(0)
+        if keys.device.type == "cpu":  # unbanked: the fused loop writes plain keys (no per-position bank)
+            return _traced_bincount(keys, size)
         ones = torch.ones((), dtype=torch.int64, device=keys.device).expand(keys.shape)
         return torch.zeros(size, dtype=torch.int64, device=keys.device).scatter_add_(0, keys.long(), ones)
     return torch.bincount(keys, minlength=size)

@@ -16,7 +16,8 @@ program of its own.
 Tracing bypasses the caches of device constants (:func:`~grpo_exporter.functional.constants.tracing`), and a
 few functions take a form the compiler serves better (:func:`~grpo_exporter.functional.histogram.key_counts`: a
 count of known size; plain sums and ``where`` instead of bit tricks that serve the eager CPU path); the readings
-are the same numbers.
+are the same numbers. The trace's whole-tensor reductions are rewritten row by row
+(:func:`~grpo_exporter.step.fusion.rows_first`), so that they share the per-row loop nest.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from grpo_exporter.functional.constants import prepare_tables, tracing
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.step.compute import run_blocks
 from grpo_exporter.step.dynamo_frames import exporter_frames
+from grpo_exporter.step.fusion import rows_first
 from grpo_exporter.step.gather import Gather, LateCounts, Merger, Staged, StepResult
 from grpo_exporter.step.registry import Block
 
@@ -173,6 +175,7 @@ def trace(blocks: Sequence[Block], config: MetricsConfig, sig: Signature, args: 
     prepare_tables(device)
     with tracing():
         graph = make_fx(stage, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*args)
+    rows_first(graph)
     placeholders = [node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"]
     shape_env = graph.shape_env
     assert shape_env is not None  # a symbolic trace has one
