@@ -122,7 +122,7 @@ def _banked_counts(values: Tensor) -> Tensor:
     implementation choices). The bank is folded into the subtraction the keys take anyway: three passes over the bits
     (clamp, subtract, shift) and the count."""
     values = values.reshape(1) if values.dim() == 0 else values
-    if is_tracing():  # compiled, the scatter's adds are atomic: no bank to spread them over
+    if is_tracing():  # compiled, no bank: a GPU's adds are atomic, a CPU counts plain keys faster (benchmarks.md)
         return key_counts(_bucket_keys(values).flatten(), BUCKETS)
     keys = _bucket_keys(values, _bank_offsets(values.shape[-1], values.device))
     return key_counts(keys.flatten(), BANKS * BUCKETS).view(BANKS, BUCKETS).sum(0)
