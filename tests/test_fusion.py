@@ -11,11 +11,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from grpo_exporter.bench import workload
-from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
-from grpo_exporter.step import ROLLOUT_BLOCKS, UPDATE_BLOCKS
 from grpo_exporter.step import program as step_program
 from grpo_exporter.step.fusion import _reduced_rank, rows_first
+from test_compiled_step import CFG, _stages
 
 
 def _whole(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -89,17 +88,9 @@ def test_rewritten_reductions_read_the_same(shape: tuple[int, int], kind: str) -
 def test_a_traced_stage_reduces_no_token_tensor_whole(stage: str) -> None:
     """The wiring: :func:`~grpo_exporter.step.program.trace` rewrites the stage's graph (its compiled step's
     readings are tests/test_compiled_step.py's)."""
-    w = workload.make(60_000)
-    fields = {
-        "rollout": {"rewards": w.rewards, "correct": w.correct, "rollout_logprobs": w.rollout,
-                    "old_logprobs": w.old, "loss_mask": w.mask, "completion_lengths": w.lengths},
-        "update": {"logprobs": w.new, "old_logprobs": w.old, "ref_logprobs": w.ref, "entropy": w.entropy,
-                   "advantages": w.advantages, "loss_mask": w.mask},
-    }[stage]
-    blocks = ROLLOUT_BLOCKS if stage == "rollout" else UPDATE_BLOCKS
+    fields, blocks = _stages(workload.make(60_000))[stage]
     x = StepInputs(**fields)
-    cfg = MetricsConfig(group_size=16)
-    program = step_program.trace(blocks, cfg, step_program.signature(blocks, x, {}, False),
+    program = step_program.trace(blocks, CFG, step_program.signature(blocks, x, {}, False),
                                  step_program.leaves(x, {}), x.device)
     token_reductions = [n for n in program.graph.graph.nodes if n.op == "call_function"
                         and n.args and isinstance(n.args[0], torch.fx.Node)

@@ -10,8 +10,8 @@ results, a whole-tensor reduction shares the per-row loop nest, and what is left
 The readings are the same: integer and boolean sums, maxima and minima are exact either way (NaN propagates
 through both levels; a row's count of true values is taken in int32, as a row has far fewer than 2^31
 positions, and summed over rows in int64, the count's own dtype), and a float sum of per-row partial sums is
-at least as accurate as one running sum
-(docs/benchmarks.md, the compiled step, gives the passes and times before and after).
+at least as accurate as one running sum. docs/benchmarks.md (the compiled step) gives the passes and times
+before and after.
 """
 
 from __future__ import annotations
