@@ -16,6 +16,7 @@ from grpo_exporter import catalog
 from grpo_exporter.bench import monitor_step, new_monitor, workload
 from grpo_exporter.catalog import COMPILE_FALLBACKS
 from grpo_exporter.config import MetricsConfig
+from grpo_exporter.functional import histogram
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.runtime.compilation import CompiledStages
 from grpo_exporter.step import ROLLOUT_BLOCKS, UPDATE_BLOCKS, compute_step_carrying
@@ -96,6 +97,35 @@ def test_compiled_readings_equal_eager(compiled, kind: str, size_class: str, siz
             else:
                 assert got[key] == _close(value, key), key
     assert (late > 0) == (kind == "nonfinite")
+
+
+def test_the_scatter_form_of_histogram_counts_reads_the_same(monkeypatch) -> None:
+    """Off a CPU a traced stage counts histogram keys by an accumulating scatter (it fuses there, as atomic
+    adds) instead of ``grpo_exporter::bincount``. No GPU runs this suite, so the CPU traces and compiles that
+    form too (inductor lowers it to its scatter fallback): the same readings as the eager step."""
+    monkeypatch.setattr(histogram, "counted_by_bincount", lambda device: False)
+    programs = {}
+    for kind in ("random", "heavy"):
+        w = _variants(workload.make(60_000, seed=11 + len(kind)), kind)
+        for stage, (fields, blocks) in _stages(w).items():
+            x = StepInputs(**fields)
+            args = step_program.leaves(x, {})
+            if stage not in programs:
+                program = step_program.trace(blocks, CFG, step_program.signature(blocks, x, {}, False), args, x.device)
+                targets = {str(n.target) for n in program.graph.graph.nodes if n.op == "call_function"}
+                assert any("scatter_add" in t for t in targets)
+                assert not any("grpo_exporter.bincount" in t for t in targets)
+                programs[stage] = (program, step_program.compile_program(program, {"compile_threads": 1}))
+            program, runner = programs[stage]
+            eager = compute_step_carrying(x, CFG, {}, True, blocks=blocks).metrics
+            with torch.inference_mode():
+                got = step_program.run(program, runner, args, {t for b in blocks for t in b.tags}).metrics
+            assert set(got) == set(eager)
+            for key, value in eager.items():
+                if "_bucket" in key or "_total" in key:
+                    assert got[key] == value, key
+                else:
+                    assert got[key] == _close(value, key), key
 
 
 def test_a_failing_compiler_falls_back_to_eager_counted(monkeypatch) -> None:

@@ -136,11 +136,17 @@ def key_counts(keys: Tensor, size: int) -> Tensor:
     scatter into ``size`` bins, whose length is known from the shapes (``bincount``'s depends on the largest key,
     a device-to-host read on CUDA) and which the compiler fuses with the keys' arithmetic (atomic adds)."""
     if is_tracing():
-        if keys.device.type == "cpu":  # unbanked: the fused loop writes plain keys (no per-position bank)
+        if counted_by_bincount(keys.device):  # unbanked: the fused loop writes plain keys (no per-position bank)
             return _traced_bincount(keys, size)
         ones = torch.ones((), dtype=torch.int64, device=keys.device).expand(keys.shape)
         return torch.zeros(size, dtype=torch.int64, device=keys.device).scatter_add_(0, keys.long(), ones)
     return torch.bincount(keys, minlength=size)
+
+
+def counted_by_bincount(device: torch.device) -> bool:
+    """Whether a traced stage on ``device`` counts histogram keys by :func:`_traced_bincount` (a CPU) rather
+    than by the accumulating scatter that fuses on other devices (:func:`key_counts`)."""
+    return device.type == "cpu"
 
 
 @torch.library.custom_op("grpo_exporter::bincount", mutates_args=())
