@@ -48,11 +48,26 @@ def compiled() -> dict[tuple[str, str], tuple[step_program.Program, step_program
     out = {}
     for name, (first, _) in CLASSES.items():
         for stage, (fields, blocks) in _stages(workload.make(first)).items():
-            x = StepInputs(**fields)
-            sig = step_program.signature(blocks, x, {}, False)
-            program = step_program.trace(blocks, CFG, sig, step_program.leaves(x, {}), x.device)
-            out[name, stage] = (program, step_program.compile_program(program, {"compile_threads": 1}))
+            out[name, stage] = _compiled_program(StepInputs(**fields), blocks)
     return out
+
+
+def _compiled_program(x: StepInputs, blocks: tuple) -> tuple[step_program.Program, step_program.Runner]:
+    """The stage's program traced on ``x`` and compiled (on one compiler thread)."""
+    sig = step_program.signature(blocks, x, {}, False)
+    program = step_program.trace(blocks, CFG, sig, step_program.leaves(x, {}), x.device)
+    return program, step_program.compile_program(program, {"compile_threads": 1})
+
+
+def _assert_same_readings(got: dict, eager: dict) -> None:
+    """A compiled stage's readings against the eager stage's: the same keys, counts and histogram buckets
+    exact, every other value within :func:`_close`."""
+    assert set(got) == set(eager)
+    for key, value in eager.items():
+        if "_bucket" in key or "_total" in key:
+            assert got[key] == value, key
+        else:
+            assert got[key] == _close(value, key), key
 
 
 def _variants(w: workload.Workload, kind: str) -> workload.Workload:
@@ -88,14 +103,9 @@ def test_compiled_readings_equal_eager(compiled, kind: str, size_class: str, siz
         except step_program.LateCounts:
             late += 1  # the caller computes this step eagerly
             continue
-        assert set(got) == set(eager)
         if kind != "masked":
             assert len(eager) > 60  # the stage's per-token families are there to compare
-        for key, value in eager.items():
-            if "_bucket" in key or "_total" in key:
-                assert got[key] == value, key  # counts and histogram buckets exact
-            else:
-                assert got[key] == _close(value, key), key
+        _assert_same_readings(got, eager)
     assert (late > 0) == (kind == "nonfinite")
 
 
@@ -111,21 +121,15 @@ def test_the_scatter_form_of_histogram_counts_reads_the_same(monkeypatch) -> Non
             x = StepInputs(**fields)
             args = step_program.leaves(x, {})
             if stage not in programs:
-                program = step_program.trace(blocks, CFG, step_program.signature(blocks, x, {}, False), args, x.device)
-                targets = {str(n.target) for n in program.graph.graph.nodes if n.op == "call_function"}
+                programs[stage] = _compiled_program(x, blocks)
+                targets = {str(n.target) for n in programs[stage][0].graph.graph.nodes if n.op == "call_function"}
                 assert any("scatter_add" in t for t in targets)
                 assert not any("grpo_exporter.bincount" in t for t in targets)
-                programs[stage] = (program, step_program.compile_program(program, {"compile_threads": 1}))
             program, runner = programs[stage]
             eager = compute_step_carrying(x, CFG, {}, True, blocks=blocks).metrics
             with torch.inference_mode():
                 got = step_program.run(program, runner, args, {t for b in blocks for t in b.tags}).metrics
-            assert set(got) == set(eager)
-            for key, value in eager.items():
-                if "_bucket" in key or "_total" in key:
-                    assert got[key] == value, key
-                else:
-                    assert got[key] == _close(value, key), key
+            _assert_same_readings(got, eager)
 
 
 def test_a_failing_compiler_falls_back_to_eager_counted(monkeypatch) -> None:
