@@ -84,6 +84,26 @@ def test_rewritten_reductions_read_the_same(shape: tuple[int, int], kind: str) -
             assert torch.equal(r, e)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_narrow_float_sum_is_rounded_once(dtype: torch.dtype) -> None:
+    """Rows of [256, 1]: each row's 257 rounds to 256 in bf16, so rounding per row would read 25,600 for the
+    100 rows' 25,700; summed in fp32 and rounded once, both graphs read 25,728 (bf16) or 25,696 (fp16). A
+    wider float cast narrow before its sum is left whole."""
+    def sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return a.sum(), a.sum(dtype=dtype), torch.stack([a, a]).sum(), b.sum(dtype=dtype)
+
+    narrow, wide = torch.tensor([[256.0, 1.0]] * 100, dtype=dtype), torch.tensor([[256.0, 1.0]] * 100)
+    original = make_fx(sums, tracing_mode="symbolic")(narrow, wide)
+    rewritten = make_fx(sums, tracing_mode="symbolic")(narrow, wide)
+    assert rows_first(rewritten) == 3
+    assert _remaining(rewritten) == 1  # the wide float cast narrow
+    expected = 25_728.0 if dtype == torch.bfloat16 else 25_696.0
+    for e, r in zip(original(narrow, wide), rewritten(narrow, wide), strict=True):
+        assert r.dtype == e.dtype == dtype
+        assert float(r) == float(e)
+    assert float(rewritten(narrow, wide)[0]) == expected
+
+
 @pytest.mark.parametrize("stage", ["rollout", "update"])
 def test_a_traced_stage_reduces_no_token_tensor_whole(stage: str) -> None:
     """The wiring: :func:`~grpo_exporter.step.program.trace` rewrites the stage's graph (its compiled step's
