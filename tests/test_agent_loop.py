@@ -47,8 +47,8 @@ def test_a_loop_without_these_counts_publishes_none_of_them() -> None:
 
 @pytest.mark.parametrize(("bad", "field", "expected"), [
     ({"tool_calls": 2, "tool_failures": 3}, "tool_failures", "at most tool_calls"),
-    ({"tool_calls": -1}, "tool_calls", "a Python int >= 0"),
-    ({"tool_calls": 2.0}, "tool_calls", "a Python int >= 0"),
+    ({"tool_calls": -1}, "tool_calls", "a Python int in 0..1099511627776"),
+    ({"tool_calls": 2.0}, "tool_calls", "a Python int in 0..1099511627776"),
     ({"turns": torch.tensor([1.0, 2.0, 1.0, 1.0])}, "turns", "an integer tensor"),
     ({"partial": torch.tensor([0.5, 0.0, 0.0, 0.0])}, "partial", ""),
 ])

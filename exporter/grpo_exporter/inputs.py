@@ -25,13 +25,14 @@ class FieldSpec:
     """How one :class:`StepInputs` field is validated and carried.
 
     ``axis``: ``"row"`` (N,), ``"token"`` (N, T), ``"row or token"`` (advantages), ``"scalar"`` (a number or
-    one-element tensor), ``"integer"`` (a Python int), ``"count"`` (a Python int >= 0 the framework counted on
-    the host), ``"tensors"`` (a sequence of tensors), or ``"other"`` (validated on its own: the reward
-    components, ``on_policy``, the value checks). ``kind``: ``"float"``,
-    ``"bool"`` (bool, or 0/1 numbers stored as bool) or ``"int"`` for tensors. ``stitched``: how micro-steps of
-    one optimizer step join it (``"rows"`` concatenated along N, ``"last"`` the last given, ``""`` not by the
-    stitcher). ``update``/``rollout``: accepted by ``observe_update``/``observe_rollout`` as a keyword
-    (:mod:`grpo_exporter.keywords` types them)."""
+    one-element tensor), ``"integer"`` (a Python int in 0..:data:`MAX_INTEGER`: a step or a policy version),
+    ``"count"`` (a Python int in 0..:data:`MAX_COUNT` the framework counted on the host), ``"tensors"`` (a
+    sequence of tensors), or ``"other"`` (validated on its own: the reward components, ``on_policy``, the value
+    checks). ``kind``: ``"float"``, ``"bool"`` (bool, or 0/1 numbers stored as bool), ``"int"`` (any integers:
+    ids) or ``"count"`` (integers in 0..:data:`MAX_ROW_COUNT`, checked on the device) for tensors.
+    ``stitched``: how micro-steps of one optimizer step join it (``"rows"`` concatenated along N, ``"last"`` the
+    last given, ``""`` not by the stitcher). ``update``/``rollout``: accepted by ``observe_update``/
+    ``observe_rollout`` as a keyword (:mod:`grpo_exporter.keywords` types them)."""
 
     axis: str
     kind: str = ""
@@ -49,10 +50,10 @@ FIELDS: dict[str, FieldSpec] = {
     "correct": FieldSpec("row", "bool", "rows", rollout=True),
     "truncated": FieldSpec("row", "bool", "rows", rollout=True),
     "group_ids": FieldSpec("row", "int", "rows", what="an integer tensor", rollout=True),
-    "completion_lengths": FieldSpec("row", "int", "rows", what="an integer tensor", rollout=True),
-    "turns": FieldSpec("row", "int", update=False, what="an integer tensor", rollout=True),
+    "completion_lengths": FieldSpec("row", "count", "rows", rollout=True),
+    "turns": FieldSpec("row", "count", update=False, rollout=True),
     "partial": FieldSpec("row", "bool", update=False, rollout=True),
-    "staleness": FieldSpec("row", "int", "rows", what="an integer tensor"),
+    "staleness": FieldSpec("row", "count", "rows"),
     "reward_components": FieldSpec("other", update=False, rollout=True),
     "logprobs": FieldSpec("token", "float", "rows"),
     "old_logprobs": FieldSpec("token", "float", "rows", rollout=True),
@@ -104,6 +105,16 @@ SCALARS = fields_where("scalar")
 INTEGERS = fields_where("integer")
 COUNTS = fields_where("count")
 
+#: the largest step number or policy version: 2^53 - 1, the largest integer a float (the exposition's number, the
+#: ``grpo_last_step`` gauge) holds exactly
+MAX_INTEGER = 2**53 - 1
+#: the largest count one call hands over (tool calls, groups generated or filtered, completions aborted or
+#: dropped): 2^40, about 1.1e12, beyond any batch or run, so that a wrong number never sits in a counter for good
+MAX_COUNT = 2**40
+#: the largest per-completion count (tokens, turns, policy versions of staleness): 2^24, the largest integer fp32
+#: holds exactly (their maxima and quantiles are read in fp32)
+MAX_ROW_COUNT = 2**24
+
 
 class InputError(ValueError):
     """A step input with the wrong shape, dtype, device or type."""
@@ -113,11 +124,11 @@ class InputError(ValueError):
         super().__init__(f"`{name}`: expected {expected}, got {received}")
 
 
-def check_count(name: str, value: Any, what: str = "a count") -> None:
-    """None, or a Python int >= 0 (a count a framework kept on the host); else :class:`InputError` naming
-    ``name``."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise InputError(name, f"a Python int >= 0 ({what})", describe(value))
+def check_count(name: str, value: Any, what: str = "a count", largest: int = MAX_COUNT) -> None:
+    """None, or a Python int in 0..``largest`` (a count a framework kept on the host, a step, a version); else
+    :class:`InputError` naming ``name``."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= largest):
+        raise InputError(name, f"a Python int in 0..{largest} ({what})", describe(value))
 
 
 def describe(value: Any) -> str:
@@ -130,6 +141,28 @@ def not_binary(value: Tensor) -> Tensor:
     """How many entries of a numeric ``value`` are neither 0 nor 1 (NaN included), counted on its device: the rule
     of every boolean input (a bool tensor, or numbers holding only 0 and 1)."""
     return ((value != 0) & (value != 1)).sum()
+
+
+def out_of_range(value: Tensor, largest: int = MAX_ROW_COUNT) -> Tensor:
+    """How many entries of an integer ``value`` lie outside 0..``largest``, counted on its device: the rule of
+    every per-completion count (a negative length or a staleness past fp32's integers cannot be true)."""
+    return ((value < 0) | (value > largest)).sum()
+
+
+#: what a value check of each kind expects, and what its count of bad values is (the error after the transfer)
+_VALUE_RULES = {
+    "bool": ("a bool tensor, or 0/1 values", "{bad:g} values other than 0 and 1"),
+    "count": (f"integers in 0..{MAX_ROW_COUNT} (a count per completion)", "{bad:g} values outside that range"),
+    "kept": ("at least the groups kept in the batch plus those filtered", "{bad:g} groups kept beside them"),
+}
+
+
+def value_error(name: str, bad: float) -> InputError:
+    """The error of a value check of field ``name`` that found ``bad`` (read after the step's one transfer)."""
+    spec = FIELDS.get(name.split("[", 1)[0])
+    rule = "kept" if name == "generated_groups" else spec.kind if spec is not None and spec.kind == "count" else "bool"
+    expected, received = _VALUE_RULES[rule]
+    return InputError(name, expected, received.format(bad=bad))
 
 
 @dataclass(frozen=True)
@@ -297,8 +330,11 @@ class _Validator:
                 _floating(name, value)
             elif spec.kind == "bool":
                 self._set(name, self.as_bool(name, value))
-            elif value.is_floating_point() or value.dtype == torch.bool:
-                raise InputError(name, spec.what, describe(value))
+            elif value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
+                raise InputError(name, spec.what or f"an integer tensor of counts in 0..{MAX_ROW_COUNT}",
+                                 describe(value))
+            elif spec.kind == "count" and all(checked != name for checked, _ in self.value_errors):
+                self.value_errors.append((name, out_of_range(value)))  # once: stitched micro-steps carry theirs
 
     def components(self) -> None:
         if not isinstance(self.x.reward_components, Mapping):
@@ -347,9 +383,11 @@ class _Validator:
                 raise InputError(name, "a number or a one-element tensor", describe(value))
             self._set(name, self.tensor(name, value).reshape(()))
         for name in INTEGERS:
-            value = getattr(self.x, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise InputError(name, "a Python int", describe(value))
+            check_count(name, getattr(self.x, name), "a step or policy version", MAX_INTEGER)
+        learner, actor = self.x.policy_version, self.x.rollout_policy_version
+        if learner is not None and actor is not None and learner < actor:
+            raise InputError("policy_version", f"at least rollout_policy_version ({actor}): the weights updated are "
+                             "never older than the ones that generated", describe(learner))
         for name in COUNTS:
             check_count(name, getattr(self.x, name))
         calls, failures = self.x.tool_calls, self.x.tool_failures

@@ -83,9 +83,13 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
                     _flight_recorder(config, rank, world, publication, report, decode))
     publication.merge(static_values(config))
     publication.publish()
-    endpoint = Endpoint(publication, config.run, registry, lambda exc: report.error("scrape", exc),
-                        _listen(config) if rank == 0 else None,
-                        None if config.strict else lambda exc, port: _busy_port(report, exc, port))
+    try:
+        endpoint = Endpoint(publication, config.run, registry, lambda exc: report.error("scrape", exc),
+                            _listen(config) if rank == 0 else None,
+                            None if config.strict else lambda exc, port: _busy_port(report, exc, port))
+    except BaseException:  # a failed construction leaves no thread running and the registry as it was
+        stages.stop_workers()
+        raise
     return stages, endpoint
 
 

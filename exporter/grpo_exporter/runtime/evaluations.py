@@ -25,14 +25,25 @@ class Evaluation:
 
 
 def retrieval(scores: Tensor, own_prompt: Tensor) -> Evaluation:
-    """Retrieval accuracy of ``scores`` (N, P) against ``own_prompt`` (N,), and chance 1/P beside it."""
-    if scores.dim() != 2 or own_prompt.shape != scores.shape[:1]:
-        raise ValueError(f"`scores`/`own_prompt`: expected (N, P) and (N,), got {tuple(scores.shape)} and "
-                         f"{tuple(own_prompt.shape)}")
-    r = retrieval_accuracy(scores, own_prompt)
-    value, present = torch.stack([r.value.double(), r.present.double()]).tolist()
+    """Retrieval accuracy of ``scores`` (N, P) against ``own_prompt`` (N,), and chance 1/P beside it. The
+    columns in ``own_prompt`` are checked with the one host read (an index outside 0..P-1 names the field)."""
+    if not isinstance(scores, Tensor) or scores.dim() != 2 or scores.shape[1] < 2 or not scores.is_floating_point() \
+            or scores.is_meta:
+        raise InputError("scores", "an (N, P) floating-point tensor of P >= 2 prompts' scores (with data)",
+                         describe(scores))
+    if not isinstance(own_prompt, Tensor) or own_prompt.shape != scores.shape[:1] or own_prompt.is_floating_point() \
+            or own_prompt.dtype == torch.bool or own_prompt.is_complex() or own_prompt.device != scores.device:
+        raise InputError("own_prompt", f"an (N,) = ({scores.shape[0]},) integer tensor of column indices on "
+                         f"{scores.device}, like `scores`", describe(own_prompt))
+    columns = scores.shape[1]
+    outside = (own_prompt < 0) | (own_prompt >= columns)
+    r = retrieval_accuracy(scores, own_prompt.clamp(0, columns - 1))
+    value, present, invalid = torch.stack([r.value.double(), r.present.double(), outside.sum().double()]).tolist()
+    if invalid:
+        raise InputError("own_prompt", f"column indices in 0..{columns - 1} (P = {columns} prompts)",
+                         f"{int(invalid)} of its {own_prompt.numel()} indices outside")
     accuracy = catalog.metric("grpo_retrieval_accuracy_ratio")
-    gauges: dict[str, float] = {catalog.key("grpo_retrieval_chance_ratio"): 1.0 / scores.shape[1]}
+    gauges: dict[str, float] = {catalog.key("grpo_retrieval_chance_ratio"): 1.0 / columns}
     if present:
         gauges[accuracy.key()] = value
     return Evaluation({}, gauges, (accuracy.name,))
@@ -42,7 +53,8 @@ def regression(correct: Tensor) -> Evaluation:
     """One evaluation of the mastered-prompt regression set (seed 第 4 篇 4.3, "monitor forgetting"): counted,
     its accuracy (correct / N) and size; the runtime anchors the accuracy's first evaluations."""
     expected = "a non-empty (N,) tensor of bool or 0/1 values, one per completion of the regression set"
-    if not isinstance(correct, Tensor) or correct.dim() != 1 or correct.numel() == 0 or correct.is_complex():
+    if not isinstance(correct, Tensor) or correct.dim() != 1 or correct.numel() == 0 or correct.is_complex() \
+            or correct.is_meta:
         raise InputError("correct", expected, describe(correct))
     values = correct.double()
     hits, invalid = torch.stack([values.sum(), not_binary(values).double()]).tolist()

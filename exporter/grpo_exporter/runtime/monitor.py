@@ -33,6 +33,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.checks import ABCReport, AccumulationReport, MaskTableReport, ReachReport
+from grpo_exporter.inputs import MAX_INTEGER, check_count
 from grpo_exporter.keywords import UPDATE_FIELDS, RolloutFields, UpdateFields, check_keywords
 from grpo_exporter.runtime import evaluations, guard
 from grpo_exporter.runtime.assembly import assemble
@@ -178,10 +179,12 @@ class GRPOMonitor:
     def observe_retrieval(self, step: int, scores: Tensor, own_prompt: Tensor) -> None:
         """Retrieval accuracy: ``scores`` (N, P) of each completion under each of the batch's P prompts (e.g.
         log-probs from one extra forward pass), ``own_prompt`` (N,) the column of its own prompt. Call every
-        K steps; chance level 1/P is published beside it. Rank-local (not merged across ranks)."""
+        K steps; chance level 1/P is published beside it. Rank-local (not merged across ranks). An evaluation
+        is beside training: its ``step`` is checked, not counted as the run's step (``grpo_steps_total`` and
+        ``grpo_last_step`` follow the training calls alone)."""
         step = self._check_call("observe_retrieval", step)
         with self._report.stage("rollout"):
-            self._stages.advance(step)
+            check_count("step", step, "a step number", MAX_INTEGER)
             self._stages.evaluation(evaluations.retrieval(scores, own_prompt))
 
     def observe_regression(self, step: int, correct: Tensor) -> None:
@@ -189,10 +192,11 @@ class GRPOMonitor:
         a small fixed set of prompts the policy already solves, evaluated every K steps. A run that filters
         all-correct groups (dynamic sampling) never trains on them again, so their forgetting shows here or
         nowhere. The first ``regression_anchor_evaluations`` make its anchor; GRPOMasteredPromptsRegressed warns
-        on a drop beyond the set's binomial noise. Rank-local: call it on rank 0 with the whole set."""
+        on a drop beyond the set's binomial noise. Rank-local: call it on rank 0 with the whole set. Its ``step``
+        is checked, not counted as the run's step (as :meth:`observe_retrieval`)."""
         step = self._check_call("observe_regression", step)
         with self._report.stage("rollout"):
-            self._stages.advance(step)
+            check_count("step", step, "a step number", MAX_INTEGER)
             self._stages.evaluation(evaluations.regression(correct))
 
     def publish_check(self, report: PreflightReport) -> None:

@@ -24,6 +24,7 @@ from grpo_exporter.serving.publication import Publication, duration_increments
 log = logging.getLogger("grpo_exporter")
 
 LOG_EVERY_SECONDS = 60.0
+_COUNTED = "_grpo_exporter_counted"  # set on an exception once counted: a nested contained block re-raising it
 
 
 class Reporter:
@@ -39,13 +40,19 @@ class Reporter:
         self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage=stage): 1.0})
 
     def error(self, stage: str, exc: BaseException, where: str = "") -> None:
-        """Count an exporter error of ``stage`` and log it (at most once a minute per stage)."""
+        """Count an exporter error of ``stage`` and log it (at most once a minute per stage). An error is counted
+        once, however many contained blocks it passes through on its way out (strict mode re-raises it)."""
+        if getattr(exc, _COUNTED, False):
+            return
+        with contextlib.suppress(AttributeError):  # an exception type with __slots__ cannot be marked
+            setattr(exc, _COUNTED, True)
         self.count(stage)
         if self.due(f"error:{stage}"):
+            outcome = "raised: strict=True" if self._config.strict else "training continues"
             log.warning(
-                "grpo-exporter: %s failed in stage %r%s (training continues; counted in "
-                "grpo_exporter_errors_total; further errors of this stage are logged at most once a minute): %s",
-                type(exc).__name__, stage, f" ({where})" if where else "", exc, exc_info=exc,
+                "grpo-exporter: %s failed in stage %r%s (%s; counted in grpo_exporter_errors_total; further "
+                "errors of this stage are logged at most once a minute): %s",
+                type(exc).__name__, stage, f" ({where})" if where else "", outcome, exc, exc_info=exc,
             )
 
     def due(self, what: str) -> bool:

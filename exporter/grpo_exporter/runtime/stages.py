@@ -19,7 +19,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.ids import id_tensor
-from grpo_exporter.inputs import InputError, StepInputs, check_count, describe
+from grpo_exporter.inputs import MAX_INTEGER, InputError, StepInputs, check_count, describe
 from grpo_exporter.ranks import distributed
 from grpo_exporter.recorder import FlightRecorder
 from grpo_exporter.runtime import guard
@@ -193,7 +193,10 @@ class Stages:
 
     def advance(self, step: int) -> None:
         """Record the step number: ``grpo_steps_total`` counts each new largest step once and
-        ``grpo_last_step`` never runs backwards (a late update of step k after rollout k+1 is no new step)."""
+        ``grpo_last_step`` never runs backwards (a late update of step k after rollout k+1 is no new step). A
+        step outside 0..2^53-1 is an input error of the call (counted; nothing of it is computed) and leaves the
+        run's state as it was."""
+        check_count("step", step, "a step number", MAX_INTEGER)
         if self.state.advance(step):
             self.publication.add({catalog.key("grpo_steps_total"): 1.0})
         last = float(step if self.state.last_step is None else self.state.last_step)
@@ -266,6 +269,14 @@ class Stages:
     def publish(self, metrics: Mapping[str, float], families: Iterable[str]) -> list[guard.Violation]:
         self.publication.merge(metrics, families)
         return self.report.check(metrics)
+
+    def stop_workers(self) -> None:
+        """End the off-thread parts (compiler, edit-distance worker, flight recorder), waiting a bounded time."""
+        self.compiled.close()
+        self.edit_worker.shutdown()
+        if self.recorder is not None:
+            with self.report.contained("recorder", "flight recorder", publish=True):
+                self.recorder.close()
 
     def enforce(self, violations: list[guard.Violation]) -> None:
         """The guard's verdict; before it raises (training is about to stop), the flight recorder writes what

@@ -3,13 +3,15 @@ the process collector and the HTTP server; at the end it lingers for one more sc
 
 from __future__ import annotations
 
+import contextlib
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import ProcessCollector
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from grpo_exporter.serving.collector import CatalogCollector
 from grpo_exporter.serving.publication import Publication
@@ -30,24 +32,49 @@ class Listen:
 
 class Endpoint:
     """The collector of ``publication`` on ``registry`` (a scrape's errors go to ``on_error``), served over
-    HTTP when ``listen`` is given."""
+    HTTP when ``listen`` is given. The registry holds at most one open run's collector; :meth:`close` (or a
+    failed construction) leaves it as it was found."""
 
     def __init__(self, publication: Publication, run: str, registry: CollectorRegistry,
                  on_error: Callable[[Exception], None], listen: Listen | None,
                  on_busy: Callable[[PortInUseError, int], None] | None = None) -> None:
         """``on_busy``: when the port is taken, serve on a free one and say so to it (with the error and the
         chosen port); None raises PortInUseError (strict mode)."""
-        self._collector = CatalogCollector(publication, run, registry, on_error=on_error)
+        self._registry = registry
+        self._owned: list[Collector] = []
         self._server: MetricsServer | None = None
-        if listen is not None:
-            ProcessCollector(registry=registry)
-            try:
-                self._server = self._serve(registry, listen, listen.port)
-            except PortInUseError as exc:
-                if on_busy is None:
-                    raise
-                self._server = self._serve(registry, listen, 0)
-                on_busy(exc, self._server.port)
+        _take(registry, run)
+        self._collector = CatalogCollector(publication, run, registry, on_error=on_error)
+        self._owned.append(self._collector)
+        _OPEN[registry] = (run, self._collector)
+        try:
+            if listen is not None:
+                self._process_collector(registry)
+                try:
+                    self._server = self._serve(registry, listen, listen.port)
+                except PortInUseError as exc:
+                    if on_busy is None:
+                        raise
+                    self._server = self._serve(registry, listen, 0)
+                    on_busy(exc, self._server.port)
+        except BaseException:
+            self._release()
+            raise
+
+    def _process_collector(self, registry: CollectorRegistry) -> None:
+        """The process' own series (CPU, memory, start time) beside the run's, unless the registry has them
+        already (prometheus-client's default registry registers its own at import)."""
+        with contextlib.suppress(ValueError):  # DuplicateTimeseries: the registry's own collector serves them
+            self._owned.append(ProcessCollector(registry=registry))
+
+    def _release(self) -> None:
+        """Unregister what this endpoint registered."""
+        for collector in self._owned:
+            with contextlib.suppress(KeyError):
+                self._registry.unregister(collector)
+        self._owned.clear()
+        if _OPEN.get(self._registry, (None, None))[1] is self._collector:
+            del _OPEN[self._registry]
 
     @staticmethod
     def _serve(registry: CollectorRegistry, listen: Listen, port: int) -> MetricsServer:
@@ -66,15 +93,44 @@ class Endpoint:
     def close(self, linger_s: float) -> None:
         """Stop serving once one more scrape has rendered the publication (at most ``linger_s``; not at all when
         nothing ever scraped): otherwise Prometheus sees the target vanish and cannot tell a normal end (the run's
-        finished mark, published just before) from a crash. Idempotent."""
-        if self._server is None:
-            return
-        seen = self._collector.scrapes
-        deadline = time.monotonic() + linger_s
-        while seen and self._collector.scrapes == seen and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self._server.close()
-        self._server = None
+        finished mark, published just before) from a crash. Then the registry is left as it was found. On a
+        registry the monitor does not serve (``port=None``, another rank's), whoever serves it gets the same:
+        the collector leaves once its next scrape has rendered the end, at once when nothing ever scraped it, and
+        when a new monitor takes the registry. Idempotent."""
+        if self._server is not None:
+            seen = self._collector.scrapes
+            deadline = time.monotonic() + linger_s
+            while seen and self._collector.scrapes == seen and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._server.close()
+            self._server = None
+        elif self._collector.scrapes and self._collector in self._owned:
+            self._collector.retire_after_next_scrape(self._registry)
+            self._owned.remove(self._collector)  # it unregisters itself; the rest leave now
+            _CLOSING[self._registry] = self._collector
+        self._release()
+
+
+#: the open run's collector on each registry (one at a time: two would print every family twice)
+_OPEN: weakref.WeakKeyDictionary[CollectorRegistry, tuple[str, CatalogCollector]] = weakref.WeakKeyDictionary()
+#: a closed run's collector still waiting for the scrape that shows its end, on a registry it does not serve
+_CLOSING: weakref.WeakKeyDictionary[CollectorRegistry, CatalogCollector] = weakref.WeakKeyDictionary()
+
+
+def _take(registry: CollectorRegistry, run: str) -> None:
+    """Make room for run ``run``'s collector on ``registry``: a closed run's collector still waiting for its last
+    scrape leaves now; an open run's is an error naming both (close it first, or give each its own registry)."""
+    closing = _CLOSING.pop(registry, None)
+    if closing is not None:
+        with contextlib.suppress(KeyError):
+            registry.unregister(closing)
+    held = _OPEN.get(registry)
+    if held is not None:
+        raise ValueError(
+            f"registry: expected a registry without another open GRPOMonitor, got one where run {held[0]!r} still "
+            f"publishes (for run {run!r}): close() that monitor first, or give each monitor its own "
+            "CollectorRegistry() (two would print every grpo_ family twice)"
+        )
 
 
 __all__ = ["Endpoint", "Listen"]

@@ -22,7 +22,7 @@ from grpo_exporter import catalog
 from grpo_exporter.catalog import SampleKey, format_quantile
 from grpo_exporter.functional.histogram_host import Buckets, HostHistograms, HostReading, Quantiles
 from grpo_exporter.functional.reading import Ratio, always
-from grpo_exporter.inputs import InputError
+from grpo_exporter.inputs import value_error
 from grpo_exporter.step.pack import (
     Element,
     Entry,
@@ -283,9 +283,7 @@ class Gather:
         families = table.families
         for (name, _), bad in zip(self.checks, packed[layout.checks_at : layout.merge_at], strict=True):
             if bad:
-                self.errors.append(("input values", InputError(
-                    name, "a bool tensor, or 0/1 values", f"{bad:g} values other than 0 and 1"
-                )))
+                self.errors.append(("input values", value_error(name, bad)))
                 self.failed |= stage_tags
                 out, families = {}, frozenset()  # nothing computed from such a mask: every family keeps its last
         return out, families
