@@ -7,15 +7,18 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+source"
 
+from grpo_exporter.config_files import ConfigFileError
 from grpo_exporter.inputs import InputError, StepInputs
 from grpo_exporter.integrations import IntegrationError
 from grpo_exporter.recorder.inspect import InspectError
 from grpo_exporter.runtime.guard import TrainingSignalError
 from grpo_exporter.runtime.monitor import GRPOMonitor, MonitorClosedError
 from grpo_exporter.runtime.monitor_config import MonitorConfig, hash_password
-from grpo_exporter.serving.server import PortInUseError
+from grpo_exporter.serving.server import AddressUnavailableError, PortInUseError
 
 __all__ = [
+    "AddressUnavailableError",
+    "ConfigFileError",
     "GRPOMonitor",
     "InputError",
     "InspectError",

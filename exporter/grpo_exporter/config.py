@@ -6,14 +6,12 @@ this model in a later layer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_exporter.catalog import GAP_QUANTILES, LENGTH_QUANTILES, RATIO_QUANTILES, SOLVE_RATE_BUCKETS, metric
+from grpo_exporter.settings import Settings
 
 AdvantageNorm = Literal["unbiased", "population", "none", "batch"]
 RatioLevel = Literal["token", "sequence"]
@@ -24,12 +22,18 @@ ClipKind = Literal["ppo", "cap", "none"]
 DEFAULT_ONPOLICY_EPS = (0.2, 0.2)
 
 
-class MetricsConfig(BaseModel):
-    """Knobs of the metric math. Defaults follow the seed and common GRPO setups."""
+#: the most quantiles or bucket bounds a summary or histogram may publish: each one is a series every scrape
+MAX_SERIES_BOUNDS = 64
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    group_size: int = Field(ge=1, description="G: completions per prompt; contiguous groups unless group_ids")
+class MetricsConfig(Settings):
+    """Knobs of the metric math. Defaults follow the seed and common GRPO setups. Every float is finite and
+    every count bounded (:class:`~grpo_exporter.settings.Settings`)."""
+
+    group_size: int = Field(
+        ge=1, le=1 << 16, description="G: completions per prompt; contiguous groups unless group_ids (at most "
+        "65536, far beyond any GRPO setup's hundreds)",
+    )
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip lower side: ratio < 1 - eps_low")
     clip_eps_high: float = Field(0.2, gt=0.0, description="PPO clip upper side: ratio > 1 + eps_high")
     ratio_level: RatioLevel = Field(
@@ -75,12 +79,14 @@ class MetricsConfig(BaseModel):
     advantage_bound_rtol: float = Field(
         1e-3, ge=0.0, description="relative slack before |A| counts as above the normalisation bound"
     )
-    pass_k: tuple[int, ...] = Field((), description="extra k for pass@k besides 1 and group_size; each <= G")
+    pass_k: tuple[int, ...] = Field(
+        (), max_length=MAX_SERIES_BOUNDS, description="extra k for pass@k besides 1 and group_size; each <= G"
+    )
     entropy_top_fraction: float = Field(0.2, gt=0.0, le=1.0, description="share of highest-entropy positions")
-    gap_quantiles: tuple[float, ...] = GAP_QUANTILES
-    ratio_quantiles: tuple[float, ...] = RATIO_QUANTILES
-    length_quantiles: tuple[float, ...] = LENGTH_QUANTILES
-    solve_rate_buckets: tuple[float, ...] = SOLVE_RATE_BUCKETS
+    gap_quantiles: tuple[float, ...] = Field(GAP_QUANTILES, max_length=MAX_SERIES_BOUNDS)
+    ratio_quantiles: tuple[float, ...] = Field(RATIO_QUANTILES, max_length=MAX_SERIES_BOUNDS)
+    length_quantiles: tuple[float, ...] = Field(LENGTH_QUANTILES, max_length=MAX_SERIES_BOUNDS)
+    solve_rate_buckets: tuple[float, ...] = Field(SOLVE_RATE_BUCKETS, max_length=MAX_SERIES_BOUNDS)
     rollout_correction_cap: float | None = Field(
         None, gt=1.0, description="the rollout-correction cap of your trainer (TIS truncation or MIS masking of "
         "pi_old / pi_rollout: TRL 3, verl 2, slime 2, AReaL 5): the tokens and sequences above it are counted; "
@@ -93,7 +99,10 @@ class MetricsConfig(BaseModel):
         "tokens leave the engine gap and the mismatch readings and are counted in "
         "grpo_rollout_unscored_tokens_total; +-inf stays non-finite either way",
     )
-    max_reward_components: int = Field(8, ge=0, description="cap on distinct reward component labels")
+    max_reward_components: int = Field(
+        8, ge=0, le=1024, description="cap on distinct reward component labels (at most 1024: each is a few series "
+        "per scrape)",
+    )
 
     @field_validator("gap_quantiles", "ratio_quantiles", "length_quantiles")
     @classmethod
@@ -157,12 +166,3 @@ class MetricsConfig(BaseModel):
     def buckets_of(self, histogram: str, default: tuple[float, ...]) -> tuple[float, ...]:
         """The configured bucket bounds of a catalogue histogram (``default``: its catalogue buckets)."""
         return self.solve_rate_buckets if histogram == "grpo_mixed_group_solve_rate_ratio" else default
-
-
-def load_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
-    """A YAML file that must hold a mapping (an empty file is an empty one); ``what`` names its content in
-    the error."""
-    loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    if not isinstance(loaded, Mapping):
-        raise ValueError(f"{path}: expected a YAML mapping of {what}, got {type(loaded).__name__}")
-    return dict(loaded)

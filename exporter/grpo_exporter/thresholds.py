@@ -8,13 +8,16 @@ is set. The numbers are the seed's.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from grpo_exporter.settings import Settings
+
+#: the longest run a step count is sized for: 10 million steps is years of training at a step a second
+MAX_STEPS = 10_000_000
 
 
-class StopLines(BaseModel):
+class StopLines(Settings):
     """Layer-1 stop criteria (seed 第 6 篇 (crash triage): fix, never tune). Documented once, in docs/exporter.md."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     engine_gap_stop_nats: float = Field(
         0.01, gt=0, description="the stop line for the mean engine gap (mean >= 0.01 stop and check, "
@@ -48,11 +51,9 @@ class StopLines(BaseModel):
         return StopLines(**{name: getattr(self, name) for name in StopLines.model_fields})
 
 
-class EventLines(BaseModel):
+class EventLines(Settings):
     """Per-step events the exporter counts in process (a scrape every 30 s would miss a one-step event, and a
     step of minutes empties a rate window); the alerts page on the counters' increase."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     grad_spike_factor: float = Field(
         10.0, gt=1, description="a step's pre-clip grad norm above this multiple of the median of the previous "
@@ -61,22 +62,23 @@ class EventLines(BaseModel):
         "converging run whose steps swing between one mixed group and several is no spike",
     )
     grad_spike_window_steps: int = Field(
-        50, ge=2, description="how many previous non-zero pre-clip norms the spike median is taken over (zero "
-        "norms, steps without a mixed group in a solved task, are left out: they would make the median 0)",
+        50, ge=2, le=10_000, description="how many previous non-zero pre-clip norms the spike median is taken "
+        "over (zero norms, steps without a mixed group in a solved task, are left out: they would make the median "
+        "0); at most 10,000, as the median is taken every step",
     )
     grad_spike_min_steps: int = Field(
         20, ge=1, description="no spike is judged before this many non-zero norms were seen (a median of a "
-        "handful of early norms is no baseline)",
+        "handful of early norms is no baseline)", le=MAX_STEPS,
     )
     staleness_max_versions: int = Field(
         4, ge=1, description="an update step trained on rollouts more than this many policy versions old counts "
         "in grpo_stale_update_steps_total; GRPORolloutsStale pages while such steps keep coming (the staleness "
-        "gauge is a sawtooth that resets at every weight sync: a scrape can always land after the reset)",
+        "gauge is a sawtooth that resets at every weight sync: a scrape can always land after the reset)", le=MAX_STEPS,
     )
     gap_baseline_steps: int = Field(
         20, ge=1, description="rollouts whose mean engine gap make the run's own clean gap "
         "(grpo_engine_logprob_gap_clean_baseline_nats, frozen after them; measure your own clean baseline), "
-        "the accepted level when no reference_baseline gives one",
+        "the accepted level when no reference_baseline gives one", le=MAX_STEPS,
     )
     gap_clean_factor: float = Field(
         3.0, gt=1, description="GRPOEngineLogprobGapWarning fires when the gap exceeds this multiple of the accepted "
@@ -90,7 +92,7 @@ class EventLines(BaseModel):
     anchor_steps: int = Field(
         20, ge=1, description="values (steps) whose mean makes a run anchor: grpo_run_anchor for entropy, pass@k, "
         "rewards, ESS and diversity, and grpo_onpolicy_log_ratio_clean_baseline_nats (frozen after them; the "
-        "run's own early window, which a slow decline or a persistent fault cannot move)",
+        "run's own early window, which a slow decline or a persistent fault cannot move)", le=MAX_STEPS,
     )
     onpolicy_noise_factor: float = Field(
         10.0, gt=1, description="GRPOOnPolicyRatioDrift: an on-policy update's max |log r| above this multiple of "
@@ -103,5 +105,5 @@ class EventLines(BaseModel):
     regression_anchor_evaluations: int = Field(
         3, ge=1, description="evaluations of the mastered-prompt regression set (observe_regression) whose mean "
         "accuracy makes its anchor (grpo_run_anchor, frozen after them); GRPOMasteredPromptsRegressed weighs the "
-        "anchor's sampling noise as this many evaluations of the set's size",
+        "anchor's sampling noise as this many evaluations of the set's size", le=MAX_STEPS,
     )

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from grpo_exporter.config import load_yaml_mapping
+from grpo_exporter.config_files import load_yaml_mapping
 from grpo_exporter.mixin.deploy_config import DeploySettings
 from grpo_exporter.thresholds import EventLines, StopLines
 
@@ -347,4 +347,4 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
     def load(cls, path: str | Path | None = None) -> MixinConfig:
         if path is None:
             return cls()
-        return cls.model_validate(load_yaml_mapping(path, "MixinConfig settings"))
+        return cls.model_validate(load_yaml_mapping(path, "MixinConfig settings", "--config"))

@@ -1,33 +1,71 @@
 """The monitor's configuration: the metric math plus run identity, HTTP endpoint, guard and baselines.
 
-One pydantic model, validated once at construction. Sources, later ones winning: defaults, a YAML file,
-``GRPO_EXPORTER_*`` environment variables (``GRPO_EXPORTER_GROUP_SIZE=16``; lists as JSON or ``a,b``),
-keyword arguments. An invalid value fails at construction with a message naming the field.
-"""
+One pydantic model, validated once at construction. Sources, later ones winning: defaults, a YAML file
+(read within limits: :mod:`grpo_exporter.config_files`), ``GRPO_EXPORTER_*`` environment variables (each parsed
+by its field's type: :mod:`grpo_exporter.runtime.config_environment`), keyword arguments. An invalid value fails
+at construction with a message naming the field (and the variable, for a value from the environment)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
+import ipaddress
 import math
 import os
+import re
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from rapidfuzz import process
 
 from grpo_exporter import catalog
-from grpo_exporter.config import MetricsConfig, load_yaml_mapping
+from grpo_exporter.config import MetricsConfig
+from grpo_exporter.config_files import Oversized, check_value_size, load_yaml_mapping, short_repr
 from grpo_exporter.recorder.triggers import TRIGGERS
-from grpo_exporter.thresholds import EventLines, StopLines
+from grpo_exporter.runtime.config_environment import environment_settings, naming_variables
+from grpo_exporter.thresholds import MAX_STEPS, EventLines, StopLines
 
-ENV_PREFIX = "GRPO_EXPORTER_"
 DEFAULT_PORT = 9887  # in the exporters' range 9100-9999 of Prometheus' default port allocations
 PASSWORD_SCHEME = "pbkdf2_sha256"
+#: the longest a duration setting may ask the process to wait, in seconds (see each field)
+HOUR_S, DAY_S = 3600.0, 86400.0
+#: byte counts of the recorder's disk settings: a pebibyte is beyond any filesystem a run writes to
+MAX_DISK_BYTES = 1 << 50
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def check_host(value: str) -> str:
+    """``value`` if it is an address to bind: an IPv4 or IPv6 literal (an IPv6 one may come in URL brackets,
+    ``[::1]``, which are removed) or a hostname (letters, digits, ``-`` and ``_`` in dot-separated labels, as
+    container and service names are). ``ValueError`` saying why otherwise: an empty host would bind every
+    interface, and whitespace or a malformed address fails only later, in the server, far from the setting."""
+    if not value:
+        raise ValueError("expected an address to bind (127.0.0.1; 0.0.0.0 or :: for every interface), got ''")
+    if any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise ValueError(f"expected an address without whitespace or control characters, got {short_repr(value)}")
+    if value.startswith("[") and value.endswith("]"):
+        if ":" not in value or not _is_ip(value[1:-1]):
+            raise ValueError(f"expected an IPv6 address inside the brackets, got {short_repr(value)}")
+        return value[1:-1]
+    if _is_ip(value):
+        return value
+    if ":" in value:
+        raise ValueError(f"expected an IPv6 address (or an IPv4 address or hostname), got {short_repr(value)}")
+    labels = value.removesuffix(".").split(".")
+    if len(value) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit():
+        raise ValueError(f"expected an IPv4 or IPv6 address or a hostname, got {short_repr(value)}")
+    return value
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def hash_password(password: str, iterations: int = 200_000) -> str:
@@ -64,20 +102,29 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     """Everything :class:`~grpo_exporter.runtime.monitor.GRPOMonitor` needs; the metric knobs are inherited."""
 
     run: str = Field(min_length=1, max_length=128, description="run id: the `run` label of every series")
-    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 is an explicit choice for containers")
+    host: str = Field(
+        "127.0.0.1", description="bind address: an IPv4 or IPv6 address (brackets, [::1], are removed) or a "
+        "hostname, checked at construction; 0.0.0.0 (or :: for IPv6 too) is an explicit choice for containers. An "
+        "address this machine cannot bind raises AddressUnavailableError naming it when serving starts",
+    )
     port: int | None = Field(
-        DEFAULT_PORT, ge=0, le=65535, description="HTTP port; 0 picks a free one; None serves nothing"
+        DEFAULT_PORT, ge=0, le=65535, description="HTTP port; 0 picks a free one; None serves nothing (a bool is "
+        "an error, not port 1)"
     )
     tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS when given with tls_key")
     tls_key: Path | None = None
-    basic_auth_user: str | None = None
-    basic_auth_password_hash: str | None = Field(None, description="from grpo_exporter.hash_password()")
+    basic_auth_user: str | None = Field(None, min_length=1, max_length=256)
+    basic_auth_password_hash: str | None = Field(
+        None, max_length=1024, description="from grpo_exporter.hash_password()"
+    )
     strict: bool = Field(False, description="raise instead of counting and logging exporter errors (tests)")
     guard: Literal["warn", "raise", "off"] = Field(
         "warn", description="what a layer-1 stop criterion does inside training: log, raise, or nothing"
     )
     # engine_gap_stop_nats, engine_gap_healthy_nats, onpolicy_clip_stop_ratio: StopLines (shared with the alerts)
-    runbook_url: str = Field("docs/runbooks.md", description="base of runbook links in guard messages")
+    runbook_url: str = Field(
+        "docs/runbooks.md", max_length=2048, description="base of runbook links in guard messages"
+    )
     reference_baseline: dict[str, float] = Field(
         default_factory=dict, description="sample key -> value of a known-good run, published as baselines"
     )
@@ -93,7 +140,8 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         "GRPORewardHackSuspected reads it, whatever the rules' correctness_component default"
     )
     solve_rate_slots: int = Field(
-        1 << 20, ge=1, description="slots of the device-side solve-rate table, indexed by prompt_id modulo its size"
+        1 << 20, ge=1, le=1 << 26, description="slots of the device-side solve-rate table, indexed by prompt_id "
+        "modulo its size; at most 2^26 (16 bytes each: a 1 GiB table on the tensors' device)"
     )
     solve_rate_prior: float = Field(
         0.5, ge=0, le=1, description="solve-rate estimate before any batch; later, unseen prompts take the "
@@ -101,7 +149,8 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     )
     solve_rate_halflife: float = Field(4.0, gt=0, description="observations after which history weighs half")
     max_pending_micro_steps: int = Field(
-        256, ge=1, description="micro-steps held for one optimizer step; further ones are dropped and counted"
+        256, ge=1, le=1 << 16, description="micro-steps held for one optimizer step; further ones are dropped and "
+        "counted; at most 65536 (each holds its readings until the step ends)"
     )
     distributed: Literal["merge", "local", "rank0"] = Field(
         "merge", description="with torch.distributed: `merge` the ranks' readings (every rank constructs a monitor "
@@ -110,12 +159,15 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         "`local`: each rank's monitor publishes its own values (rank 0 serves)",
     )
     distributed_timeout_s: float = Field(
-        300.0, gt=0, description="longest wait of a rank in an exporter collective (its own gloo group); after a "
-        "failure or timeout the exporter publishes rank-local values for the rest of the run",
+        300.0, gt=0, le=DAY_S, description="longest wait of a rank in an exporter collective (its own gloo group); "
+        "after a failure or timeout the exporter publishes rank-local values for the rest of the run; at most a day "
+        "(86400), so a dead peer ends the wait within any run's life",
     )
     close_linger_s: float = Field(
-        30.0, ge=0, description="after close() marks the run finished, keep serving until one more scrape (at most "
-        "this long; not at all when nothing ever scraped): Prometheus must see the normal end, or it pages",
+        30.0, ge=0, le=HOUR_S, description="after close() marks the run finished, keep serving until one more "
+        "scrape (at most this long; not at all when nothing ever scraped): Prometheus must see the normal end, or it "
+        "pages; at most an hour (3600), beyond any scrape interval (Prometheus' staleness horizon is 5 minutes), so "
+        "close() always returns",
     )
     compile_step: Literal["auto", "off"] = Field(
         "off", description="`auto` (experimental): each stage's per-token work runs as one program compiled by "
@@ -126,11 +178,13 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         "compilation may wait for one in progress; `off`: eager only",
     )
     compile_min_positions: int = Field(
-        1 << 16, ge=0, description="N x T below which a stage runs eagerly even with compile_step=auto: there a "
-        "step costs its fixed cost, which the compiled program does not lower (docs/benchmarks.md)",
+        1 << 16, ge=0, le=1 << 40, description="N x T below which a stage runs eagerly even with compile_step=auto: "
+        "there a step costs its fixed cost, which the compiled program does not lower (docs/benchmarks.md); at most "
+        "2^40 (no batch holds more positions: above it nothing would compile)",
     )
     edit_distance_groups: int = Field(
-        4, ge=0, description="groups per rollout whose in-group edit distance is computed off-thread; 0 = off"
+        4, ge=0, le=1024, description="groups per rollout whose in-group edit distance is computed off-thread; "
+        "0 = off; at most 1024 (the work is also capped by edit_distance_budget_s)"
     )
     edit_distance_budget_s: float = Field(
         0.02, gt=0, le=10, description="wall time one rollout's edit-distance job may take on its worker thread; "
@@ -145,21 +199,23 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         "that drove the trigger",
     )
     recorder_max_state_bytes: int = Field(
-        32 << 20, ge=1 << 10, description="bytes the rows of one step and stage may hold on the tensors' device: "
-        "fewer than recorder_rows are kept where the rows are long (at least one); the recorder holds a few such "
-        "states (the open steps, the last normal one, a pending incident)",
+        32 << 20, ge=1 << 10, le=1 << 34, description="bytes the rows of one step and stage may hold on the "
+        "tensors' device: fewer than recorder_rows are kept where the rows are long (at least one); the recorder "
+        "holds a few such states (the open steps, the last normal one, a pending incident), so at most 16 GiB each",
     )
     recorder_history_steps: int = Field(
         32, ge=1, le=100_000, description="steps whose key metrics an incident carries (the ring before it)",
     )
     recorder_disk_budget_bytes: int = Field(
-        1 << 30, ge=1 << 16, description="bytes all incidents in recorder_dir may take; the oldest are removed first",
+        1 << 30, ge=1 << 16, le=MAX_DISK_BYTES, description="bytes all incidents in recorder_dir may take; the "
+        "oldest are removed first",
     )
     recorder_triggers: tuple[str, ...] = Field(
         TRIGGERS, description=f"what opens an incident, any of {', '.join(TRIGGERS)} (the guard's lines)",
     )
     recorder_min_free_bytes: int = Field(
-        1 << 30, ge=0, description="free bytes an incident must leave on recorder_dir's filesystem (often the "
+        1 << 30, ge=0, le=MAX_DISK_BYTES, description="free bytes an incident must leave on recorder_dir's "
+        "filesystem (often the "
         "checkpoints'): the oldest incidents are removed first, and an incident that would still go below is not "
         "written (a counted recorder error)",
     )
@@ -167,13 +223,15 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         0.05, ge=0, lt=1, description="the same floor as a share of the filesystem's size; the larger one holds",
     )
     recorder_cooldown_steps: int = Field(
-        50, ge=0, description="a trigger that fires again within this many steps of the step that opened its last "
+        50, ge=0, le=MAX_STEPS, description="a trigger that fires again within this many steps of the step that "
+        "opened its last "
         "incident rejoins that episode (a flapping trigger writes one incident, not one every other step); 0 = every "
         "new episode writes",
     )
     recorder_flush_timeout_s: float = Field(
-        30.0, ge=0, description="at close, when the guard raises, at exit and on SIGTERM: longest wait for pending "
-        "incidents",
+        30.0, ge=0, le=HOUR_S, description="at close, when the guard raises, at exit and on SIGTERM: longest wait "
+        "for pending incidents; at most an hour (3600): writing an incident takes seconds, and a wait without end "
+        "would keep a finished or preempted job from exiting",
     )
 
     @field_validator("recorder_dir", mode="before")
@@ -192,28 +250,45 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     @field_validator("recorder_triggers", mode="before")
     @classmethod
     def _known_triggers(cls, value: Any) -> Any:
+        """Each a known trigger, once (a repeated name adds nothing); the error shows at most a few of the
+        unknown ones, briefly, whatever came."""
+        if not isinstance(value, str | list | tuple | set | frozenset):
+            raise ValueError(f"expected a list of any of {list(TRIGGERS)}, got {short_repr(value)}")
         items = [value] if isinstance(value, str) else list(value)
-        unknown = [t for t in items if t not in TRIGGERS]
+        unknown = [t for t in items if not isinstance(t, str) or t not in TRIGGERS]
         if unknown:
-            raise ValueError(f"expected any of {list(TRIGGERS)}, got {unknown}")
-        return tuple(items)
+            raise ValueError(f"expected any of {list(TRIGGERS)}, got {short_repr(unknown)}")
+        return tuple(dict.fromkeys(items))
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_an_address(cls, value: str) -> str:
+        return check_host(value)
 
     @model_validator(mode="before")
     @classmethod
     def _split_clip_eps(cls, data: Any) -> Any:
+        """``clip_eps``: one eps for both sides or a pair (low, high); a side given itself wins."""
         if isinstance(data, dict) and "clip_eps" in data:
             data = dict(data)
             eps = data.pop("clip_eps")
-            low, high = (eps, eps) if isinstance(eps, int | float) else eps
-            data.setdefault("clip_eps_low", low)
-            data.setdefault("clip_eps_high", high)
+            try:
+                check_value_size(eps)  # this runs before MetricsConfig's own check, which sees only the sides
+            except ValueError as exc:
+                eps = Oversized(str(exc))
+            if isinstance(eps, int | float | str | Oversized):
+                eps = (eps, eps)
+            if not isinstance(eps, list | tuple) or len(eps) != 2:
+                raise ValueError(f"clip_eps: expected a number or a pair (low, high), got {short_repr(eps)}")
+            data.setdefault("clip_eps_low", eps[0])
+            data.setdefault("clip_eps_high", eps[1])
         return data
 
     @field_validator("reference_baseline", mode="before")
     @classmethod
     def _load_baseline(cls, value: Any) -> Any:
         if isinstance(value, str | Path):
-            return load_yaml_mapping(value, "sample key -> number")
+            return load_yaml_mapping(value, "sample key -> number", "reference_baseline")
         return value
 
     @field_validator("reference_baseline")
@@ -249,18 +324,18 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
     def load(
         cls, file: str | Path | None = None, environ: Mapping[str, str] | None = None, **kwargs: Any
     ) -> MonitorConfig:
-        """Defaults < YAML ``file`` < ``GRPO_EXPORTER_*`` variables of ``environ`` < ``kwargs``."""
-        data = load_yaml_mapping(file, "settings") if file is not None else {}
+        """Defaults < YAML ``file`` < ``GRPO_EXPORTER_*`` variables of ``environ`` (``os.environ`` when None)
+        < ``kwargs``. A value from the environment that fails validation is reported with its variable."""
+        data = load_yaml_mapping(file, "settings", "config_file") if file is not None else {}
         env = os.environ if environ is None else environ
-        for key, raw in env.items():
-            if key.startswith(ENV_PREFIX):
-                data[key.removeprefix(ENV_PREFIX).lower()] = _env_value(raw)
+        from_env = environment_settings(cls, env)
+        data.update({name: value for name, (_, value) in from_env.items()})
         data.update(kwargs)
-        return cls.model_validate(data)
-
-
-def _env_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.split(",") if "," in raw else raw
+        sources = {name: variable for name, (variable, _) in from_env.items() if name not in kwargs}
+        if "clip_eps" in sources:  # it sets both sides, unless a side itself is given
+            sides = [side for side in ("clip_eps_low", "clip_eps_high") if side not in data]
+            sources = {**dict.fromkeys(sides, sources["clip_eps"]), **sources}
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise naming_variables(exc, cls, sources, env) from None

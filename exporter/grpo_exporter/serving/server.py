@@ -1,8 +1,9 @@
 """The HTTP(S) endpoint: prometheus-client's WSGI app behind a server that a hostile client cannot hurt.
 
-Binds 127.0.0.1 by default (0.0.0.0 or ``::`` is an explicit choice for containers; IPv6 addresses work);
-``port=0`` picks a free port, reported by :attr:`MetricsServer.port`. A busy port raises
-:class:`PortInUseError` at start. What a client can cost the training process is bounded:
+Binds 127.0.0.1 by default (0.0.0.0 or ``::`` is an explicit choice for containers; IPv6 addresses work, a
+hostname is resolved once, IPv4 preferred); ``port=0`` picks a free port, reported by :attr:`MetricsServer.port`.
+A busy port raises :class:`PortInUseError` at start; a host that does not resolve or is no address of this
+machine raises :class:`AddressUnavailableError` naming it. What a client can cost the training process is bounded:
 
 * the accept loop only accepts: TLS handshakes and request parsing run in a bounded pool of worker threads
   (``WORKERS``); a connection beyond it is closed at once; the listen backlog is 128;
@@ -34,6 +35,7 @@ import hashlib
 import hmac
 import select
 import socket
+import socketserver
 import ssl
 import threading
 import time
@@ -69,6 +71,31 @@ VERIFIED_CACHE = 16
 
 class PortInUseError(OSError):
     """The configured port is taken by another process."""
+
+
+class AddressUnavailableError(OSError):
+    """The configured host cannot be bound: a name that does not resolve, an address that is not this machine's,
+    or an IPv6 address where the machine has no IPv6. Raised whatever ``strict`` says: unlike a busy port there is
+    no equivalent to fall back to (another address would change who can reach the endpoint)."""
+
+
+def _bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
+    """The family and socket address to bind ``host:port``: an IP literal as it is, a name resolved once (an IPv4
+    address preferred, as Prometheus' targets usually are). ``socket.gaierror`` for a name that does not
+    resolve."""
+    if ":" in host:
+        return socket.AF_INET6, (host, port)
+    infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    family, _, _, _, address = min(infos, key=lambda info: info[0] != socket.AF_INET)
+    return family, address
+
+
+def _unavailable(host: str, port: int, exc: OSError) -> AddressUnavailableError:
+    reason = exc.strerror or str(exc)
+    return AddressUnavailableError(
+        errno.EADDRNOTAVAIL, f"host {host!r}: cannot serve port {port} there ({reason}); expected an address of this "
+        "machine or a name that resolves to one (127.0.0.1; 0.0.0.0 or :: for every interface)",
+    )
 
 
 class _Handler(WSGIRequestHandler):
@@ -196,8 +223,9 @@ class _Server(WSGIServer):
     allow_reuse_address = True
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], tls: ssl.SSLContext | None) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    def __init__(self, address: tuple[Any, ...], tls: ssl.SSLContext | None,
+                 family: socket.AddressFamily = socket.AF_INET) -> None:
+        self.address_family = family
         self.tls = tls
         self.slots = threading.BoundedSemaphore(WORKERS)
         self.open_connections: set[_Connection] = set()
@@ -209,9 +237,13 @@ class _Server(WSGIServer):
         super().__init__(address, _Handler)
 
     def server_bind(self) -> None:
+        """Bind as ``WSGIServer`` does, without its reverse DNS lookup of the address (``socket.getfqdn``: for
+        0.0.0.0 a lookup of the machine's name, which can hang for seconds where DNS is unreachable)."""
         if self.address_family == socket.AF_INET6:
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+        self.setup_environ()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         shedding = self.auth is not None and self.auth.failures.tokens < 1.0 and not self.accepting.take()
@@ -311,12 +343,17 @@ class MetricsServer:
             context.minimum_version = ssl.TLSVersion.TLSv1_2
             context.load_cert_chain(str(tls_cert), str(tls_key))
         try:
-            self._httpd = _Server((host, port), context)
+            family, address = _bind_address(host, port)
+            self._httpd = _Server(address, context, family)
+        except socket.gaierror as exc:
+            raise _unavailable(host, port, exc) from exc
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUseError(
                     exc.errno, f"port {port} on {host} is already in use; choose another port or port=0 for a free one"
                 ) from exc
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                raise _unavailable(host, port, exc) from exc
             raise
         self._httpd.set_app(app)
         self._httpd.auth = auth
