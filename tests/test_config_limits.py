@@ -297,3 +297,30 @@ def test_ipv6_loopback_serves():
         assert mon.url == f"http://[::1]:{mon.port}/metrics"
         with urllib.request.urlopen(mon.url, timeout=5) as answer:
             assert b"grpo_" in answer.read()
+
+
+# ---- found by a hostile probe of the fixes above ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["0x0", "0x00000000", "0", "127.1", "0x7f.1"])
+def test_a_host_the_resolver_would_read_as_another_address_is_refused(host):
+    """inet_aton's short and hex forms: "0x0" bound every interface."""
+    with pytest.raises(ValidationError, match="expected an IPv4 address in dotted-decimal form"):
+        MonitorConfig(**BASE, host=host)
+
+
+def test_a_link_local_address_without_scope_names_the_host():
+    with pytest.raises(AddressUnavailableError, match="host 'fe80::1'"):
+        GRPOMonitor(run="r", group_size=4, host="fe80::1", port=0, registry=CollectorRegistry())
+
+
+def test_a_config_path_with_a_nul_byte_names_the_setting():
+    with pytest.raises(ConfigFileError, match=r"^config_file: expected a readable UTF-8 YAML file"):
+        MonitorConfig.load("/tmp/x\0y", environ={}, **BASE)
+
+
+@pytest.mark.parametrize(("variable", "text"), [("GRPO_EXPORTER_PASS_K", "[0]"), ("GRPO_EXPORTER_CLIP_EPS", "[0.2]"),
+                                                ("GRPO_EXPORTER_CLIP_EPS", "0.2,0.3,0.4")])
+def test_a_whole_model_check_names_the_variable_too(variable, text):
+    with pytest.raises(ValidationError, match=f"{variable}: expected .* got '{re.escape(text)}'"):
+        load({variable: text})

@@ -293,3 +293,87 @@ def test_the_compiled_step_checks_the_kept_groups_too() -> None:
         m = mon.metrics()
         assert m["grpo_exporter_compiled_stage_calls_total"] == 2
         assert (m["grpo_kept_groups_ratio"], m[ROLLOUT_ERRORS]) == (4 / 8, 1)
+
+
+# ---- found by a hostile probe of the fixes above ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
+def test_a_narrow_integer_count_is_read_without_wrapping(dtype: torch.dtype) -> None:
+    """2^24 does not fit an int8: comparing with it wrapped, and every valid length of 5 was 'out of range'."""
+    with _monitor(strict=True) as mon:
+        mon.observe_rollout(0, rewards=_rewards(), completion_lengths=torch.full((8,), 5, dtype=dtype),
+                            turns=torch.full((8,), 2, dtype=dtype))
+        assert mon.metrics()["grpo_completion_turns_sum"] == 16
+    if dtype.is_signed:
+        with _monitor(strict=True) as mon, pytest.raises(InputError, match="`turns`"):
+            mon.observe_rollout(0, rewards=_rewards(), turns=torch.full((8,), -1, dtype=dtype))
+
+
+def test_one_call_with_several_wrong_fields_is_one_error_naming_them() -> None:
+    with _monitor() as mon:
+        mon.observe_rollout(0, rewards=_rewards(), completion_lengths=torch.full((8,), -1),
+                            turns=torch.full((8,), -2))
+        assert mon.metrics()[ROLLOUT_ERRORS] == 1
+    with _monitor(strict=True) as strict, pytest.raises(InputError, match="also wrong: `turns`"):
+        strict.observe_rollout(0, rewards=_rewards(), completion_lengths=torch.full((8,), -1),
+                               turns=torch.full((8,), -2))
+
+
+def test_a_grouping_error_is_one_error_however_many_blocks_need_the_groups() -> None:
+    with _monitor() as mon:
+        mon.observe_rollout(0, rewards=torch.rand(7), correct=torch.ones(7, dtype=torch.bool))  # 7 in groups of 4
+        assert mon.metrics()[ROLLOUT_ERRORS] == 1  # was 4: each block that groups counted it
+
+
+@pytest.mark.parametrize("norms", [{"grad_norm_pre_clip": -1.0}, {"grad_norm_post_clip": torch.tensor(-5.0)},
+                                   {"max_grad_norm": -2}])
+def test_a_negative_norm_is_an_input_error(norms: dict[str, object]) -> None:
+    name = next(iter(norms))
+    with _monitor() as mon:
+        mon.observe_update(0, **_update(**norms))
+        mon.end_step()
+        m = mon.metrics()
+        assert m[UPDATE_ERRORS] == 1
+        assert not {"grpo_grad_norm_pre_clip", "grpo_grad_norm_post_clip"} & set(m), m
+    with _monitor(strict=True) as strict, pytest.raises(InputError, match=rf"`{name}`: expected a number >= 0"):
+        _one_step(strict, **norms)  # a tensor's sign is read with the step's transfer, when the step ends
+
+
+def _one_step(mon: GRPOMonitor, **fields: object) -> None:
+    mon.observe_update(0, **_update(**fields))
+    mon.end_step()
+
+
+@pytest.mark.parametrize("step", [torch.tensor(True), torch.tensor(3, device="meta"), torch.tensor(2 + 0j)])
+def test_a_step_tensor_without_an_integer_is_a_type_error(step: torch.Tensor) -> None:
+    with _monitor() as mon, pytest.raises(TypeError, match="`step`: expected an integer"):
+        mon.observe_rollout(step, rewards=_rewards())  # type: ignore[arg-type]
+
+
+def test_a_registry_of_another_type_is_an_error_naming_it() -> None:
+    with pytest.raises(TypeError, match="registry: expected a prometheus_client CollectorRegistry"):
+        GRPOMonitor(run="r", group_size=4, port=None, registry="not a registry")  # type: ignore[arg-type]
+
+
+def test_a_busy_port_is_counted_where_the_first_scrape_sees_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        mon = GRPOMonitor(run="busy", group_size=4, port=taken.getsockname()[1], close_linger_s=0,
+                          registry=CollectorRegistry())
+        with mon:
+            assert mon.registry.get_sample_value("grpo_exporter_errors_total", {"run": "busy", "stage": "scrape"}) == 1
+
+
+def test_a_failed_construction_gives_back_the_closed_runs_last_scrape() -> None:
+    registry = CollectorRegistry()
+    first = GRPOMonitor(run="first", group_size=4, port=None, registry=registry)
+    generate_latest(registry)  # its user's server scrapes it
+    first.close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(PortInUseError):
+            GRPOMonitor(run="second", group_size=4, port=taken.getsockname()[1], strict=True, registry=registry)
+    assert 'grpo_run_finished{run="first"} 1.0' in generate_latest(registry).decode()
+    assert _families(registry) == []

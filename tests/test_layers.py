@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "exporter" / "grpo_exporter"
 #: layer rank by module or folder (the longest matching prefix wins); serving is its own branch above the catalogue
 LAYERS: dict[str, tuple[int, str]] = {
     "catalog": (0, "catalogue"), "thresholds": (0, "catalogue"), "ids": (0, "catalogue"),
+    "settings": (0, "catalogue"), "config_files": (0, "catalogue"),
     "edit_distance": (0, "catalogue"), "functional.constants": (0, "catalogue"),
     "config": (1, "config"),
     "functional": (2, "step"), "inputs": (2, "step"), "keywords": (2, "step"), "stitching": (2, "step"),

@@ -73,6 +73,8 @@ def _file_text(path: Path, setting: str) -> str:
         raise ConfigFileError(f"{expected} a missing path {short_repr(str(path))}") from None
     except OSError as exc:
         raise ConfigFileError(f"{expected} {short_repr(str(path))}, which cannot be opened ({exc.strerror})") from None
+    except ValueError as exc:  # an embedded NUL byte
+        raise ConfigFileError(f"{expected} {short_repr(str(path))}, which is no path ({exc})") from None
     try:
         status = os.fstat(fd)
         mode = status.st_mode

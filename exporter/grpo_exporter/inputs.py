@@ -29,7 +29,8 @@ class FieldSpec:
     ``"count"`` (a Python int in 0..:data:`MAX_COUNT` the framework counted on the host), ``"tensors"`` (a
     sequence of tensors), or ``"other"`` (validated on its own: the reward components, ``on_policy``, the value
     checks). ``kind``: ``"float"``, ``"bool"`` (bool, or 0/1 numbers stored as bool), ``"int"`` (any integers:
-    ids) or ``"count"`` (integers in 0..:data:`MAX_ROW_COUNT`, checked on the device) for tensors.
+    ids) or ``"count"`` (integers in 0..:data:`MAX_ROW_COUNT`, checked on the device) for tensors; ``"norm"``
+    for a scalar that is >= 0 (a negative tensor is counted on the device).
     ``stitched``: how micro-steps of one optimizer step join it (``"rows"`` concatenated along N, ``"last"`` the
     last given, ``""`` not by the stitcher). ``update``/``rollout``: accepted by ``observe_update``/
     ``observe_rollout`` as a keyword (:mod:`grpo_exporter.keywords` types them)."""
@@ -66,9 +67,9 @@ FIELDS: dict[str, FieldSpec] = {
     "completion_ids": FieldSpec("token", "int", "rows", what="an integer tensor of token ids", rollout=True),
     "advantages": FieldSpec("row or token", "float", "rows"),
     "on_policy": FieldSpec("other"),
-    "grad_norm_pre_clip": FieldSpec("scalar", stitched="last"),
-    "grad_norm_post_clip": FieldSpec("scalar", stitched="last"),
-    "max_grad_norm": FieldSpec("scalar", stitched="last"),
+    "grad_norm_pre_clip": FieldSpec("scalar", "norm", stitched="last"),
+    "grad_norm_post_clip": FieldSpec("scalar", "norm", stitched="last"),
+    "max_grad_norm": FieldSpec("scalar", "norm", stitched="last"),
     "loss": FieldSpec("scalar", stitched="last"),
     "entropy_mean": FieldSpec("scalar", stitched="last"),
     "policy_version": FieldSpec("integer", stitched="last"),
@@ -145,24 +146,37 @@ def not_binary(value: Tensor) -> Tensor:
 
 def out_of_range(value: Tensor, largest: int = MAX_ROW_COUNT) -> Tensor:
     """How many entries of an integer ``value`` lie outside 0..``largest``, counted on its device: the rule of
-    every per-completion count (a negative length or a staleness past fp32's integers cannot be true)."""
-    return ((value < 0) | (value > largest)).sum()
+    every per-completion count (a negative length or a staleness past fp32's integers cannot be true). Only the
+    bounds its dtype can cross are compared (``largest`` does not fit an int8: comparing would wrap it)."""
+    info = torch.iinfo(value.dtype)
+    outside = [value < 0] if info.min < 0 else []
+    if info.max > largest:
+        outside.append(value > largest)
+    if not outside:
+        return torch.zeros((), dtype=torch.int64, device=value.device)
+    return (outside[0] | outside[1]).sum() if len(outside) == 2 else outside[0].sum()
 
 
 #: what a value check of each kind expects, and what its count of bad values is (the error after the transfer)
 _VALUE_RULES = {
     "bool": ("a bool tensor, or 0/1 values", "{bad:g} values other than 0 and 1"),
     "count": (f"integers in 0..{MAX_ROW_COUNT} (a count per completion)", "{bad:g} values outside that range"),
+    "norm": ("a number >= 0 (a norm)", "a negative one"),
     "kept": ("at least the groups kept in the batch plus those filtered", "{bad:g} groups kept beside them"),
 }
 
 
-def value_error(name: str, bad: float) -> InputError:
-    """The error of a value check of field ``name`` that found ``bad`` (read after the step's one transfer)."""
-    spec = FIELDS.get(name.split("[", 1)[0])
-    rule = "kept" if name == "generated_groups" else spec.kind if spec is not None and spec.kind == "count" else "bool"
+def value_error(failed: Sequence[tuple[str, float]]) -> InputError:
+    """The one error of a call whose value checks failed (read after the step's one transfer): the first
+    field's, naming the others (one rejected call is one error, however many of its fields were wrong)."""
+    name, bad = failed[0]
+    spec = FIELDS.get(name)
+    rule = "kept" if name == "generated_groups" else spec.kind if spec is not None and spec.kind in _VALUE_RULES \
+        else "bool"
     expected, received = _VALUE_RULES[rule]
-    return InputError(name, expected, received.format(bad=bad))
+    others = sorted({other for other, _ in failed[1:]} - {name})
+    also = f"; also wrong: {', '.join(f'`{other}`' for other in others)}" if others else ""
+    return InputError(name, expected, received.format(bad=bad) + also)
 
 
 @dataclass(frozen=True)
@@ -376,12 +390,16 @@ class _Validator:
     def scalars(self) -> None:
         """Numbers (a Python number or a one-element tensor, kept 0-d on its device) and Python ints."""
         for name in SCALARS:
-            value = getattr(self.x, name)
+            value, norm = getattr(self.x, name), FIELDS[name].kind == "norm"
             if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+                if norm and value is not None and value < 0:  # NaN passes: a non-finite norm is the guard's
+                    raise InputError(name, "a number >= 0 (a norm)", describe(value))
                 continue
-            if not isinstance(value, Tensor) or value.numel() != 1:
-                raise InputError(name, "a number or a one-element tensor", describe(value))
+            if not isinstance(value, Tensor) or value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+                raise InputError(name, "a number or a one-element real tensor", describe(value))
             self._set(name, self.tensor(name, value).reshape(()))
+            if norm and all(checked != name for checked, _ in self.value_errors):
+                self.value_errors.append((name, (value < 0).sum()))
         for name in INTEGERS:
             check_count(name, getattr(self.x, name), "a step or policy version", MAX_INTEGER)
         learner, actor = self.x.policy_version, self.x.rollout_policy_version

@@ -11,6 +11,7 @@ from pydantic_core import PydanticUndefined
 
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.deploy_config import DeploySettings
+from grpo_exporter.recorder.settings import RecorderSettings
 from grpo_exporter.runtime.config_environment import ENV_PREFIX
 from grpo_exporter.runtime.monitor_config import MonitorConfig
 from grpo_exporter.thresholds import EventLines, StopLines
@@ -46,18 +47,22 @@ def _table(model: type[BaseModel], fields: list[str], env: bool = False) -> list
 
 def exporter_reference() -> str:
     """docs/config-exporter.md: every MonitorConfig field, by the part it configures."""
-    inherited = set(StopLines.model_fields) | set(EventLines.model_fields)
+    inherited = set(StopLines.model_fields) | set(EventLines.model_fields) | set(RecorderSettings.model_fields)
     parts = [
         ("The run, its metrics and the endpoint", [f for f in MonitorConfig.model_fields if f not in inherited]),
+        ("The flight recorder", list(RecorderSettings.model_fields)),
         ("Layer-1 stop lines (shared with the rules' `MixinConfig`: set both alike)", list(StopLines.model_fields)),
         ("Event lines (shared with the rules' `MixinConfig`)", list(EventLines.model_fields)),
     ]
     lines = [
         "# Exporter configuration reference", "", GENERATED, "",
         "Every field of `grpo_exporter.MonitorConfig`, which is also a keyword of `GRPOMonitor`. Sources, later "
-        "ones winning: defaults < a YAML file (`config_file=`) < `GRPO_EXPORTER_*` environment variables (lists "
-        "as JSON or `a,b`) < keyword arguments. An invalid value fails at construction with a message naming the "
-        "field. What the settings mean together: [exporter.md](exporter.md#configuration).", "",
+        "ones winning: defaults < a YAML file (`config_file=`, a regular file of at most 256 KiB) < "
+        "`GRPO_EXPORTER_*` environment variables (each parsed by its field's type: a string as typed, lists as JSON "
+        "or `a,b`, `none` for an optional number; any other `GRPO_EXPORTER_*` variable is logged once and ignored) "
+        "< keyword arguments. An invalid value fails at construction with a message naming the field (and the "
+        "variable); no number is NaN or infinite, and every count and duration has an upper bound. "
+        "What the settings mean together: [exporter.md](exporter.md#configuration).", "",
     ]
     for title, fields in parts:
         lines += [f"## {title}", "", *_table(MonitorConfig, fields, env=True), ""]

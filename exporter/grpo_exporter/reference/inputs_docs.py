@@ -58,7 +58,8 @@ MEANING: dict[str, str] = {
 SHAPE = {"row": "(N,)", "token": "(N, T)", "row or token": "(N,) or (N, T)", "scalar": "number or 0-d tensor",
          "integer": "int", "count": "int", "tensors": "sequence of tensors", "other": "see meaning"}
 DTYPE = {"float": "float (any width: read in fp32 or wider)", "bool": "bool (or 0/1 numbers)",
-         "int": "integer", "count": f"integer, each in 0..{MAX_ROW_COUNT} (a count)", "": "-"}
+         "int": "integer", "count": f"integer, each in 0..{MAX_ROW_COUNT} (a count)", "norm": "number >= 0",
+         "": "-"}
 
 RULES = """\
 ## The rules no shape check can enforce

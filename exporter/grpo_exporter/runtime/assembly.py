@@ -95,7 +95,7 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
 
 def _busy_port(report: Reporter, exc: PortInUseError, port: int) -> None:
     """A taken port never stops training: the endpoint serves on a free one, said here and counted."""
-    report.count("scrape")
+    report.count("scrape", publish=True)  # seen by the first scrape, on the port actually served
     log.warning("grpo-exporter: %s; serving on the free port %d instead (GRPOMonitor.port; Prometheus will not "
                 "find it there: give each job on a node its own port, or port=0 with service discovery). "
                 "Training continues; strict=True raises PortInUseError instead.", exc.strerror or exc, port)

@@ -86,18 +86,35 @@ def worker_thread() -> None:
 T = TypeVar("T")
 
 
+class Interrupted(BaseException):
+    """Raised into a :class:`DaemonExecutor`'s thread by :meth:`~DaemonExecutor.interrupt`: the call in progress
+    ends at its next Python line. A BaseException, so that no ``except Exception`` on the way swallows it."""
+
+
 class DaemonExecutor:
     """One daemon thread running the submitted calls in order: ThreadPoolExecutor(max_workers=1) without its
     join at interpreter shutdown. concurrent.futures joins its workers then, so one call that never returns (a
     hung ``decode``, an fsync on a dead NFS mount) kept a finished process, and the job's GPUs, alive for ever.
-    Whoever needs the work done waits on its Future, with a timeout; at exit a daemon thread is abandoned."""
+    Whoever needs the work done waits on its Future, with a timeout; at exit a daemon thread is abandoned.
+
+    Abandoned inside a torch operator, a daemon thread aborts the process: once the interpreter finalizes, a
+    thread that takes the GIL back is ended by ``pthread_exit``, whose unwinding meets torch's ``noexcept``
+    ``gil_scoped_release`` destructor and calls ``std::terminate`` (exit status 134, "terminate called without an
+    active exception"). Blocked in Python's own waits (a queue, a lock, a subprocess) it ends harmlessly. So an
+    owner whose calls run torch code stops them before finalization: :meth:`shutdown` with ``cancel_futures``
+    drops the calls not started, :meth:`interrupt` ends the one in progress."""
 
     def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue())
         self._closed = False
+        self._running = False  # a call is in progress (what interrupt() may end)
         self._thread = threading.Thread(target=self._loop, args=(initializer,), name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         if self._closed:
@@ -106,29 +123,56 @@ class DaemonExecutor:
         self._queue.put((future, fn, args))
         return future
 
-    def shutdown(self, timeout: float = 0.0) -> bool:
-        """Take no more calls; the thread ends after the queued ones. Waits at most ``timeout`` for it to end,
-        and says whether it did: a thread still ending while the interpreter tears down can abort the whole
-        process in torch's thread-local destructors (exit status 134, "terminate called without an active
-        exception", seen in 5 of 8 exits right after a recorder's close)."""
+    def shutdown(self, timeout: float = 0.0, cancel_futures: bool = False) -> bool:
+        """Take no more calls; the thread ends after the queued ones, or, with ``cancel_futures``, after the one in
+        progress (the others are cancelled, their Futures done). Waits at most ``timeout`` for it to end, and says
+        whether it did: a thread still ending while the interpreter tears down can abort the whole process (see
+        the class; "terminate called without an active exception", seen in 5 of 8 exits right after a recorder's
+        close)."""
         self._closed = True
+        if cancel_futures:
+            self._cancel_queued()
         self._queue.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def interrupt(self) -> bool:
+        """Raise :class:`Interrupted` into the thread if a call is in progress: it ends at its next Python line (a
+        call blocked in C code, a subprocess's wait, sees it when that returns). Says whether it was raised."""
+        ident = self._thread.ident
+        if not self._running or ident is None or not self._thread.is_alive():
+            return False
+        return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Interrupted)) == 1
+
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[0].cancel()
+
     def _loop(self, initializer: Callable[[], None] | None) -> None:
         if initializer is not None:
             with contextlib.suppress(Exception):
                 initializer()
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # the caller's to see, on its Future
-                future.set_exception(exc)
+        with contextlib.suppress(Interrupted):  # one raised just after its call returned ends the thread
+            while (item := self._queue.get()) is not None:
+                future, fn, args = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    self._running = True
+                    try:
+                        result = fn(*args)
+                    finally:
+                        self._running = False
+                except BaseException as exc:  # the caller's to see, on its Future
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
 
 
 class EditDistanceWorker:

@@ -15,18 +15,35 @@ first of each reason is logged once: ``compiler`` (tracing or compiling failed: 
 recompiled: refused, and the variant is compiled in the background), ``late`` (a non-finite log-prob on a loss
 token: the eager step takes the counts it needs), ``busy``, ``pending``. The monitor publishes them, and the
 compiled calls, as counters (``grpo_exporter_compiled_fallbacks_total{reason}``,
-``grpo_exporter_compiled_stage_calls_total``). The compiler thread is a daemon (a compilation never holds a
-finished process); :meth:`CompiledStages.close` waits a bounded time for it to end.
+``grpo_exporter_compiled_stage_calls_total``).
+
+The compiler thread is a daemon (a compilation never holds a finished process), and nothing of it runs on the
+training thread: the call that queues a program only computes its signature and puts it in the queue; importing
+``torch._dynamo`` (about a second), tracing, compiling and the warm-up run are the thread's, and they start once
+the stage call that queued them has returned (a thread holding the GIL for a second of imports made that call's
+eager step 5-20 times slower: 0.08-0.35 s instead of 0.015 s at 131K positions on 2 cores). A job goes in phases
+(import, trace, compile and warm-up) and starts none once the stages are closed. :meth:`CompiledStages.close`
+drops the queued jobs and waits at most ``CLOSE_TIMEOUT_S`` for the phase in progress. At the interpreter's exit
+(an ``atexit`` hook, registered with the first compiler thread) the queue is dropped and the job in progress is
+interrupted at its next Python line (:meth:`~grpo_exporter.runtime.background.DaemonExecutor.interrupt`), waited
+for at most ``EXIT_TIMEOUT_S``: a compiler thread left inside a torch operator while the interpreter finalizes
+aborts the process (exit status 134, "terminate called without an active exception"; see
+:class:`~grpo_exporter.runtime.background.DaemonExecutor`).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import sys
 import threading
 import time
+import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -34,9 +51,9 @@ from torch import Tensor
 
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
-from grpo_exporter.runtime.background import DaemonExecutor
+from grpo_exporter.runtime.background import DaemonExecutor, Interrupted
 from grpo_exporter.step import program as step_program
-from grpo_exporter.step.dynamo_frames import compile_lock, foreign_frames, inline_while_traced
+from grpo_exporter.step.dynamo_frames import compile_lock, foreign_frames, import_dynamo, inline_while_traced
 from grpo_exporter.step.gather import LateCounts, Merger, StepResult
 from grpo_exporter.step.program import Signature
 from grpo_exporter.step.registry import Block
@@ -44,7 +61,9 @@ from grpo_exporter.step.registry import Block
 log = logging.getLogger("grpo_exporter")
 
 MAX_PROGRAMS = 4  # per signature: size classes whose traces took different branches (small / large tensors)
-CLOSE_TIMEOUT_S = 30.0  # close() waits this long for a compilation in progress (5-20 s measured on 2 cores)
+CLOSE_TIMEOUT_S = 2.0  # close() waits this long for a job's phase in progress (a compile phase: 3-20 s on 2 cores)
+START_WAIT_S = 5.0  # a job waits at most this long for the stage call that queued it to return
+EXIT_TIMEOUT_S = 2.0  # at exit, the wait for an interrupted job to leave torch's code (milliseconds, measured)
 MAX_LAYOUTS = 256  # per program: the admitted layouts remembered
 OPTIONS = {"compile_threads": 1}  # no compile worker processes inside a training process
 
@@ -86,7 +105,7 @@ class Ready:
         return True
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the exit hook holds them in a WeakSet
 class CompiledStages:
     """Per-monitor state of compilation: the ``ready`` programs by signature, the compiler thread (one
     :class:`~grpo_exporter.runtime.background.DaemonExecutor`, started by the first request), and the counts
@@ -111,7 +130,8 @@ class CompiledStages:
     _pending: set[tuple[Signature, tuple[Meta, ...] | None]] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _executor: DaemonExecutor | None = None
-    _closed: bool = False
+    _start_lock: threading.Lock = field(default_factory=threading.Lock)  # one compiler thread, whichever calls
+    _closed: bool = False  # no job is queued, and no phase of one started, any more
 
     def compute(self, blocks: Sequence[Block], inputs: StepInputs, carry: dict[str, Tensor], failed: bool,
                 merger: Merger | None = None) -> StepResult | None:
@@ -164,11 +184,24 @@ class CompiledStages:
             return
         self._pending.add(key)
         self._fallback("pending")
-        if self._executor is None:
-            inline_while_traced()  # on the training thread, before any trace starts
-            self._executor = DaemonExecutor("grpo-exporter-compile")
         traced = merger.fresh() if merger is not None and ready is None else None
-        self._executor.submit(self._job, key, sig, tuple(blocks), metas, ready, traced)
+        try:
+            future = self._compiler().submit(self._job, _stage_call(), sig, tuple(blocks), metas, ready, traced)
+        except RuntimeError:  # closed meanwhile (by another thread, or the exit)
+            self._pending.discard(key)
+            return
+        future.add_done_callback(lambda _: self._pending.discard(key))  # run, failed or dropped at close
+
+    def _compiler(self) -> DaemonExecutor:
+        """The compiler thread, started by the first request (by one thread when several observe at once); the
+        exit hook learns of it."""
+        with self._start_lock:
+            if self._executor is None:
+                if self._closed:
+                    raise RuntimeError("closed")
+                self._executor = DaemonExecutor("grpo-exporter-compile")
+                _stop_at_exit(self)
+            return self._executor
 
     def _shares_dynamo(self) -> bool:
         """Whether the training compiled frames of its own with ``torch.compile``: then no program is traced or
@@ -181,18 +214,30 @@ class CompiledStages:
             self._fallback("compiler", RuntimeError(self.foreign))
         return self.foreign is not None
 
-    def _job(self, key: tuple[Signature, tuple[Meta, ...] | None], sig: Signature, blocks: Sequence[Block],
-             metas: Sequence[Meta], ready: Ready | None, merger: Merger | None) -> None:
+    def _job(self, call: Call | None, sig: Signature, blocks: Sequence[Block], metas: Sequence[Meta],
+             ready: Ready | None, merger: Merger | None) -> None:
+        """One queued request, on the compiler thread: once the monitor's ``call`` that queued it has returned,
+        import dynamo, then (holding the compile locks) trace, compile and run once. Ends quietly when the stages
+        close (between phases) or the exit interrupts it."""
         try:
+            _after(call, START_WAIT_S, lambda: self._closed)
+            self._phase()
+            import_dynamo()  # here, not on the training thread: about a second
+            inline_while_traced()  # before any trace: a training's compiled call meanwhile runs, uncompiled
             with compile_lock(), self._lock:  # no compilation of the training's interleaves with this one
                 if self._shares_dynamo():
                     return
                 self._build(sig, blocks, metas, ready, merger)
+        except Interrupted:  # closed, or the process exits: the program is not needed any more
+            return
         except Exception as exc:  # a compiler missing or failing: this signature stays eager
             self.refused[sig] = f"compiler: {exc!r}"
             self._fallback("compiler", exc)
-        finally:
-            self._pending.discard(key)
+
+    def _phase(self) -> None:
+        """Between a job's phases: none starts once the stages are closed."""
+        if self._closed:
+            raise Interrupted
 
     def _build(self, sig: Signature, blocks: Sequence[Block], metas: Sequence[Meta],
                ready: Ready | None, merger: Merger | None) -> None:
@@ -200,8 +245,10 @@ class CompiledStages:
         args = examples(metas)
         device = metas[0][3] if metas else torch.device("cpu")
         if ready is None:
+            self._phase()
             program = step_program.trace(blocks, self.config, sig, args, device, merger)
             ready = Ready(program, step_program.compile_program(program, self.options), 0.0)
+        self._phase()
         with torch.inference_mode():
             ready.runner(*args)  # compiles here, off the training thread
         ready.seconds = time.perf_counter() - start
@@ -238,15 +285,107 @@ class CompiledStages:
         return not self._pending
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
-        """Take no more compilations and let the compiler thread end, waiting at most ``timeout_s`` for a
-        compilation in progress (it cannot be interrupted). A thread that still ran while the interpreter tore
-        down could abort the process (see :class:`~grpo_exporter.runtime.background.DaemonExecutor`); one that
-        outlives the wait is logged. Returns whether no compiler thread runs any more."""
+        """Take no more compilations, drop the queued ones, and let the compiler thread end, waiting at most
+        ``timeout_s`` for the phase in progress (a compile phase cannot be interrupted safely while the process
+        goes on). One that outlives the wait is logged and abandoned: it starts no further phase, and the exit
+        hook interrupts it if the interpreter exits first. Returns whether no compiler thread runs any more."""
         self._closed = True
-        if self._executor is None or self._executor.shutdown(timeout_s):
+        with self._start_lock:
+            executor = self._executor
+        if executor is None or executor.shutdown(timeout_s, cancel_futures=True):
+            self._pending.clear()  # nothing will run any more
             return True
-        log.warning("grpo-exporter: a compilation was still running %.0f s after close(); abandoned", timeout_s)
+        log.warning("grpo-exporter: a compilation was still running %.1f s after close(); abandoned (it starts no "
+                    "further phase)", timeout_s)
         return False
+
+    def stop(self, deadline: float) -> bool:
+        """At the interpreter's exit: close, and interrupt the job in progress until the compiler thread ends or
+        ``deadline`` (``time.monotonic()``) passes. Returns whether it ended."""
+        self._closed = True
+        with self._start_lock:
+            executor = self._executor
+        if executor is None or executor.shutdown(0.0, cancel_futures=True):
+            self._pending.clear()
+            return True
+        while executor.thread.is_alive() and time.monotonic() < deadline:
+            executor.interrupt()  # again until it ends: a handler on the way may have swallowed the last one
+            executor.thread.join(0.01)
+        if executor.thread.is_alive():
+            return False
+        self._pending.clear()  # an interrupted job may have left its key
+        return True
+
+
+_RUNTIME = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the monitor's calls run here
+Call = tuple[int, int, Any]  # a thread, the id of a frame on its stack, that frame's code
+
+
+def _stage_call() -> Call | None:
+    """The calling thread's outermost frame in the monitor's runtime (an ``observe_*`` or ``end_step``): the call
+    that is queuing a job, which the job lets return first. Its id and code, not the frame (that would keep the
+    step's tensors alive)."""
+    outer = None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_RUNTIME):
+            outer = frame
+        frame = frame.f_back
+    return None if outer is None else (threading.get_ident(), id(outer), outer.f_code)
+
+
+def _after(call: Call | None, timeout_s: float, closed: Callable[[], bool]) -> None:
+    """Wait until ``call`` has returned, at most ``timeout_s`` and not once ``closed()``: a job's Python would
+    otherwise share the GIL with that call's eager step."""
+    deadline = time.monotonic() + timeout_s
+    while call is not None and time.monotonic() < deadline and not closed() and _running(call):
+        time.sleep(0.005)
+
+
+def _running(call: Call) -> bool:
+    thread, frame_id, code = call
+    frame = sys._current_frames().get(thread)
+    while frame is not None:
+        if id(frame) == frame_id and frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_LIVE: weakref.WeakSet[CompiledStages] = weakref.WeakSet()  # stages with a compiler thread, for the exit hook
+_HOOKED = False
+
+
+def _stop_at_exit(stages: CompiledStages) -> None:
+    """Have the exit stop ``stages``' compiler thread; the hook is registered with the first one (later than
+    torch's own hooks, so it runs before them)."""
+    global _HOOKED
+    _LIVE.add(stages)
+    if not _HOOKED:
+        _HOOKED = True
+        atexit.register(_stop_all)
+
+
+def _stop_all() -> None:
+    """The exit hook: every compiler thread stopped before the interpreter finalizes, all within
+    ``EXIT_TIMEOUT_S``; one still inside a compilation then is said on stderr (the process may abort)."""
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    _ignore_interrupts_raised_in_callbacks()
+    for stages in list(_LIVE):
+        if not stages.stop(deadline):
+            log.warning("grpo-exporter: the compiler thread did not stop within %.1f s of the exit", EXIT_TIMEOUT_S)
+
+
+def _ignore_interrupts_raised_in_callbacks() -> None:
+    """An :class:`Interrupted` that lands in a callback (an import lock's, a weakref's) is dropped there by Python
+    and said on stderr as "Exception ignored"; at exit that says nothing wrong, so the exit hook silences it."""
+    before = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, Interrupted):
+            before(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _positions(inputs: StepInputs) -> int:

@@ -107,13 +107,13 @@ def naming_variables(exc: ValidationError, model: type[BaseModel], sources: Mapp
                      raw: Mapping[str, str]) -> ValidationError:
     """``exc`` with each error of a field that came from the environment told as its variable's: what the field
     expects and the text that came. Returned unchanged when no error came from there."""
-    if not any(err["loc"] and err["loc"][0] in sources for err in exc.errors()):
+    if not any(_field_of(err) in sources for err in exc.errors()):
         return exc
     fields: dict[str, FieldInfo] = {**model.model_fields, **_PSEUDO_FIELDS}
     details: dict[tuple[Any, str], InitErrorDetails] = {}  # one per place and message: clip_eps sets two fields
     for err in exc.errors():
-        field = err["loc"][0] if err["loc"] else None
-        if isinstance(field, str) and field in sources:
+        field = _field_of(err)
+        if field in sources:
             variable = sources[field]
             name = variable.removeprefix(ENV_PREFIX).lower()
             detail = _variable_error(variable, name, raw[variable], fields[name], f"({err['msg']})")
@@ -122,6 +122,16 @@ def naming_variables(exc: ValidationError, model: type[BaseModel], sources: Mapp
                                       loc=err["loc"], input=err["input"])
         details.setdefault((detail["loc"], str(detail["type"])), detail)
     return ValidationError.from_exception_data(exc.title, list(details.values()))
+
+
+def _field_of(err: Any) -> str:
+    """The field an error is about: its location, or for a check of the whole model (``pass_k`` against
+    ``group_size``) the field its message starts with (``"pass_k: expected ..."``); '' when neither says."""
+    if err["loc"]:
+        return str(err["loc"][0])
+    message = str(err["msg"]).removeprefix("Value error, ")
+    head, colon, _ = message.partition(":")
+    return head if colon and head.isidentifier() else ""
 
 
 def _variable_error(variable: str, name: str, raw: str, info: FieldInfo, detail: str) -> InitErrorDetails:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.checks import ABCReport, AccumulationReport, MaskTableReport, ReachReport
-from grpo_exporter.inputs import MAX_INTEGER, check_count
+from grpo_exporter.inputs import MAX_INTEGER, check_count, describe
 from grpo_exporter.keywords import UPDATE_FIELDS, RolloutFields, UpdateFields, check_keywords
 from grpo_exporter.runtime import evaluations, guard
 from grpo_exporter.runtime.assembly import assemble
@@ -48,13 +48,15 @@ __all__ = ["UPDATE_FIELDS", "GRPOMonitor", "MonitorClosedError", "PreflightRepor
 
 
 def step_number(step: object) -> int:
-    """``step`` as an int: a Python int, a numpy or 0-d tensor integer; anything else raises ``TypeError``."""
-    if isinstance(step, bool | float) or (isinstance(step, Tensor) and step.is_floating_point()):
-        raise TypeError(f"`step`: expected an integer, got {type(step).__name__} {step!r}")
+    """``step`` as an int: a Python int, a numpy or 0-d tensor integer (with data); anything else raises
+    ``TypeError`` (its range is checked in the call: :meth:`~grpo_exporter.runtime.stages.Stages.advance`)."""
+    if isinstance(step, bool | float) or (isinstance(step, Tensor) and (
+            step.is_floating_point() or step.dtype == torch.bool or step.is_meta or step.is_complex())):
+        raise TypeError(f"`step`: expected an integer, got {describe(step)}")
     try:
         return operator.index(step)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"`step`: expected an integer, got {type(step).__name__} {step!r:.80}") from None
+    except (TypeError, RuntimeError):
+        raise TypeError(f"`step`: expected an integer, got {describe(step)}") from None
 
 
 class MonitorClosedError(RuntimeError):
@@ -82,6 +84,9 @@ class GRPOMonitor:
     ) -> None:
         if config is None:
             config = MonitorConfig.load(config_file, None, **({"run": run} if run is not None else {}), **settings)
+        if registry is not None and not isinstance(registry, CollectorRegistry):
+            raise TypeError(f"registry: expected a prometheus_client CollectorRegistry (or None for the monitor's "
+                            f"own), got {type(registry).__name__}")
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self._stages, self._endpoint = assemble(config, self.registry, decode)

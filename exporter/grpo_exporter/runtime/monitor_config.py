@@ -7,6 +7,7 @@ at construction with a message naming the field (and the variable, for a value f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -14,6 +15,7 @@ import math
 import os
 import re
 import secrets
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -24,16 +26,14 @@ from rapidfuzz import process
 from grpo_exporter import catalog
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.config_files import Oversized, check_value_size, load_yaml_mapping, short_repr
-from grpo_exporter.recorder.triggers import TRIGGERS
+from grpo_exporter.recorder.settings import RecorderSettings
 from grpo_exporter.runtime.config_environment import environment_settings, naming_variables
-from grpo_exporter.thresholds import MAX_STEPS, EventLines, StopLines
+from grpo_exporter.thresholds import EventLines, StopLines
 
 DEFAULT_PORT = 9887  # in the exporters' range 9100-9999 of Prometheus' default port allocations
 PASSWORD_SCHEME = "pbkdf2_sha256"
 #: the longest a duration setting may ask the process to wait, in seconds (see each field)
 HOUR_S, DAY_S = 3600.0, 86400.0
-#: byte counts of the recorder's disk settings: a pebibyte is beyond any filesystem a run writes to
-MAX_DISK_BYTES = 1 << 50
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 
@@ -52,6 +52,10 @@ def check_host(value: str) -> str:
         return value[1:-1]
     if _is_ip(value):
         return value
+    with contextlib.suppress(OSError):  # inet_aton's forms ("0x0", "127.1"): the resolver would bind them
+        read = socket.inet_ntoa(socket.inet_aton(value))
+        raise ValueError(f"expected an IPv4 address in dotted-decimal form, got {short_repr(value)} (which the "
+                         f"resolver reads as {read})")
     if ":" in value:
         raise ValueError(f"expected an IPv6 address (or an IPv4 address or hostname), got {short_repr(value)}")
     labels = value.removesuffix(".").split(".")
@@ -98,7 +102,7 @@ def verify_password(password: str, encoded: str) -> bool:
     return hmac.compare_digest(candidate, digest)
 
 
-class MonitorConfig(MetricsConfig, StopLines, EventLines):
+class MonitorConfig(MetricsConfig, StopLines, EventLines, RecorderSettings):
     """Everything :class:`~grpo_exporter.runtime.monitor.GRPOMonitor` needs; the metric knobs are inherited."""
 
     run: str = Field(min_length=1, max_length=128, description="run id: the `run` label of every series")
@@ -175,7 +179,10 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         "(the eager step serves until then, and wherever compiling fails: logged once, counted in "
         "grpo_exporter_compiled_fallbacks_total{reason}). In a training that uses torch.compile itself, no program "
         "is made once its own compiled frames exist (torch's FX-tracing state is process-wide), and its first "
-        "compilation may wait for one in progress; `off`: eager only",
+        "compilation may wait for one in progress. close() drops the compilations not started and waits at most "
+        "2 s for the one in progress; at exit it is interrupted, never aborting the process. While it compiles, "
+        "steps share the interpreter with it (slower, never blocked). `off` (the default while experimental): "
+        "eager only",
     )
     compile_min_positions: int = Field(
         1 << 16, ge=0, le=1 << 40, description="N x T below which a stage runs eagerly even with compile_step=auto: "
@@ -190,76 +197,6 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines):
         0.02, gt=0, le=10, description="wall time one rollout's edit-distance job may take on its worker thread; "
         "its pairs are also capped at the work this buys (fewer as T grows, ~1/T^2), drawn in random order",
     )
-    recorder_dir: Path | None = Field(
-        None, description="flight recorder: write an incident (last normal, first anomalous and next step: metrics "
-        "and raw rows) here when a layer-1 trigger fires; None or '' = off. Holds prompts and completions: owner-only",
-    )
-    recorder_rows: int = Field(
-        16, ge=1, le=4096, description="rows kept per step and stage; on an anomalous step up to half are the rows "
-        "that drove the trigger",
-    )
-    recorder_max_state_bytes: int = Field(
-        32 << 20, ge=1 << 10, le=1 << 34, description="bytes the rows of one step and stage may hold on the "
-        "tensors' device: fewer than recorder_rows are kept where the rows are long (at least one); the recorder "
-        "holds a few such states (the open steps, the last normal one, a pending incident), so at most 16 GiB each",
-    )
-    recorder_history_steps: int = Field(
-        32, ge=1, le=100_000, description="steps whose key metrics an incident carries (the ring before it)",
-    )
-    recorder_disk_budget_bytes: int = Field(
-        1 << 30, ge=1 << 16, le=MAX_DISK_BYTES, description="bytes all incidents in recorder_dir may take; the "
-        "oldest are removed first",
-    )
-    recorder_triggers: tuple[str, ...] = Field(
-        TRIGGERS, description=f"what opens an incident, any of {', '.join(TRIGGERS)} (the guard's lines)",
-    )
-    recorder_min_free_bytes: int = Field(
-        1 << 30, ge=0, le=MAX_DISK_BYTES, description="free bytes an incident must leave on recorder_dir's "
-        "filesystem (often the "
-        "checkpoints'): the oldest incidents are removed first, and an incident that would still go below is not "
-        "written (a counted recorder error)",
-    )
-    recorder_min_free_ratio: float = Field(
-        0.05, ge=0, lt=1, description="the same floor as a share of the filesystem's size; the larger one holds",
-    )
-    recorder_cooldown_steps: int = Field(
-        50, ge=0, le=MAX_STEPS, description="a trigger that fires again within this many steps of the step that "
-        "opened its last "
-        "incident rejoins that episode (a flapping trigger writes one incident, not one every other step); 0 = every "
-        "new episode writes",
-    )
-    recorder_flush_timeout_s: float = Field(
-        30.0, ge=0, le=HOUR_S, description="at close, when the guard raises, at exit and on SIGTERM: longest wait "
-        "for pending incidents; at most an hour (3600): writing an incident takes seconds, and a wait without end "
-        "would keep a finished or preempted job from exiting",
-    )
-
-    @field_validator("recorder_dir", mode="before")
-    @classmethod
-    def _recorder_dir_is_a_path(cls, value: Any) -> Any:
-        """'' is off, as an unset variable is (not the current directory, which would receive prompts and
-        completions); a control character (a newline breaks the latest-incident series) is an error."""
-        if isinstance(value, str | Path):
-            text = str(value) if isinstance(value, Path) else value
-            if isinstance(value, str) and not value.strip():
-                return None
-            if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
-                raise ValueError(f"expected a directory path without control characters, got {text!r}")
-        return value
-
-    @field_validator("recorder_triggers", mode="before")
-    @classmethod
-    def _known_triggers(cls, value: Any) -> Any:
-        """Each a known trigger, once (a repeated name adds nothing); the error shows at most a few of the
-        unknown ones, briefly, whatever came."""
-        if not isinstance(value, str | list | tuple | set | frozenset):
-            raise ValueError(f"expected a list of any of {list(TRIGGERS)}, got {short_repr(value)}")
-        items = [value] if isinstance(value, str) else list(value)
-        unknown = [t for t in items if not isinstance(t, str) or t not in TRIGGERS]
-        if unknown:
-            raise ValueError(f"expected any of {list(TRIGGERS)}, got {short_repr(unknown)}")
-        return tuple(dict.fromkeys(items))
-
     @field_validator("host")
     @classmethod
     def _host_is_an_address(cls, value: str) -> str:

@@ -35,9 +35,15 @@ class Reporter:
         self._config = config
         self._last_log: dict[str, float] = {}
 
-    def count(self, stage: str) -> None:
-        """Count an exporter error of ``stage`` that was already said elsewhere."""
-        self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage=stage): 1.0})
+    def count(self, stage: str, publish: bool = False) -> None:
+        """Count an exporter error of ``stage`` that was already said elsewhere; ``publish``: publish the count
+        now (outside an observe call, which publishes at its end)."""
+        if not publish:
+            self._publication.add({catalog.metric("grpo_exporter_errors_total").key(stage=stage): 1.0})
+            return
+        with self._publication.writing:
+            self.count(stage)
+            self._publication.publish()
 
     def error(self, stage: str, exc: BaseException, where: str = "") -> None:
         """Count an exporter error of ``stage`` and log it (at most once a minute per stage). An error is counted

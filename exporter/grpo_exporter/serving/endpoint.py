@@ -43,8 +43,12 @@ class Endpoint:
         self._registry = registry
         self._owned: list[Collector] = []
         self._server: MetricsServer | None = None
-        _take(registry, run)
-        self._collector = CatalogCollector(publication, run, registry, on_error=on_error)
+        closing = _take(registry, run)
+        try:
+            self._collector = CatalogCollector(publication, run, registry, on_error=on_error)
+        except BaseException:
+            _give_back(registry, closing)
+            raise
         self._owned.append(self._collector)
         _OPEN[registry] = (run, self._collector)
         try:
@@ -59,6 +63,7 @@ class Endpoint:
                     on_busy(exc, self._server.port)
         except BaseException:
             self._release()
+            _give_back(registry, closing)
             raise
 
     def _process_collector(self, registry: CollectorRegistry) -> None:
@@ -117,13 +122,10 @@ _OPEN: weakref.WeakKeyDictionary[CollectorRegistry, tuple[str, CatalogCollector]
 _CLOSING: weakref.WeakKeyDictionary[CollectorRegistry, CatalogCollector] = weakref.WeakKeyDictionary()
 
 
-def _take(registry: CollectorRegistry, run: str) -> None:
-    """Make room for run ``run``'s collector on ``registry``: a closed run's collector still waiting for its last
-    scrape leaves now; an open run's is an error naming both (close it first, or give each its own registry)."""
-    closing = _CLOSING.pop(registry, None)
-    if closing is not None:
-        with contextlib.suppress(KeyError):
-            registry.unregister(closing)
+def _take(registry: CollectorRegistry, run: str) -> CatalogCollector | None:
+    """Make room for run ``run``'s collector on ``registry``: an open run's is an error naming both (close it
+    first, or give each its own registry); a closed run's collector still waiting for its last scrape leaves now,
+    and is returned (a construction that fails gives it back: :func:`_give_back`)."""
     held = _OPEN.get(registry)
     if held is not None:
         raise ValueError(
@@ -131,6 +133,20 @@ def _take(registry: CollectorRegistry, run: str) -> None:
             f"publishes (for run {run!r}): close() that monitor first, or give each monitor its own "
             "CollectorRegistry() (two would print every grpo_ family twice)"
         )
+    closing = _CLOSING.pop(registry, None)
+    if closing is not None:
+        try:
+            registry.unregister(closing)
+        except KeyError:  # it saw its last scrape and left
+            return None
+    return closing
+
+
+def _give_back(registry: CollectorRegistry, closing: CatalogCollector | None) -> None:
+    """Put back a closed run's collector that :func:`_take` removed, its last scrape still owed."""
+    if closing is not None:
+        registry.register(closing)
+        _CLOSING[registry] = closing
 
 
 __all__ = ["Endpoint", "Listen"]

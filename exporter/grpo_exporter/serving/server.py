@@ -352,7 +352,7 @@ class MetricsServer:
                 raise PortInUseError(
                     exc.errno, f"port {port} on {host} is already in use; choose another port or port=0 for a free one"
                 ) from exc
-            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EINVAL):  # EINVAL: fe80::1, no scope
                 raise _unavailable(host, port, exc) from exc
             raise
         self._httpd.set_app(app)

@@ -11,7 +11,7 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional import gradient, samples
 from grpo_exporter.functional.groups import Groups
 from grpo_exporter.functional.reading import SMALL, count, count_nonfinite, keep_bits, zeroed
-from grpo_exporter.inputs import StepInputs
+from grpo_exporter.inputs import InputError, StepInputs
 
 
 class Context:
@@ -119,10 +119,21 @@ class Context:
             lengths = lengths + count(x.tool_mask, dim=1)
         return gradient.completion_positions(lengths, width)
 
-    @functools.cached_property
+    @property
     def groups(self) -> Groups | None:
-        """The prompt groups; a grouping error raises here, in the blocks that need groups, and only there."""
-        return self.x.groups(self.cfg.group_size)
+        """The prompt groups; a grouping error raises here, in the blocks that need groups, and only there: the
+        same error object in each, so that it is counted once for the call (not once per block)."""
+        made = self._grouping
+        if isinstance(made, InputError):
+            raise made
+        return made
+
+    @functools.cached_property
+    def _grouping(self) -> Groups | InputError | None:
+        try:
+            return self.x.groups(self.cfg.group_size)
+        except InputError as exc:
+            return exc
 
     def _difference(self, a: str, b: str) -> Tensor | None:
         """Input ``a`` minus input ``b`` on the loss mask (fp32, 0 elsewhere), when both and the mask are given."""

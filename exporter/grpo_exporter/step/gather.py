@@ -281,9 +281,10 @@ class Gather:
                 raise LateCounts(len(late))
             out |= zip((key for key, _ in late), counts_after_transfer([r.tensor for _, r in late]), strict=True)
         families = table.families
-        for (name, _), bad in zip(self.checks, packed[layout.checks_at : layout.merge_at], strict=True):
-            if bad:
-                self.errors.append(("input values", value_error(name, bad)))
-                self.failed |= stage_tags
-                out, families = {}, frozenset()  # nothing computed from such a mask: every family keeps its last
+        failed = [(name, bad) for (name, _), bad in zip(self.checks, packed[layout.checks_at : layout.merge_at],
+                                                        strict=True) if bad]
+        if failed:
+            self.errors.append(("input values", value_error(failed)))
+            self.failed |= stage_tags
+            out, families = {}, frozenset()  # nothing computed from such inputs: every family keeps its last
         return out, families
