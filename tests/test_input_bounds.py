@@ -38,14 +38,13 @@ def _update(n: int = 8, t: int = 5, **more: object) -> dict[str, object]:
             "advantages": torch.ones(n), **more}
 
 
-# ---- dynamic-sampling counts: kept <= generated - filtered --------------------------------------------------
+# ---- dynamic-sampling counts: kept <= generated ---------------------------------------------------------------
 
 @pytest.mark.parametrize(("counts", "kept"), [
     ({"generated_groups": 1}, 2),  # published a kept ratio of 2.0
-    ({"generated_groups": 3, "filtered_all_correct_groups": 3}, 2),  # 0.667
     ({"generated_groups": 0}, 2),  # removed the ratio silently
 ])
-def test_kept_groups_above_what_was_generated_is_an_input_error(counts: dict[str, int], kept: int) -> None:
+def test_more_kept_groups_than_were_generated_is_an_input_error(counts: dict[str, int], kept: int) -> None:
     with _monitor() as mon:
         mon.observe_rollout(0, rewards=_rewards(), generated_groups=8)
         assert mon.metrics()["grpo_kept_groups_ratio"] == 2 / 8
@@ -59,9 +58,13 @@ def test_kept_groups_above_what_was_generated_is_an_input_error(counts: dict[str
     assert f"{kept} groups kept" in str(info.value)
 
 
-def test_kept_plus_filtered_up_to_generated_is_accepted() -> None:
+def test_a_batch_topped_up_with_filtered_groups_is_true() -> None:
+    """3 generated, 3 filtered, 2 kept: a loop whose rounds could not fill the batch tops it up with groups it had
+    filtered (the demo's DAPO loop does), so kept + filtered may pass generated; kept alone may not."""
     with _monitor(strict=True) as mon:
-        mon.observe_rollout(0, rewards=_rewards(), generated_groups=5, filtered_all_correct_groups=2,
+        mon.observe_rollout(0, rewards=_rewards(), generated_groups=3, filtered_all_correct_groups=3)
+        assert mon.metrics()["grpo_kept_groups_ratio"] == 2 / 3
+        mon.observe_rollout(1, rewards=_rewards(), generated_groups=5, filtered_all_correct_groups=2,
                             filtered_all_incorrect_groups=1)
         assert mon.metrics()["grpo_kept_groups_ratio"] == 2 / 5
 

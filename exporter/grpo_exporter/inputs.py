@@ -162,7 +162,7 @@ _VALUE_RULES = {
     "bool": ("a bool tensor, or 0/1 values", "{bad:g} values other than 0 and 1"),
     "count": (f"integers in 0..{MAX_ROW_COUNT} (a count per completion)", "{bad:g} values outside that range"),
     "norm": ("a number >= 0 (a norm)", "a negative one"),
-    "kept": ("at least the groups kept in the batch plus those filtered", "{bad:g} groups kept beside them"),
+    "kept": ("at least the groups kept in the batch", "{bad:g} groups kept"),
 }
 
 
@@ -396,7 +396,7 @@ class _Validator:
                     raise InputError(name, "a number >= 0 (a norm)", describe(value))
                 continue
             if not isinstance(value, Tensor) or value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
-                raise InputError(name, "a number or a one-element real tensor", describe(value))
+                raise InputError(name, "a number or a one-element tensor (not bool or complex)", describe(value))
             self._set(name, self.tensor(name, value).reshape(()))
             if norm and all(checked != name for checked, _ in self.value_errors):
                 self.value_errors.append((name, (value < 0).sum()))

@@ -86,7 +86,8 @@ mask: pass `tool_mask`, and let lengths count the model's tokens only.
 true is an error naming the field and the value: per-completion counts (`completion_lengths`, `turns`,
 `staleness`) lie in 0..2^24 (checked on the device, read with the step's one transfer); the ints a loop
 counts (`tool_calls`, `generated_groups`, `dropped_stale_total`, ...) in 0..2^40, `tool_failures` at most
-`tool_calls`; the groups kept in the batch plus those filtered at most `generated_groups`; `policy_version`
+`tool_calls`; the groups kept in the batch at most `generated_groups` (with those filtered they may
+exceed it: a loop may top up its batch with filtered groups); `policy_version`
 at least `rollout_policy_version`; a step number in 0..2^53-1 (a float holds it exactly). A step outside
 that range is an input error of its call: nothing of the call is computed and the run's step stays where it
 was. The step of `observe_regression` and `observe_retrieval` is checked but is not the run's step

@@ -111,11 +111,11 @@ def zero_variance(out: Gather, ctx: Context) -> None:
         if x.generated_groups is not None:
             generated = scalar(x.generated_groups, torch.float64, zv.groups.device)
             out.add("grpo_kept_groups_ratio", fraction(zv.groups, generated))
-            # the batch keeps groups the filter passed: kept + filtered above generated cannot be true (a value
-            # check read with the transfer, naming generated_groups; its count is the groups kept)
-            filtered = (x.filtered_all_correct_groups or 0) + (x.filtered_all_incorrect_groups or 0)
+            # every kept group was generated: more kept than generated cannot be true (a value check read with the
+            # transfer, naming generated_groups; its count is the groups kept). Kept + filtered may pass generated:
+            # a loop whose rounds cannot fill the batch tops it up with groups it had filtered
             kept = zv.groups.to(torch.int64)
-            out.checks.append(("generated_groups", torch.where(kept + filtered > generated, kept, 0)))
+            out.checks.append(("generated_groups", torch.where(kept > generated, kept, 0)))
     if x.zero_variance_prob is not None:
         expected = samples.expected_zero_variance_ratio(x.zero_variance_prob, groups)
         out.add("grpo_zero_variance_groups_expected_ratio", expected)
