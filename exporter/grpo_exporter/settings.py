@@ -11,12 +11,18 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, mod
 from grpo_exporter.config_files import MAX_DEPTH, MAX_NODES, Oversized, check_value_size
 
 
+def member_types(annotation: Any) -> tuple[set[Any], bool]:
+    """The types of a (possibly Optional) field annotation, without None, and whether None is one of them."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    kinds = {kind for kind in members if kind is not type(None)}
+    return kinds, len(kinds) < len(members)
+
+
 def number_type(annotation: Any) -> type | None:
     """``int`` or ``float`` for a field annotated with one of them, alone or with None; else None."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        args = [a for a in get_args(annotation) if a is not type(None)]
-        annotation = args[0] if len(args) == 1 else None
-    return annotation if annotation in (int, float) else None
+    kinds, _ = member_types(annotation)
+    kind = next(iter(kinds)) if len(kinds) == 1 else None
+    return kind if kind in (int, float) else None
 
 
 class Settings(BaseModel):

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
-import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 import annotated_types
 from pydantic import BaseModel, ValidationError
@@ -24,6 +23,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from rapidfuzz import process
 
 from grpo_exporter.config_files import short_repr
+from grpo_exporter.settings import member_types
 
 ENV_PREFIX = "GRPO_EXPORTER_"
 #: ``GRPO_EXPORTER_*`` variables that are no setting, read elsewhere: never warned about
@@ -81,7 +81,7 @@ def _env_value(raw: str, info: FieldInfo) -> Any:
     sequence; a mapping from JSON (``{...}``), else the text (a YAML file's path); otherwise the text, stripped
     for a non-string type, which pydantic then parses by the field's type. ``ValueError`` for a list or mapping
     that is not valid JSON."""
-    kinds, optional = _member_types(info.annotation)
+    kinds, optional = member_types(info.annotation)
     text = raw.strip()
     if optional and text.lower() in _NONE_WORDS and (info.default is None if text == "" else not kinds & {str, Path}):
         return None
@@ -94,13 +94,6 @@ def _env_value(raw: str, info: FieldInfo) -> Any:
     if any(get_origin(kind) is dict for kind in kinds) and text.startswith("{"):
         return json.loads(text)
     return raw if kinds & {str, Path} or any(get_origin(kind) is dict for kind in kinds) else text
-
-
-def _member_types(annotation: Any) -> tuple[set[Any], bool]:
-    """The types of a (possibly Optional) annotation, without None, and whether None is one of them."""
-    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
-    kinds = {kind for kind in members if kind is not type(None)}
-    return kinds, len(kinds) < len(members)
 
 
 def naming_variables(exc: ValidationError, model: type[BaseModel], sources: Mapping[str, str],
@@ -143,7 +136,7 @@ def _variable_error(variable: str, name: str, raw: str, info: FieldInfo, detail:
 
 def describe(info: FieldInfo) -> str:
     """What a field takes, in words: ``an integer 0..65535, or none``, ``one of 'warn', 'raise', 'off'``."""
-    kinds, optional = _member_types(info.annotation)
+    kinds, optional = member_types(info.annotation)
     words = " or ".join(_kind_words(kind, info.metadata) for kind in sorted(kinds, key=str))
     if optional:
         words += ", or none (empty)" if kinds & {str, Path} else ", or none"
