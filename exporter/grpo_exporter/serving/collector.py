@@ -26,16 +26,14 @@ class CatalogCollector(Collector):
         self,
         publication: Publication,
         run: str,
-        registry: CollectorRegistry | None = None,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
+        """Register it with ``registry.register``: its :meth:`describe` names every family it may yield."""
         self._publication = publication
         self._run = run
         self._on_error = on_error
         self.scrapes = 0  # snapshots rendered: close() waits for one more after marking the run finished
         self._retire_from: CollectorRegistry | None = None
-        if registry is not None:
-            registry.register(self)
 
     def describe(self) -> Iterator[Metric]:
         """Every catalogue family, without samples: the registry's duplicate check sees the names this collector

@@ -43,15 +43,12 @@ class Endpoint:
         self._registry = registry
         self._owned: list[Collector] = []
         self._server: MetricsServer | None = None
+        self._collector = CatalogCollector(publication, run, on_error=on_error)
         closing = _take(registry, run)
         try:
-            self._collector = CatalogCollector(publication, run, registry, on_error=on_error)
-        except BaseException:
-            _give_back(registry, closing)
-            raise
-        self._owned.append(self._collector)
-        _OPEN[registry] = (run, self._collector)
-        try:
+            registry.register(self._collector)
+            self._owned.append(self._collector)
+            _OPEN[registry] = (run, self._collector)
             if listen is not None:
                 self._process_collector(registry)
                 try:
