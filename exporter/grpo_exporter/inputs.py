@@ -144,6 +144,12 @@ def not_binary(value: Tensor) -> Tensor:
     return ((value != 0) & (value != 1)).sum()
 
 
+def check_step(step: int) -> None:
+    """A step number in 0..:data:`MAX_INTEGER`; else :class:`InputError` naming ``step`` (counted in the call: a
+    step beyond any run's reach never becomes the run's step)."""
+    check_count("step", step, "a step number", MAX_INTEGER)
+
+
 def out_of_range(value: Tensor, largest: int = MAX_ROW_COUNT) -> Tensor:
     """How many entries of an integer ``value`` lie outside 0..``largest``, counted on its device: the rule of
     every per-completion count (a negative length or a staleness past fp32's integers cannot be true). Only the

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.checks import ABCReport, AccumulationReport, MaskTableReport, ReachReport
-from grpo_exporter.inputs import MAX_INTEGER, check_count, describe
+from grpo_exporter.inputs import check_step, describe
 from grpo_exporter.keywords import UPDATE_FIELDS, RolloutFields, UpdateFields, check_keywords
 from grpo_exporter.runtime import evaluations, guard
 from grpo_exporter.runtime.assembly import assemble
@@ -189,7 +189,7 @@ class GRPOMonitor:
         ``grpo_last_step`` follow the training calls alone)."""
         step = self._check_call("observe_retrieval", step)
         with self._report.stage("rollout"):
-            check_count("step", step, "a step number", MAX_INTEGER)
+            check_step(step)
             self._stages.evaluation(evaluations.retrieval(scores, own_prompt))
 
     def observe_regression(self, step: int, correct: Tensor) -> None:
@@ -201,7 +201,7 @@ class GRPOMonitor:
         is checked, not counted as the run's step (as :meth:`observe_retrieval`)."""
         step = self._check_call("observe_regression", step)
         with self._report.stage("rollout"):
-            check_count("step", step, "a step number", MAX_INTEGER)
+            check_step(step)
             self._stages.evaluation(evaluations.regression(correct))
 
     def publish_check(self, report: PreflightReport) -> None:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.ids import id_tensor
-from grpo_exporter.inputs import MAX_INTEGER, InputError, StepInputs, check_count, describe
+from grpo_exporter.inputs import InputError, StepInputs, check_count, check_step, describe
 from grpo_exporter.ranks import distributed
 from grpo_exporter.recorder import FlightRecorder
 from grpo_exporter.runtime import guard
@@ -196,7 +196,7 @@ class Stages:
         ``grpo_last_step`` never runs backwards (a late update of step k after rollout k+1 is no new step). A
         step outside 0..2^53-1 is an input error of the call (counted; nothing of it is computed) and leaves the
         run's state as it was."""
-        check_count("step", step, "a step number", MAX_INTEGER)
+        check_step(step)
         if self.state.advance(step):
             self.publication.add({catalog.key("grpo_steps_total"): 1.0})
         last = float(step if self.state.last_step is None else self.state.last_step)
