@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The virtualenv for the verl and OpenRLHF adapter tests (.venv-frameworks): kept apart from .venv because verl
-# pins transformers < 5.11 and TRL 1.16 needs 5.24. Idempotent: a complete venv is reused (a stamp holds the
-# hash of what it was made from). Needs python3 >= 3.11 with venv; the torch CPU wheel first, as in setup.sh.
+# pins transformers < 5.11 and the TRL tests run on the newest transformers TRL admits. Idempotent: a complete
+# venv is reused (a stamp holds the hash of what it was made from). Needs python3 >= 3.11 with venv; the torch
+# CPU wheel first, as in setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

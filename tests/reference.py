@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from batches import Batch
+from grpo_exporter.catalog import ADVANTAGE_FORMS
 
 
 def _q(x: float) -> str:
@@ -204,24 +205,35 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
             vals = [abs(adv[i, t]) for t in range(width) if mask[i, t] and math.isfinite(adv[i, t])]
             if vals:
                 per_seq[i] = max(vals)
+    form, read, inconsistent = _form_reference(a, members, mask, cfg)
+    checked = len(read)
     bounds = {}
     for idx in members:
-        g = len(idx)
-        if cfg.advantage_norm == "unbiased":
+        judged = cfg.advantage_norm
+        if form != "unknown" and idx[0] in read:  # the detected form judges the complete groups it read
+            judged = form if form in ("unbiased", "population", "none") else ""
+        g = max(len(idx), cfg.group_size)
+        if judged == "unbiased":
             b = (g - 1) / math.sqrt(g)
-        elif cfg.advantage_norm == "population":
+        elif judged == "population":
             b = math.sqrt(g - 1)
-        else:
+        elif judged == "none":
             r = [a["rewards"][i] for i in idx if math.isfinite(a["rewards"][i])]
-            b = (max(r) - min(r)) * (g - 1) / g if r else 0.0
+            b = (max(r) - min(r)) * (g - 1) / g if r and len(idx) >= cfg.group_size else math.inf
+        else:
+            b = math.inf
         for i in idx:
             bounds[i] = b
+    for name in (*ADVANTAGE_FORMS, "unknown"):
+        out[f'grpo_advantage_form_sequences_total{{form="{name}"}}'] = float(checked if name == form else 0)
+    out["grpo_advantage_inconsistent_sequences_total"] = float(inconsistent)
     if per_seq:
         out["grpo_advantage_abs_max"] = max(per_seq.values())
     out["grpo_advantage_over_bound_sequences_total"] = float(
         sum(1 for i, v in per_seq.items() if v > bounds[i] * (1 + cfg.advantage_bound_rtol) + 1e-6)
     )
-    out["grpo_advantage_bound"] = max(bounds.values())
+    if any(math.isfinite(b) for b in bounds.values()):
+        out["grpo_advantage_bound"] = max(b for b in bounds.values() if math.isfinite(b))
 
     outcomes = {"all": [True] * n, "correct": list(a["correct"]), "incorrect": [not c for c in a["correct"]]}
     for outcome, chosen in outcomes.items():
@@ -358,6 +370,75 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
         unique.append(len(seqs) / len(idx))
     out["grpo_unique_completions_ratio"] = float(np.mean(unique))
     return out
+
+
+def _form_reference(a: dict[str, np.ndarray], members: list[list[int]], mask: np.ndarray,
+                    cfg: Any) -> tuple[str, set[int], int]:
+    """The advantage form, the sequences read (those of complete groups) and the number of inconsistent ones, as
+    functional.advantage_form states them, on plain floats: per-sequence advantages, group means and stds."""
+    adv = a["advantages"]
+    seq: dict[int, float] = {}
+    varies: dict[int, bool] = {}
+    for i in range(adv.shape[0]):
+        if adv.ndim == 1:
+            if math.isfinite(adv[i]):
+                seq[i], varies[i] = float(adv[i]), False
+            continue
+        vals = [float(adv[i, t]) for t in range(adv.shape[1]) if mask[i, t] and math.isfinite(adv[i, t])]
+        if vals:
+            seq[i] = float(np.mean(vals))
+            varies[i] = len(vals) > 1 and max(vals) - min(vals) > 1e-5 * (1 + abs(seq[i]))
+    complete = [idx for idx in members if len(idx) == cfg.group_size and all(i in seq for i in idx)]
+    rows = [i for idx in complete for i in idx]
+    if not rows:
+        return "unknown", set(), 0
+    scale = math.sqrt(np.mean([seq[i] ** 2 for i in rows]))
+    atol = 1e-2 * scale + 1e-12
+    mean = {tuple(idx): float(np.mean([seq[i] for i in idx])) for idx in complete}
+    std = {tuple(idx): float(np.std([seq[i] for i in idx], ddof=1)) for idx in complete}
+    pop = {tuple(idx): float(np.std([seq[i] for i in idx])) for idx in complete}
+    mixed = [k for k in std if std[k] > atol]
+    centred = all(abs(m) <= atol for m in mean.values())
+    upper = 1 + max(1e-5, min(cfg.advantage_bound_rtol, 1 / (4 * cfg.group_size)))
+
+    def unit(s: dict[tuple[int, ...], float]) -> bool:
+        at_one = sum(1 for k in mixed if 0.98 <= s[k] <= upper)
+        return centred and at_one >= 2 and at_one >= 0.9 * len(mixed) and all(s[k] <= upper for k in mixed)
+
+    multi = sum(1 for i in rows if adv.ndim == 2 and int(mask[i].sum()) > 1)
+    varying = sum(1 for i in rows if varies[i])
+    r = a["rewards"]
+    rewarded = [idx for idx in complete if all(math.isfinite(r[i]) for i in idx)]
+    r_tol = 1e-5 * max(abs(float(r[i])) for i in rows if math.isfinite(r[i])) + 1e-12
+    spread = [tuple(idx) for idx in rewarded if tuple(idx) in mixed and np.std([r[i] for i in idx], ddof=1) > r_tol]
+    k = {g: std[g] / float(np.std([r[i] for i in g], ddof=1)) for g in spread}
+    forms = {
+        "shaped": varying > 0 and varying > 0.5 * multi,
+        "unbiased": unit(std), "population": unit(pop),
+        "none": centred and len(spread) > 1 and all(abs(v - 1) <= 1e-2 for v in k.values()),
+        "batch": centred and len(spread) > 1 and all(abs(v - np.mean(list(k.values())))
+                                                      <= 1e-2 * abs(np.mean(list(k.values()))) for v in k.values()),
+    }
+    means = list(mean.values())
+    common = all(abs(m - np.mean(means)) <= atol for m in means)
+    forms["whitened"] = not centred and common and len(mixed) > 1  # the batches here hold no affine-in-r case
+    form = next((f for f, hit in forms.items() if hit), "unknown")
+    form = {"batch": {"none": "batch", "whitened": "batch"},
+            "whitened": dict.fromkeys(("none", "batch", "unbiased", "population"), "whitened")}.get(
+        cfg.advantage_norm, {}).get(form, form)
+    bad: set[int] = set()
+    for idx in rewarded:
+        m_r = float(np.mean([r[i] for i in idx]))
+        tied = max(r[i] for i in idx) - min(r[i] for i in idx) <= r_tol
+        for i in idx:
+            d, c = seq[i] - mean[tuple(idx)], float(r[i]) - m_r
+            if (d * c < 0 and abs(d) > atol and abs(c) > r_tol) or (tied and abs(d) > atol):
+                bad.add(i)
+    if cfg.advantage_norm in ("unbiased", "population", "none", "batch") and form == "unknown":
+        bad |= {i for idx in complete if abs(mean[tuple(idx)]) > atol for i in idx}
+    if cfg.advantage_norm in ("whitened", "shaped") or form == "shaped":
+        bad = set()
+    return form, {i for idx in complete for i in idx}, len(bad)
 
 
 def _noise_reference(a: dict[str, np.ndarray], comps: dict[str, np.ndarray], members: list[list[int]],

@@ -46,8 +46,12 @@ MAX_NEW = 6
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, PreTrainedTokenizerFast]:
-    """A word-level tokenizer trained with `tokenizers` and a randomly initialised 2-layer Qwen2, saved so TRL
-    can load the reference model from the same path (beta > 0)."""
+    return tiny_model(tmp_path_factory.mktemp("qwen2-tiny"))
+
+
+def tiny_model(path: Path) -> tuple[str, PreTrainedTokenizerFast]:
+    """A word-level tokenizer trained with `tokenizers` and a randomly initialised 2-layer Qwen2, saved in ``path``
+    so TRL can load the reference model from the same path (beta > 0)."""
     raw = Tokenizer(models.WordLevel(unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     special = ["<pad>", "<eos>", "<unk>"]
@@ -59,7 +63,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, PreTrained
         num_key_value_heads=1, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, bos_token_id=None,
     )
-    path = tmp_path_factory.mktemp("qwen2-tiny")
     Qwen2ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path), tok
@@ -221,12 +224,14 @@ VLLM = {"use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_corre
 GROUP_SERIES = {g: name for g, name in FRAMEWORK_GROUP_SERIES.items() if g != "tools"}
 
 
-def assert_mode_as_documented(published: set[str], mode: str) -> None:
+def assert_mode_as_documented(published: set[str], mode: str, unmet: tuple[str, ...] = ()) -> None:
     """The framework matrix's claim for ``mode`` (docs/frameworks.md) holds on a real run: each group it says
-    the adapter hands over is published, each it says is absent is not."""
+    the adapter hands over is published, each it says is absent is not. ``unmet``: the groups whose condition
+    (a conditional cell, "yes (with ...)") this run does not meet: absent too."""
     from grpo_exporter.reference.frameworks import MODES
 
-    said = {g for g in GROUP_SERIES if g in MODES[mode]}
+    assert all(MODES[mode].get(g) for g in unmet), f"{mode}: {unmet} are not conditional in docs/frameworks.md"
+    said = {g for g in GROUP_SERIES if g in MODES[mode] and g not in unmet}
     seen = {g for g, name in GROUP_SERIES.items() if name in published}
     assert seen == said, f"{mode}: published {sorted(seen)}, docs/frameworks.md says {sorted(said)}"
 
@@ -480,11 +485,9 @@ def test_the_docs_two_lines_run_as_written(model_dir, tmp_path, doc) -> None:
     assert published["grpo_run_finished"] == 1.0
 
 
-def test_two_ranks_merge_and_rank_zero_serves(model_dir, tmp_path) -> None:
-    """TRL on two processes (torchrun, gloo on CPU; accelerate's MULTI_CPU): each rank's monitor merges on the
-    exporter's own group, rank 0 serves and rank 1 does not, and the merged reward is TRL's global one (TRL
-    gathers rewards over processes; each rank observes its own slice)."""
-    import json
+def torchrun_ranks(processes: int, model_dir: str, out: Path, *args: str, timeout: int = 300) -> str:
+    """tests/trl_ranks.py on ``processes`` CPU processes under torchrun (gloo; accelerate's MULTI_CPU), each
+    writing its readings next to ``out``; returns their stderr (the run must succeed)."""
     import socket
     import subprocess
     import sys
@@ -492,13 +495,23 @@ def test_two_ranks_merge_and_rank_zero_serves(model_dir, tmp_path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / "rank"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(Path(__file__).with_name("trl_ranks.py")), model_dir[0], str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
+         "127.0.0.1", "--master_port", str(port), str(Path(__file__).with_name("trl_ranks.py")), model_dir,
+         str(out), *args],
+        capture_output=True, text=True, timeout=timeout, check=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr
+
+
+def test_two_ranks_merge_and_rank_zero_serves(model_dir, tmp_path) -> None:
+    """TRL on two processes (torchrun, gloo on CPU; accelerate's MULTI_CPU): each rank's monitor merges on the
+    exporter's own group, rank 0 serves and rank 1 does not, and the merged reward is TRL's global one (TRL
+    gathers rewards over processes; each rank observes its own slice)."""
+    import json
+
+    torchrun_ranks(2, model_dir[0], tmp_path / "rank")
     ranks = [json.loads((tmp_path / f"rank.{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2]
     assert ranks[0]["url"] is not None
@@ -683,6 +696,7 @@ def test_several_generation_batches_of_one_optimizer_step_are_read_together(mode
     assert found["grpo_completions_total"] == 2 * 2 * 16
     assert found['grpo_reward_mean{component="total"}'] == pytest.approx(_logged(trainer, "reward")[-1], abs=1e-6)
     assert found["grpo_zero_variance_groups_ratio"] == pytest.approx(_logged(trainer, "frac_reward_zero_std")[-1])
+    assert_mode_as_documented({k.partition("{")[0] for k in found}, "TRL, default (no vLLM)")
 
 
 REPLAY_STEP_S = 20  # the replay's cadence: one optimizer step every 20 s, scraped every 30 s

@@ -91,6 +91,17 @@ def test_every_group_names_what_the_monitor_takes():
         assert set(groups) <= set(GROUPS), mode
 
 
+def test_every_framework_mode_of_the_matrix_is_held_to_a_real_run():
+    """Each framework column of docs/frameworks.md is checked against what its adapter publishes on the
+    framework's own code (tests/test_*trl*.py, tests/frameworks/check_*.py: ``assert_*_as_documented``), so
+    the matrix cannot claim a mode the adapter does not give. "your own loop" is every group, as passed."""
+    sources = "\n".join(p.read_text(encoding="utf-8") for p in (*ROOT.glob("tests/test_*.py"),
+                                                              *ROOT.glob("tests/frameworks/check_*.py")))
+    calls = [sources[m.end():m.end() + 300] for m in re.finditer(r"_as_documented\(", sources)]
+    held = {mode for mode in MODES for call in calls if f'"{mode}"' in call}
+    assert set(MODES) - {"your own loop"} <= held, sorted(set(MODES) - {"your own loop"} - held)
+
+
 def test_a_gate_mutes_downstream_and_a_warning_mutes_nothing():
     muted = mutes(MixinConfig())
     assert "GRPOESSDrop" in muted["GRPOLossMaskMismatch"]

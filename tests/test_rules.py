@@ -176,12 +176,17 @@ def test_alertmanager_routes_and_inhibits_along_the_signal_chain(tmp_path):
                 _alert("GRPOGradNormSpike", "D", "1-optimizer", "warning", "grad_norm"),
                 _alert("GRPORewardCliff", "D", Layer.REWARD, "critical", "reward_cliff"),
                 _alert("GRPOESSDrop", "D", Layer.SAMPLES, "warning", "ess"),
+                # one advantage bug pages once: over its bound mutes its inconsistent groups, of its own run only
+                _alert("GRPOAdvantageAboveBound", "E", Layer.REWARD, "critical", "advantage_bound"),
+                _alert("GRPOAdvantageInconsistent", "E", Layer.REWARD, "critical", "advantage_bound"),
+                _alert("GRPOAdvantageInconsistent", "F", Layer.REWARD, "critical", "advantage_bound"),
             ])
             deadline = time.monotonic() + 20
             want = {("/pager", "GRPOEngineLogprobGapCritical", "A"), ("/default", "GRPOESSDrop", "B"),
                     ("/pager", "GRPOEngineLogprobGapCritical", "C"), ("/default", "GRPOEngineLogprobGapWarning", "D"),
                     ("/default", "GRPOGradNormSpike", "D"), ("/pager", "GRPORewardCliff", "D"),
-                    ("/default", "GRPOESSDrop", "D")}
+                    ("/default", "GRPOESSDrop", "D"), ("/pager", "GRPOAdvantageAboveBound", "E"),
+                    ("/pager", "GRPOAdvantageInconsistent", "F")}
             while time.monotonic() < deadline:
                 got = {(p, a["labels"]["alertname"], a["labels"]["run"]) for p, a in hook.alerts()}
                 if want <= got:

@@ -251,6 +251,8 @@ NONFINITE_TENSORS = (
     "grad_norm",
 )
 ADVANTAGE_SIGNS = ("positive", "negative", "zero")
+#: the advantage forms an estimator produces (the ``advantage_norm`` setting's values, config.AdvantageNorm)
+ADVANTAGE_FORMS = ("unbiased", "population", "none", "batch", "whitened", "shaped")
 PREFLIGHT_CHECKS = ("abc_consistency", "accumulation_equivalence", "nll_reach", "mask_table")
 CLIP_BOUNDS = ("upper", "lower")
 OUTCOMES = ("correct", "incorrect", "all")
@@ -591,15 +593,35 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_advantage_bound", GA,
-        "Largest |advantage| group normalisation can produce: (G-1)/sqrt(G) with unbiased std (G=16: 3.75, "
-        "G=8: 2.47), sqrt(G-1) with population std, (G-1)/G x group reward range without std. Above it is a "
-        "data or reward bug, not dynamics.",
+        "Largest |advantage| the form of the step's advantages can produce: (G-1)/sqrt(G) for a group z-score "
+        "with unbiased std (G=16: 3.75, G=8: 2.47), sqrt(G-1) with population std, (G-1)/G x group reward range "
+        "for group-centred rewards. The form is the one the data follows (grpo_advantage_form_sequences_total), "
+        "else the configured advantage_norm; absent for a form without a group bound (batch, whitened, shaped). "
+        "Above it is a data or reward bug, not dynamics.",
         R, inputs=("group_size", "advantage_norm"), merge=Merge.MAX,
     ),
     Metric(
         "grpo_advantage_over_bound_sequences_total", C,
-        "Sequences whose |advantage| exceeds the normalisation bound of their group.",
+        "Sequences whose |advantage| exceeds the bound of their group (grpo_advantage_bound).",
         R, "sequences", inputs=("advantages",),
+    ),
+    Metric(
+        "grpo_advantage_form_sequences_total", C,
+        "Sequences of complete groups (G members, finite advantages) whose advantages were sorted into a form, by "
+        "the form the step's advantages follow: unbiased or population (group z-score), none (group-centred), "
+        "batch (group-centred over one batch-wide scale), whitened (batch-whitened), shaped (varying along the "
+        "sequence: a reward shaped per token), unknown (none of these: the configured form's bound judges them). "
+        "A known form other than the configured advantage_norm: GRPOAdvantageFormUnexpected.",
+        R, "sequences", labels=(Label("form", (*ADVANTAGE_FORMS, "unknown")),), inputs=("advantages",),
+    ),
+    Metric(
+        "grpo_advantage_inconsistent_sequences_total", C,
+        "Sequences of complete groups whose advantage contradicts their group: with the same sequences' rewards "
+        "passed to observe_update, an advantage that ranks the completion against its reward within the group or "
+        "moves where the group's rewards tie; under a group-centred advantage_norm (unbiased, population, none, "
+        "batch), a member of a group whose advantages do not sum to 0 while no known form fits (the groups "
+        "handed over are not the estimator's). Not counted under whitened or shaped.",
+        R, "sequences", inputs=("advantages", "group_ids", "rewards"),
     ),
     Metric(
         "grpo_completion_length_tokens", SU,
@@ -963,7 +985,7 @@ CATALOG: tuple[Metric, ...] = (
             Label("group_size", bound=ONE_PER_RUN),
             Label("clip_eps_low", bound=ONE_PER_RUN),
             Label("clip_eps_high", bound=ONE_PER_RUN),
-            Label("advantage_norm", ("unbiased", "population", "none", "batch"), bound=ONE_PER_RUN),
+            Label("advantage_norm", ADVANTAGE_FORMS, bound=ONE_PER_RUN),
             Label("ratio_level", ("token", "sequence"), bound=ONE_PER_RUN),
             Label("clip", ("ppo", "cap", "none"), bound=ONE_PER_RUN),
         ),

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from grpo_exporter.catalog import GAP_QUANTILES, LENGTH_QUANTILES, RATIO_QUANTILES, SOLVE_RATE_BUCKETS, metric
 from grpo_exporter.settings import Settings
 
-AdvantageNorm = Literal["unbiased", "population", "none", "batch"]
+AdvantageNorm = Literal["unbiased", "population", "none", "batch", "whitened", "shaped"]
 RatioLevel = Literal["token", "sequence"]
 ClipKind = Literal["ppo", "cap", "none"]
 
@@ -53,9 +53,17 @@ class MetricsConfig(Settings):
         "loss_type='cispo', e.g. 5.0); required with it, unused otherwise",
     )
     advantage_norm: AdvantageNorm = Field(
-        "unbiased", description="group std normalisation: unbiased (torch.std), population, none (Dr. GRPO), or "
-        "batch (group-centred rewards over the whole batch's std, TRL scale_rewards='batch': no per-group |A| "
-        "bound, so grpo_advantage_bound is absent and nothing counts as over it)"
+        "unbiased", description="the form of the advantages your estimator computes (the premise of the |A| bound, "
+        "checked against the data each step: grpo_advantage_form_sequences_total): unbiased (group z-score with "
+        "torch.std: GRPO, TRL scale_rewards='group', verl grpo, OpenRLHF group_norm), population (group z-score "
+        "with the population std), none (group-centred, Dr. GRPO: verl norm_adv_by_std_in_grpo=False, TRL "
+        "scale_rewards='none', OpenRLHF dr_grpo), batch (group-centred over the whole batch's std, TRL "
+        "scale_rewards='batch'), whitened (batch-whitened: minus the batch mean, over the batch std; OpenRLHF "
+        "reinforce_baseline and reinforce, verl reinforce_plus_plus_baseline, TRL "
+        "multi_objective_aggregation='normalize_then_sum'), or shaped (per-token advantages of a reward shaped per "
+        "token, the KL penalty in the reward: OpenRLHF's default, verl use_kl_in_reward, GAE). Only unbiased, "
+        "population and none bound |A| per group; under the others grpo_advantage_bound is absent and nothing "
+        "counts as over it",
     )
     log_ratio_clamp: float | None = Field(
         None, gt=0.0, description="numerical |log ratio| clamp before exp (the fuse); None = not used"

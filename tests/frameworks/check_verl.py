@@ -1,14 +1,20 @@
 """verl adapter on real verl objects (run in .venv-frameworks by tests/test_integration_frameworks.py): a
-``DataProto`` built by verl's own ``from_dict``, advantages from verl's ``compute_grpo_outcome_advantage``,
-rows reordered as verl's ``balance_batch`` does, and the v0 ``RayPPOTrainer`` hook."""
+``DataProto`` built by verl's own ``from_dict``, advantages from verl's ``compute_grpo_outcome_advantage`` and
+every estimator verl registers (through verl's ``compute_advantage``), rows reordered as verl's
+``balance_batch`` does, the v0 ``RayPPOTrainer`` hook, and verl's fully-async ``FullyAsyncTrainer`` run through
+its own step methods."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import verl
 from doc_snippets import assert_never_as_documented
 from omegaconf import OmegaConf
 from verl import DataProto
@@ -16,12 +22,14 @@ from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from grpo_exporter import GRPOMonitor
+from grpo_exporter.integrations import IntegrationError
 from grpo_exporter.integrations.verl import (
     VERL_METRICS,
     monitored_ray_trainer,
     observe_actor_metrics,
     observe_dataproto,
 )
+from grpo_exporter.integrations.verl_settings import ESTIMATOR_FORMS, advantage_form, monitor_settings
 
 G, PROMPTS, T = 4, 6, 10
 DRIFT = 0.02
@@ -288,7 +296,7 @@ def test_a_multi_turn_batch_counts_tool_filled_windows_and_leaves_aborted_sample
 
 def test_the_clip_line_is_read_where_verls_engines_read_it() -> None:
     """verl's engines clip at actor.optim.clip_grad (actor.grad_clip is deprecated and copied there)."""
-    from grpo_exporter.integrations.verl import _grad_clip
+    from grpo_exporter.integrations.verl_settings import _grad_clip
 
     assert _grad_clip(OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"clip_grad": 0.5},
                                                                         "grad_clip": 1.0}}})) == 0.5
@@ -312,7 +320,8 @@ def test_fully_async_batches_give_the_rollout_staleness() -> None:
     n = len(data)
     data.non_tensor_batch["min_global_steps"] = np.array([10] * (n - 3) + [9, 9, 3])
     data.non_tensor_batch["max_global_steps"] = np.full(n, 10)
-    data.meta_info["count/dropped_stale_samples"] = 4  # what assemble_batch_from_rollout_samples copies in
+    # the key verl's assemble_batch_from_rollout_samples writes (the rollouter's status under fully_async/)
+    data.meta_info["fully_async/count/dropped_stale_samples"] = 4
     monitor = GRPOMonitor(run="verl-async", group_size=G, port=None, strict=True, close_linger_s=0)
     observe_dataproto(monitor, data, step=5, policy_version=10)
     observe_actor_metrics(monitor, 5, {"actor/grad_norm": 1.0})
@@ -350,10 +359,11 @@ def test_every_verl_metric_the_mapping_names_is_in_verls_source() -> None:
             assert f'"{key}"' in text, key
 
 
-def test_the_docs_v0_lines_run_as_written(monkeypatch) -> None:
-    """docs/integrations.md's v0 lines, as written but for a free port, where verl's TaskRunner builds
-    RayPPOTrainer: the object is verl's trainer class with the hooks and a monitor of the run's group size.
-    (RayPPOTrainer's __init__ builds Ray worker groups: it is stood in by one that keeps the config.)"""
+def test_the_docs_v0_lines_run_as_written(monkeypatch, caplog) -> None:
+    """docs/quickstart-verl.md's v0 lines, as written but for a free port, where verl's TaskRunner builds
+    RayPPOTrainer: the object is verl's trainer class with the hooks and a monitor of the run's group size and
+    advantage form, and verl's deprecation of its v0 trainer is passed on. (RayPPOTrainer's __init__ builds Ray
+    worker groups: it is stood in by one that keeps the config.)"""
     from doc_snippets import snippet
 
     seen: dict[str, Any] = {}
@@ -362,9 +372,12 @@ def test_the_docs_v0_lines_run_as_written(monkeypatch) -> None:
         self.config = config
         seen.update(kwargs)
 
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    monkeypatch.setattr("grpo_exporter.integrations.verl._SAID_V0", [])
     monkeypatch.setattr(RayPPOTrainer, "__init__", init)
-    names: dict[str, Any] = {"config": OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": G}}}),
-                             "trainer_kwargs": {"tokenizer": "the tokenizer"}}
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": G}},
+                               "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False}})
+    names: dict[str, Any] = {"config": config, "trainer_kwargs": {"tokenizer": "the tokenizer"}}
     exec(snippet("monitored_ray_trainer").replace("port=9400", "port=0"), names)
     trainer = names["trainer"]
     try:
@@ -372,9 +385,14 @@ def test_the_docs_v0_lines_run_as_written(monkeypatch) -> None:
         assert type(trainer).__name__ == "MonitoredRayPPOTrainer"
         assert seen == {"tokenizer": "the tokenizer"}
         assert trainer.monitor.config.group_size == G
+        assert trainer.monitor.config.advantage_norm == "none"  # Dr. GRPO: norm_adv_by_std_in_grpo=False
+        assert trainer.monitor.config.run == "exp-42"  # the run the lines name, over the config's
         assert trainer.monitor.url is not None
     finally:
         trainer.monitor.close()
+    said = [r.getMessage() for r in caplog.records if "v0 trainer" in r.getMessage()]
+    assert len(said) == 1
+    assert "monitored_task_runner" in said[0]
 
 
 def test_a_dapo_loops_filter_counts_are_published_with_its_kept_batch() -> None:
@@ -391,3 +409,435 @@ def test_a_dapo_loops_filter_counts_are_published_with_its_kept_batch() -> None:
     assert m["grpo_generated_groups_total"] == 3 * groups
     assert m['grpo_filtered_groups_total{outcome="all_correct"}'] == groups
     assert m["grpo_kept_groups_ratio"] == pytest.approx(1 / 3)
+
+
+GROUP, SOLVE_PROMPTS = 8, 64  # the estimator sweep: G=8, 64 prompts of solve rates 0.5 .. 0.95
+CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+
+
+def verl_config(**overrides: Any) -> Any:
+    """verl's generated PPO trainer config with ``overrides`` (dotted keys)."""
+    cfg = OmegaConf.load(CONFIG)
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def solve_rate_batch(seed: int) -> DataProto:
+    """G=8 samples of 64 prompts whose solve rates run 0.5 .. 0.95 (a 0/1 score on the last response token, a
+    second reward key for GDPO), with what verl's estimators read besides: values (GAE), greedy baselines
+    (ReMax), old log-probs and sum pi^2 (the optimal token baseline), ref log-probs (the KL in the reward)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = GROUP * SOLVE_PROMPTS
+    rates = torch.linspace(0.5, 0.95, SOLVE_PROMPTS).repeat_interleave(GROUP)
+    acc = (torch.rand(n, generator=gen) < rates).float()
+    lengths = torch.randint(3, T + 1, (n,), generator=gen)
+    mask = (torch.arange(T) < lengths.unsqueeze(1)).long()
+    scores = torch.zeros(n, T)
+    scores[torch.arange(n), lengths - 1] = acc
+    old = -torch.rand(n, T, generator=gen) * 2
+    tensors = {
+        "responses": torch.randint(3, 50, (n, T), generator=gen),
+        "prompts": torch.randint(3, 50, (SOLVE_PROMPTS, 4), generator=gen).repeat_interleave(GROUP, 0),
+        "response_mask": mask, "attention_mask": torch.cat([torch.ones(n, 4, dtype=torch.long), mask], dim=1),
+        "token_level_scores": scores, "old_log_probs": old,
+        "ref_log_prob": old - 0.3 * torch.rand(n, T, generator=gen),
+        "values": 0.1 * torch.randn(n, T, generator=gen), "reward_baselines": torch.rand(n, generator=gen).round(),
+        "sum_pi_squared": torch.rand(n, T, generator=gen),
+    }
+    non_tensors = {"uid": np.array([f"uid-{i // GROUP}" for i in range(n)], dtype=object), "acc": acc.numpy(),
+                   "index": np.arange(n) // GROUP, "format": torch.rand(n, generator=gen).numpy()}
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+
+
+def estimate(estimator: str, norm: bool, kl_in_reward: bool, seed: int = 0) -> tuple[Any, DataProto]:
+    """verl's own advantages for a config: its KL penalty in the reward (``apply_kl_penalty``, as RayPPOTrainer.fit
+    applies it) and its ``compute_advantage`` dispatch, with the arguments RayPPOTrainer.fit passes."""
+    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage
+
+    cfg = verl_config(**{"algorithm.adv_estimator": estimator, "algorithm.norm_adv_by_std_in_grpo": norm,
+                         "algorithm.use_kl_in_reward": kl_in_reward, "algorithm.kl_ctrl.kl_coef": 0.1,
+                         "algorithm.gdpo_reward_keys": ["acc", "format"], "actor_rollout_ref.rollout.n": GROUP})
+    data = solve_rate_batch(seed)
+    if kl_in_reward:
+        data, _ = apply_kl_penalty(data, core_algos.get_kl_controller(cfg.algorithm.kl_ctrl), kl_penalty="kl")
+    else:
+        data.batch["token_level_rewards"] = data.batch["token_level_scores"]
+    if estimator == "grpo_vectorized":  # its signature takes no reward_baselines, which the dispatch passes on
+        data.batch.pop("reward_baselines")
+    data = compute_advantage(data, adv_estimator=cfg.algorithm.adv_estimator, gamma=cfg.algorithm.gamma,
+                             lam=cfg.algorithm.lam, num_repeat=GROUP,
+                             norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, config=cfg.algorithm)
+    return cfg, data
+
+
+def advantage_readings(data: DataProto, **settings: Any) -> dict[str, float]:
+    """The advantage check's readings of one step of ``data`` (the form found, counted per sequence)."""
+    monitor = GRPOMonitor(port=None, strict=True, close_linger_s=0, **settings)
+    observe_dataproto(monitor, data, step=1)
+    monitor.end_step()
+    m = monitor.metrics()
+    monitor.close()
+    forms = {k.split('"')[1] for k, v in m.items() if k.startswith("grpo_advantage_form_sequences_total") and v}
+    return {"over": m["grpo_advantage_over_bound_sequences_total"],
+            "inconsistent": m["grpo_advantage_inconsistent_sequences_total"], "forms": forms}
+
+
+def test_every_estimator_verl_registers_is_checked_as_the_form_it_computes() -> None:
+    """Every estimator verl 0.9.1 registers (core_algos.ADV_ESTIMATOR_REGISTRY), with and without
+    norm_adv_by_std_in_grpo and the KL penalty in the reward, on G=8 x 64 prompts of solve rates 0.5 .. 0.95:
+    verl's advantages handed to a monitor made by monitor_settings(config) count nothing over the bound and
+    nothing inconsistent (both critical alerts), and follow the form configured (GRPOAdvantageFormUnexpected
+    stays silent). Where the form matters, the GRPO z-score or Dr. GRPO form would have paged."""
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+
+    from grpo_exporter.functional.advantage_form import COMPATIBLE
+
+    assert set(ESTIMATOR_FORMS) == set(ADV_ESTIMATOR_REGISTRY)  # a new estimator is a form to map
+    paged = {}
+    for estimator in sorted(ADV_ESTIMATOR_REGISTRY):
+        for norm in (True, False):
+            for kl in (False, True):
+                cfg, data = estimate(estimator, norm, kl)
+                settings = monitor_settings(cfg, run="verl-forms")
+                form = settings["advantage_norm"]
+                read = advantage_readings(data, **settings)
+                case = (estimator, norm, kl, form, read)
+                assert read["over"] == 0, case
+                assert read["inconsistent"] == 0, case
+                assert read["forms"] <= {form, "unknown", *COMPATIBLE.get(form, ())}, case
+                if form not in ("unbiased", "none"):
+                    naive = "unbiased" if norm else "none"
+                    wrong = advantage_readings(data, run="verl-naive", group_size=GROUP, advantage_norm=naive)
+                    if wrong["over"] or wrong["inconsistent"]:
+                        paged[(estimator, norm, kl)] = naive
+    assert advantage_form(verl_config(**{"algorithm.adv_estimator": "grpo"})) == "unbiased"
+    assert advantage_form(verl_config(**{"algorithm.adv_estimator": "grpo",
+                                         "algorithm.norm_adv_by_std_in_grpo": False})) == "none"
+    # Dr. GRPO's bound is of the rewards the advantage came from: score - KL with the KL in the reward
+    assert advantage_form(verl_config(**{"algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": True,
+                                         "algorithm.norm_adv_by_std_in_grpo": False})) == "none"
+    assert {e for e, _, _ in paged} >= {"gdpo", "opo", "remax", "grpo_passk"}, paged
+
+
+def test_the_rewards_handed_with_the_advantages_are_those_they_came_from() -> None:
+    """Dr. GRPO with the KL in the reward (verl: r - mean_g of score - beta x KL): the rollout's reward is the
+    score (verl's critic/score), the update's the summed token_level_rewards, so that the group-centred form and
+    its (G-1)/G x range bound hold; judged on the scores, the same advantages page."""
+    cfg, data = estimate("grpo", norm=False, kl_in_reward=True)
+    read = advantage_readings(data, **monitor_settings(cfg, run="verl-kl"))
+    assert read == {"over": 0, "inconsistent": 0, "forms": {"none"}}
+    monitor = GRPOMonitor(run="verl-kl-2", group_size=GROUP, port=None, strict=True, close_linger_s=0)
+    observe_dataproto(monitor, data, step=1)
+    m = monitor.metrics()
+    monitor.close()
+    scores = data.batch["token_level_scores"].sum(dim=-1)
+    assert m['grpo_reward_mean{component="total"}'] == pytest.approx(float(scores.mean()))
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"]  # the scores as the update's rewards
+    assert advantage_readings(data, **monitor_settings(cfg, run="verl-kl-3"))["over"] > 0
+
+
+def test_an_estimator_verl_does_not_register_is_refused_and_your_settings_win(monkeypatch, tmp_path) -> None:
+    """An estimator of yours (verl's register_adv_est) has no known form: refused, unless you name it. What you
+    set wins over what the config derives: a keyword, a GRPO_EXPORTER_* variable, the config file's."""
+    cfg = verl_config(**{"algorithm.adv_estimator": "my_estimator", "actor_rollout_ref.rollout.n": GROUP,
+                         "trainer.experiment_name": "exp-7"})
+    with pytest.raises(IntegrationError, match="my_estimator"):
+        monitor_settings(cfg)
+    assert monitor_settings(cfg, advantage_norm="none") == {
+        "group_size": GROUP, "run": "exp-7", "kl_coef": 0.0, "advantage_norm": "none"}
+    monkeypatch.setenv("GRPO_EXPORTER_ADVANTAGE_NORM", "population")
+    monkeypatch.setenv("GRPO_EXPORTER_RUN", "from-env")
+    assert monitor_settings(cfg) == {"group_size": GROUP, "kl_coef": 0.0}
+    monkeypatch.delenv("GRPO_EXPORTER_ADVANTAGE_NORM")
+    monkeypatch.delenv("GRPO_EXPORTER_RUN")
+    settings_file = tmp_path / "exporter.yaml"
+    settings_file.write_text("advantage_norm: batch\ngroup_size: 16\n")
+    assert monitor_settings(cfg, config_file=str(settings_file)) == {
+        "run": "exp-7", "kl_coef": 0.0, "config_file": str(settings_file)}
+
+
+def test_a_handed_in_monitor_of_another_form_is_told_once(caplog) -> None:
+    """v0: the monitor is yours. Checked as z-scores, RLOO's advantages would be judged against the wrong
+    bound: one warning names verl's form (the step is still read)."""
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    trainer = _trainer({"algorithm": {"adv_estimator": "rloo"}})
+    trainer.monitor = GRPOMonitor(run="verl-v0-form", group_size=G, port=None, strict=True, close_linger_s=0)
+    data, _ = make_batch(1)
+    for step in (1, 2):
+        trainer.global_steps = step
+        trainer._update_actor(data)
+    m = trainer.monitor.metrics()
+    trainer.monitor.close()
+    said = [r.getMessage() for r in caplog.records if "adv_estimator" in r.getMessage()]
+    assert len(said) == 1
+    assert "'batch'" in said[0]
+    assert "'unbiased'" in said[0]
+    assert m["grpo_steps_total"] == 2
+
+
+def test_v0_rollouts_tagged_by_verls_weight_sync_are_fresh_and_give_the_engine_gap() -> None:
+    """verl's v0 fit syncs the weights to the rollout servers as global_steps after each update (update_weights(
+    global_steps); the servers tag their outputs with it): a fresh rollout of step s carries s - 1. It is read as
+    fresh (staleness 0) and gives the engine gap; a server that never had its version set writes None: no
+    version is read, the gap still is."""
+    data, _ = make_batch(8)
+    n = len(data)
+    trainer = _trainer({})
+    trainer.monitor = GRPOMonitor(run="verl-v0-tags", group_size=G, port=None, strict=True, close_linger_s=0)
+    trainer.global_steps = 5
+    data.non_tensor_batch["min_global_steps"] = np.full(n, 4, dtype=object)
+    data.non_tensor_batch["max_global_steps"] = np.full(n, 4, dtype=object)
+    trainer._compute_old_log_prob(data)
+    trainer._update_actor(data)
+    m = trainer.monitor.metrics()
+    assert m["grpo_rollout_staleness_versions"] == 0
+    assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(DRIFT, abs=1e-6)
+    assert m["grpo_partial_completions_total"] == 0
+    trainer.global_steps = 6
+    data.non_tensor_batch["min_global_steps"] = np.full(n, None, dtype=object)
+    data.non_tensor_batch["max_global_steps"] = np.full(n, None, dtype=object)
+    trainer._update_actor(data)
+    m = trainer.monitor.metrics()
+    trainer.monitor.close()
+    assert m["grpo_steps_total"] == 2
+    assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(DRIFT, abs=1e-6)
+    assert m["grpo_stale_update_steps_total"] == 0
+
+
+def dataset_rows(prompts: list[str], extra_info: list[dict | None]) -> dict[str, Any]:
+    """The batch dict verl's dataloader hands RayPPOTrainer.fit: verl's own RLHFDataset.__getitem__ on these rows
+    (a parquet's rows, without multimodal columns; the dataset's file loading and prompt filtering, which need a
+    tokenizer, are left out) through verl's collate_fn."""
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    dataset = RLHFDataset.__new__(RLHFDataset)
+    dataset.dataframe = [{"prompt": [{"role": "user", "content": p}], "data_source": "test", "extra_info": e}
+                         for p, e in zip(prompts, extra_info, strict=True)]
+    dataset.prompt_key, dataset.image_key, dataset.video_key, dataset.audio_key = "prompt", "images", "videos", "audios"
+    dataset.processor, dataset.need_tools_kwargs = None, False
+    return collate_fn([dataset[i] for i in range(len(prompts))])
+
+
+def test_verls_default_index_is_no_prompt_identity_and_the_prompt_tokens_are(caplog) -> None:
+    """verl's RLHFDataset sets index 0 where a row's extra_info has none: every prompt would be one prompt (its
+    solve-rate history merged). Such a batch (one index over several uid groups) is identified by its prompt
+    token ids instead, the padding left out (v0 left-pads to the batch's longest prompt), from then on; said
+    once. A dataset that sets extra_info.index keeps it."""
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    rows = dataset_rows(["1+1?", "2+2?", "3+3?"], [None, {"split": "train"}, None])
+    assert list(rows["index"]) == [0, 0, 0]  # verl's default
+    kept = dataset_rows(["1+1?", "2+2?"], [{"index": 11}, {"index": 12}])
+    assert list(kept["index"]) == [11, 12]
+
+    def batch_of(index: np.ndarray, prompt_tokens: list[list[int]], pad_to: int) -> DataProto:
+        data, _ = make_batch(9)
+        data = data[np.arange(len(prompt_tokens) * G)]
+        prompts = torch.zeros(len(prompt_tokens) * G, pad_to, dtype=torch.long)
+        prompt_mask = torch.zeros_like(prompts)
+        for i, tokens in enumerate(prompt_tokens):
+            prompts[i * G:(i + 1) * G, pad_to - len(tokens):] = torch.tensor(tokens)  # verl's left padding
+            prompt_mask[i * G:(i + 1) * G, pad_to - len(tokens):] = 1
+        data.batch["prompts"] = prompts
+        data.batch["attention_mask"] = torch.cat([prompt_mask, data.batch["attention_mask"]], dim=1)
+        data.non_tensor_batch["index"] = np.repeat(index, G)
+        data.non_tensor_batch["uid"] = np.array([f"uid-{pad_to}-{i // G}" for i in range(len(data))], dtype=object)
+        return data
+
+    monitor = GRPOMonitor(run="verl-index", group_size=G, port=None, strict=True, close_linger_s=0)
+    handed: list[Any] = []
+    observe = monitor.observe_rollout
+    monitor.observe_rollout = lambda step, **kw: (handed.append(kw.get("prompt_ids")), observe(step, **kw))[1]
+    a, b, c = [5, 6, 7], [8, 9], [5, 6, 7, 1]
+    observe_dataproto(monitor, batch_of(rows["index"], [a, b, c], 4), step=1)
+    observe_dataproto(monitor, batch_of(np.array([0]), [b], 6), step=2)  # one group: the index says nothing
+    monitor.close()
+    first, second = handed
+    assert len(set(first)) == 3  # three prompts, not one
+    assert all(len(set(first[i * G:(i + 1) * G])) == 1 for i in range(3))
+    assert first[G] == second[0]  # prompt b, padded to 4 and to 6
+    assert sum("index" in r.getMessage() and "prompt token ids" in r.getMessage() for r in caplog.records) == 1
+    monitor = GRPOMonitor(run="verl-index-2", group_size=G, port=None, strict=True, close_linger_s=0)
+    handed.clear()
+    observe = monitor.observe_rollout
+    monitor.observe_rollout = lambda step, **kw: (handed.append(kw.get("prompt_ids")), observe(step, **kw))[1]
+    observe_dataproto(monitor, batch_of(np.asarray(kept["index"]), [a, b], 4), step=1)
+    monitor.close()
+    assert list(handed[0][::G]) == [11, 12]
+
+
+def test_the_v0_hook_refuses_verls_fully_async_trainer() -> None:
+    """verl's FullyAsyncTrainer is a Ray actor class whose rollouts carry parameter versions: the v0 hook, which
+    would count versions in steps, refuses it at once, naming the hook that works."""
+    from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
+
+    for base in (FullyAsyncTrainer, FullyAsyncTrainer.__ray_actor_class__):
+        with pytest.raises(IntegrationError, match="monitored_fully_async_task_runner"):
+            monitored_ray_trainer(base)
+
+
+def fully_async_config(**overrides: Any) -> Any:
+    """verl's fully-async trainer config (its recipe's yaml over the PPO trainer's), decoupled rollout correction,
+    GRPO of G samples, two local updates per parameter sync."""
+    recipe = OmegaConf.load(Path(verl.__file__).parent / "experimental" / "fully_async_policy" / "config"
+                            / "fully_async_ppo_trainer.yaml")
+    for key in ("hydra", "defaults"):
+        recipe.pop(key)
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), recipe)
+    settings = {"actor_rollout_ref.hybrid_engine": False, "actor_rollout_ref.rollout.n": G,
+                "algorithm.adv_estimator": "grpo", "algorithm.rollout_correction.bypass_mode": False,
+                "async_training.trigger_parameter_sync_step": 2, "trainer.logger": ["console"],
+                "trainer.experiment_name": "verl-fully-async", **overrides}
+    for key, value in settings.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def rollout_samples(versions: list[tuple[int, int]], dropped: int, seed: int) -> list[Any]:
+    """One RolloutSample per prompt as verl's FullyAsyncRollouter puts it in its queue: the agent loop's G rows
+    (prompt, response, rm_scores on the last token, the engine's log-probs, the weight versions each trajectory
+    started and ended on, the reward's extra info) and the rollouter's statistics."""
+    from verl.experimental.fully_async_policy.detach_utils import RolloutSample
+
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for p, (start, end) in enumerate(versions):
+        lengths = torch.randint(2, T + 1, (G,), generator=gen)
+        mask = (torch.arange(T) < lengths.unsqueeze(1)).long()
+        acc = (torch.rand(G, generator=gen) < 0.5).float()
+        scores = torch.zeros(G, T)
+        scores[torch.arange(G), lengths - 1] = acc
+        tensors = {"prompts": torch.randint(3, 50, (1, 5), generator=gen).repeat(G, 1),
+                   "responses": torch.randint(3, 50, (G, T), generator=gen), "response_mask": mask,
+                   "attention_mask": torch.cat([torch.ones(G, 5, dtype=torch.long), mask], dim=1),
+                   "rm_scores": scores, "rollout_log_probs": -torch.rand(G, T, generator=gen) * 3}
+        non_tensors = {"uid": np.array([f"uid_sample_{seed}_{p}"] * G, dtype=object), "index": np.full(G, 100 + p),
+                       "acc": acc.numpy(), "min_global_steps": np.full(G, start, dtype=object),
+                       "max_global_steps": np.full(G, end, dtype=object)}
+        full = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={
+            "metrics": [{"generate_sequences": 0.1, "tool_calls": 0.0}] * G, "reward_extra_keys": ["acc"]})
+        samples.append(RolloutSample(full_batch=full, sample_id=f"sample_{seed}_{p}", epoch=0,
+                                     rollout_status={"count/dropped_stale_samples": dropped}))
+    return samples
+
+
+class ActorWorkers:
+    """The actor worker group's answers to the fully-async trainer: the weight snapshots it keeps on CPU."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def save_model_to_cpu(self, n: int) -> None:
+        self.calls.append(("save", n))
+
+    def restore_model_from_cpu(self, n: int) -> None:
+        self.calls.append(("restore", n))
+
+    def clear_cpu_model(self, n: int) -> None:
+        self.calls.append(("clear", n))
+
+
+def test_the_fully_async_trainer_steps_in_parameter_versions(monkeypatch) -> None:
+    """verl's own FullyAsyncTrainer (its __init__ from its recipe's config, its _fit_* steps, its
+    _compute_old_log_prob restoring pi_old, its _fit_update_local_step counting parameter versions), monitored
+    by the class monitored_fully_async_trainer wraps as verl does (@ray.remote(num_cpus=10)); batches assembled
+    by verl's assemble_batch_from_rollout_samples. Two local updates per sync: the monitor step is each local
+    update, the staleness is in parameter versions (0 on the fresh batches of both local updates, 1 on a stale
+    one; counted in steps it would be 2 on the second update and page GRPORolloutsStale at staleness_max 1),
+    the engine gap is read on the fresh batches (the old log-probs are on the weights the engine had) and absent
+    on the stale one, and the rollouter's dropped-stale total is taken from the key verl writes."""
+    import ray
+    from verl.experimental.fully_async_policy.detach_utils import assemble_batch_from_rollout_samples
+    from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
+
+    from grpo_exporter.integrations.verl_fully_async import monitored_fully_async_trainer
+
+    def old_log_prob(self: Any, batch: DataProto) -> tuple[DataProto, float]:  # the actor's forward pass
+        return DataProto.from_dict(tensors={"old_log_probs": batch.batch["rollout_log_probs"] + DRIFT,
+                                            "entropys": torch.full(batch.batch["responses"].shape, 0.75)}), 0.0
+
+    def update_actor(self: Any, batch: DataProto) -> DataProto:
+        return DataProto.from_single_dict(data={}, meta_info={"metrics": {"actor/grad_norm": 2.0}})
+
+    monkeypatch.setattr(RayPPOTrainer, "_compute_old_log_prob", old_log_prob)
+    monkeypatch.setattr(RayPPOTrainer, "_update_actor", update_actor)
+    actor = monitored_fully_async_trainer(port=None, strict=True, close_linger_s=0, staleness_max_versions=1)
+    assert isinstance(actor, ray.actor.ActorClass)
+    assert actor._default_options == FullyAsyncTrainer._default_options == {"num_cpus": 10}
+    assert issubclass(actor.__ray_actor_class__, FullyAsyncTrainer.__ray_actor_class__)
+    cfg = fully_async_config()
+    trainer = actor.__ray_actor_class__(cfg, tokenizer=None, role_worker_mapping={}, resource_pool_manager=None)
+    trainer.actor_rollout_wg = workers = ActorWorkers()
+    trainer.message_queue_client = SimpleNamespace(get_queue_size_sync=lambda: 0)
+    trainer.progress_bar = SimpleNamespace(update=lambda n: None)
+    monitor = trainer.monitor
+    assert (monitor.config.group_size, monitor.config.advantage_norm, monitor.config.run) == (
+        G, "unbiased", "verl-fully-async")
+    trainer.global_steps = 1  # what fit() starts from
+    schedule = [([(0, 0)] * 3, 0), ([(0, 0)] * 3, 0), ([(0, 1), (1, 1), (0, 0)], 2), ([(1, 1)] * 3, 3)]
+    readings = []
+    for seed, (versions, dropped) in enumerate(schedule):
+        trainer.metrics, trainer.timing_raw = {}, {}
+        batch = assemble_batch_from_rollout_samples(rollout_samples(versions, dropped, seed), None, cfg, None)
+        trainer._collect_metrics_from_samples(batch, trainer.metrics)
+        for stage in ("_fit_compute_reward", "_fit_compute_log_prob", "_fit_compute_ref_log_prob",
+                      "_fit_compute_critic", "_fit_compute_advantage", "_fit_update_critic", "_fit_update_actor"):
+            batch = getattr(trainer, stage)(batch)
+        trainer._fit_update_local_step()
+        trainer._fit_postprocess_step()
+        m = monitor.metrics()
+        readings.append((m["grpo_last_step"], m["grpo_rollout_staleness_versions"],
+                         m.get("grpo_engine_logprob_gap_nats_count", 0.0)))
+    m = monitor.metrics()
+    monitor.close()
+    assert (trainer.current_param_version, trainer.global_steps) == (2, 5)  # verl's own counting
+    assert ("restore", 1) in workers.calls  # pi_old restored for the second local update
+    assert [r[:2] for r in readings] == [(1, 0), (2, 0), (3, 1), (4, 0)]
+    gap_tokens = np.diff([0.0] + [r[2] for r in readings])  # the engine gap's tokens, step by step
+    assert list(gap_tokens > 0) == [True, True, False, True]
+    assert m["grpo_stale_update_steps_total"] == 0
+    assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(DRIFT, abs=1e-6)  # the last, fresh batch
+    assert m["grpo_partial_completions_total"] == G  # one trajectory group began on 0 and ended on 1
+    assert m["grpo_dropped_stale_completions_total"] == 3
+    assert m["grpo_entropy_mean_nats"] == pytest.approx(0.75)
+    assert m["grpo_steps_total"] == 4
+    assert_never_as_documented(m, "verl fully-async (`monitored_fully_async_task_runner`)")
+
+
+def test_the_fully_async_task_runner_creates_the_monitored_trainer(monkeypatch) -> None:
+    """monitored_fully_async_task_runner is verl's FullyAsyncTaskRunner actor class (its options kept) whose
+    _create_trainer, verl's own, creates the monitored trainer: the FullyAsyncTrainer name fully_async_main
+    creates it by is the monitored actor class there (installed once). (Ray is not started: the actor creation
+    builds the class in this process.)"""
+    import ray
+    import verl.experimental.fully_async_policy.fully_async_main as main
+
+    from grpo_exporter.integrations.verl_fully_async import install_fully_async, monitored_fully_async_task_runner
+
+    original = main.FullyAsyncTrainer
+    created: list[Any] = []
+
+    def remote(self: Any, *args: Any, **kwargs: Any) -> Any:
+        created.append(self.__ray_actor_class__(*args, **kwargs))
+        return SimpleNamespace(init_workers=SimpleNamespace(remote=lambda: None))
+
+    monkeypatch.setattr(ray.actor.ActorClass, "remote", remote)
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    runner_class = monitored_fully_async_task_runner(port=None, close_linger_s=0, run="fa-run")
+    try:
+        assert isinstance(runner_class, ray.actor.ActorClass)
+        assert runner_class._default_options == main.FullyAsyncTaskRunner._default_options
+        runner = runner_class.__ray_actor_class__()
+        runner.components.update(tokenizer=None, role_worker_mapping={}, ray_worker_group_cls=None)
+        monkeypatch.setattr(main, "create_resource_pool_manager", lambda config, roles: None)
+        runner._create_trainer(fully_async_config())
+        (trainer,) = created
+        assert type(trainer).__name__ == "MonitoredFullyAsyncTrainer"
+        assert trainer.monitor.config.run == "fa-run"
+        assert trainer.monitor.config.group_size == G
+        trainer.monitor.close()
+        assert main.FullyAsyncTrainer is not original
+        assert install_fully_async() is main.FullyAsyncTrainer  # idempotent
+    finally:
+        main.FullyAsyncTrainer = original

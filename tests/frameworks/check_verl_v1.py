@@ -60,9 +60,10 @@ def config(**overrides: Any) -> Any:
 
 
 def put_rollouts(tq: Any, step: int, lengths: list[int], acc: list[float], *, version: int | None = None,
-                 tool: slice | None = None, start: int = 0) -> tuple[list[str], list[dict]]:
+                 tool: slice | None = None, start: int = 0, index: int | None = None) -> tuple[list[str], list[dict]]:
     """Rows as verl's AgentLoopWorkerTQ writes them: keys ``{uid}_{session}_{i}``, ``AgentLoopOutput.as_dict``'s
-    fields (the score on the last response token), the tags with the weight versions."""
+    fields (the score on the last response token; one prompt per group, of 3 to 5 tokens), the tags with the
+    weight versions. ``index``: the dataset's index of every row (default: the group's)."""
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
     gen = torch.Generator().manual_seed(step * 100 + start)
@@ -76,18 +77,21 @@ def put_rollouts(tq: Any, step: int, lengths: list[int], acc: list[float], *, ve
         scores = torch.zeros(length)
         scores[-1] = a
         v = step - 1 if version is None else version
-        prompts = torch.randint(3, 50, (P,), generator=gen)
+        prompt_gen = torch.Generator().manual_seed(step * 1000 + row // G)
+        prompts = torch.randint(3, 50, (P - (row // G) % 3,), generator=prompt_gen)
         responses = torch.randint(3, 50, (length,), generator=gen)
         keys.append(f"{uid}_{row % G}_0")
         fields.append({
             "prompts": prompts, "responses": responses, "response_mask": mask, "loss_mask": mask,
             "rollout_log_probs": -torch.rand(length, generator=gen) * 3, "rm_scores": scores, "num_turns": 2,
-            "input_ids": torch.cat([prompts, responses]), "attention_mask": torch.ones(P + length, dtype=torch.int64),
-            "position_ids": torch.arange(P + length),
+            "input_ids": torch.cat([prompts, responses]),
+            "attention_mask": torch.ones(len(prompts) + length, dtype=torch.int64),
+            "position_ids": torch.arange(len(prompts) + length),
             "extra_fields": {"reward_extra_info": {"acc": a}, "min_global_steps": v, "max_global_steps": v},
-            "uid": uid, "index": row // G, "session_id": row % G,
+            "uid": uid, "index": row // G if index is None else index, "session_id": row % G,
         })
-        tags.append({"status": "success", "prompt_len": P, "response_len": length, "seq_len": P + length,
+        tags.append({"status": "success", "prompt_len": len(prompts), "response_len": length,
+                     "seq_len": len(prompts) + length,
                      "global_steps": step, "min_global_steps": v, "max_global_steps": v})
     tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields), tags=tags)
     return keys, tags
@@ -101,6 +105,34 @@ class Workers:
     def __init__(self, tq: Any, off: Callable[[str, int], torch.Tensor] | None = None) -> None:
         self.tq, self.off = tq, off
         self._dispatch_info = {"actor": [0]}  # one data-parallel rank
+        self.snapshots: list[tuple[str, int]] = []  # separate_async's weight snapshots on CPU
+
+    def save_model_to_cpu(self, n: int) -> None:
+        self.snapshots.append(("save", n))
+
+    def restore_model_from_cpu(self, n: int) -> None:
+        self.snapshots.append(("restore", n))
+
+    def clear_cpu_model(self, n: int) -> None:
+        self.snapshots.append(("clear", n))
+
+    def compute_ref_log_prob(self, batch: Any) -> Any:
+        """The reference's log-probs, 0 to 0.5 nats below the old ones per trajectory (a KL that differs from
+        trajectory to trajectory), written where verl's workers write them (``log_probs``)."""
+        data = self.tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                    select_fields=["old_log_probs", "prompts", "response_mask"])
+        from tensordict import TensorDict
+
+        rows = []
+        for key, prompt, old in zip(batch.keys, data["prompts"].unbind(), data["old_log_probs"].unbind(),
+                                    strict=True):
+            shift = 0.5 * torch.rand(1, generator=torch.Generator().manual_seed(sum(map(ord, key))))
+            full = torch.zeros(prompt.shape[0] + old.shape[0])
+            full[prompt.shape[0] - 1: prompt.shape[0] + old.shape[0] - 1] = old - shift
+            rows.append(full)
+        self.tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(
+            {"log_probs": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=len(batch.keys)))
+        return batch
 
     def compute_log_prob(self, batch: Any) -> Any:
         from tensordict import TensorDict
@@ -128,17 +160,19 @@ class Workers:
 
 
 def trainer(tq: Any, cfg: Any, batches: list[tuple[list[str], list[dict]]], workers: Workers,
-            **settings: Any) -> Any:
-    """verl's own PPOTrainerSync, monitored, built by its ``__init__``; ``step`` samples ``batches`` in turn."""
+            base: type | None = None, **settings: Any) -> Any:
+    """verl's own PPOTrainerSync (or ``base``), monitored, built by its ``__init__``; ``step`` samples
+    ``batches`` in turn."""
     from transfer_queue import KVBatchMeta
 
-    cls = monitored_v1_trainer(port=None, close_linger_s=0, strict=True, **settings)
+    cls = monitored_v1_trainer(base, port=None, close_linger_s=0, strict=True, **settings)
     t = cls(cfg)
     queue = list(batches)
     t.replay_buffer = SimpleNamespace(sample=lambda **kw: (
         KVBatchMeta(partition_id="train", keys=queue[0][0], tags=queue.pop(0)[1]), {}))
     t.reward_loop_manager = SimpleNamespace(reward_loop_worker_handles=["reward loop"])  # rm_scores come written
-    t.actor_rollout_wg = workers
+    t.actor_rollout_wg = t.ref_policy_wg = workers
+    t.ref_in_actor = False
     t.tokenizer = SimpleNamespace(eos_token_id=2)
     t.prepare_step = dict
     t.on_sample_begin = t.on_sample_end = lambda: None  # the rollout replicas' sleep and wake
@@ -320,7 +354,7 @@ def test_the_docs_v1_lines_run_as_written(monkeypatch) -> None:
 def test_the_kl_coefficient_is_the_one_verl_applies() -> None:
     """The actor's kl_loss_coef with use_kl_loss, else the reward's kl_ctrl.kl_coef with use_kl_in_reward, else 0:
     the KL rules judge the KL to the reference only where a penalty is applied."""
-    from grpo_exporter.integrations.verl_v1 import _kl_coef
+    from grpo_exporter.integrations.verl_settings import _kl_coef
 
     actor = {"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_coef": 0.001}},
              "algorithm": {"use_kl_in_reward": False, "kl_ctrl": {"kl_coef": 0.5}}}
@@ -329,3 +363,63 @@ def test_the_kl_coefficient_is_the_one_verl_applies() -> None:
               "algorithm": {"use_kl_in_reward": True, "kl_ctrl": {"kl_coef": 0.5}}}
     assert _kl_coef(OmegaConf.create(reward)) == 0.5
     assert _kl_coef(OmegaConf.create({"actor_rollout_ref": {"actor": {"kl_loss_coef": 0.001}}})) == 0.0
+
+
+def test_separate_async_restores_pi_old_so_its_local_updates_give_the_engine_gap(tq: Any, caplog) -> None:
+    """verl's separate_async trainer with parameter_sync_step 2: its _compute_old_log_prob saves the weights of
+    the step's first local update and restores them for the second, so the old log-probs of both are on the
+    weights the engine sampled the fresh rollouts with. The engine gap is read (the sync trainer's later local
+    updates have no such pi_old: absent there, test above); nothing is said of a policy lag."""
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    first = put_rollouts(tq, 6, [4] * 8, [1.0, 0.0] * 4)
+    second = put_rollouts(tq, 6, [5] * 8, [0.0, 1.0] * 4, start=8)
+    cfg = config(**{"trainer.v1.trainer_mode": "separate_async", "trainer.v1.separate_async.parameter_sync_step": 2,
+                    "data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+                    "actor_rollout_ref.rollout.nnodes": 1, "actor_rollout_ref.rollout.n_gpus_per_node": 1,
+                    "actor_rollout_ref.rollout.checkpoint_engine.backend": "nccl"})
+    workers = Workers(tq)
+    t = trainer(tq, cfg, [first, second], workers, base=PPOTrainerSeparateAsync)
+    assert t.parameter_sync_step == 2
+    batch, _ = run_step(t, 6)
+    m = t.monitor.metrics()
+    t.monitor.close()
+    tq.kv_clear(keys=batch.keys, partition_id="train")
+    assert ("restore", 0) in workers.snapshots  # verl restored pi_old for the second local update
+    assert m["grpo_completions_total"] == 16
+    assert m["grpo_rollout_staleness_versions"] == 0
+    assert m["grpo_engine_logprob_gap_mean_nats"] == pytest.approx(DRIFT, abs=1e-5)
+    assert not any("policy lag" in r.getMessage() for r in caplog.records)
+
+
+def test_kl_in_reward_and_verls_default_index_are_read_as_verl_means_them(tq: Any, caplog) -> None:
+    """Dr. GRPO (norm_adv_by_std_in_grpo=False) with the KL penalty in the reward: verl's _compute_advantage
+    centres score - beta x KL per group and writes those token_level_rewards to the TransferQueue. The monitor is
+    made with advantage_norm none, and the advantages are checked against the rewards they came from: nothing
+    over Dr. GRPO's bound, although the all-correct group (score range 0) carries KL-driven advantages. And
+    every row has verl's dataset default index 0: the prompts are told apart by their token ids (said once)."""
+    caplog.set_level(logging.WARNING, logger="grpo_exporter")
+    acc = [1.0] * 4 + [1.0, 0.0, 0.0, 1.0] + [0.0, 1.0, 1.0, 1.0]  # prompt 0: all correct
+    keys, tags = put_rollouts(tq, 8, [5] * 12, acc, index=0)
+    cfg = config(**{"algorithm.use_kl_in_reward": True, "algorithm.norm_adv_by_std_in_grpo": False,
+                    "algorithm.kl_ctrl.kl_coef": 0.1})
+    t = trainer(tq, cfg, [(keys, tags)], Workers(tq))
+    assert t.monitor.config.advantage_norm == "none"
+    handed: list[Any] = []
+    observe = t.monitor.observe_rollout
+    t.monitor.observe_rollout = lambda step, **kw: (handed.append(kw.get("prompt_ids")), observe(step, **kw))[1]
+    batch, metrics = run_step(t, 8)
+    data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages", "token_level_rewards"])
+    m = t.monitor.metrics()
+    t.monitor.close()
+    tq.kv_clear(keys=batch.keys, partition_id="train")
+    assert metrics["actor/reward_kl_penalty"] > 0  # verl applied the penalty
+    assert float(data["advantages"].unbind()[0].abs().max()) > 0  # the all-correct group moves by its KL
+    assert m["grpo_advantage_over_bound_sequences_total"] == 0
+    assert m["grpo_advantage_inconsistent_sequences_total"] == 0  # judged on the scores, the tied group would be
+    assert m['grpo_advantage_form_sequences_total{form="none"}'] == 12
+    assert m['grpo_reward_mean{component="total"}'] == pytest.approx(sum(acc) / 12)  # the score, not score - KL
+    (prompt_ids,) = handed
+    assert len(set(prompt_ids)) == PROMPTS  # not one prompt
+    assert sum("prompt token ids" in r.getMessage() for r in caplog.records) == 1

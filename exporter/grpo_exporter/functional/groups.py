@@ -180,7 +180,7 @@ def advantage_bound(group_size: int | Tensor, norm: AdvantageNorm) -> float | Te
     population std gives sqrt(G-1). Without std the bound is (G-1)/G x the group's reward range, see
     :func:`advantage_bounds`. Accepts an int (float out) or a tensor of group sizes.
     """
-    if norm in ("none", "batch"):
+    if norm not in ("unbiased", "population"):
         raise ValueError(f"advantage_bound: norm={norm!r} has no bound per group size; use advantage_bounds()")
     if isinstance(group_size, Tensor):
         g = group_size.double()
@@ -196,7 +196,7 @@ def advantage_bounds(rewards: Tensor | None, groups: Groups, norm: AdvantageNorm
     whose bound needs the whole group's reward range, not at all (bound +inf). Never the bound of a fragment.
     """
     sizes = groups.sizes()
-    if norm == "batch":  # the batch's std can be far below a group's: no bound from the group alone
+    if norm not in ("unbiased", "population", "none"):  # a batch statistic or a per-token shaping: no group bound
         return torch.full((groups.bins,), math.inf, dtype=torch.float64, device=sizes.device)
     if norm != "none":
         return advantage_bound(sizes.clamp(min=group_size), norm)

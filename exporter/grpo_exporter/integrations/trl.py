@@ -21,7 +21,19 @@ range, :data:`TESTED`):
   its generation batches joined (several when ``steps_per_generation * num_iterations`` is below
   ``gradient_accumulation_steps``);
 * ``_get_per_token_logps_and_entropies`` inside ``_compute_loss(model, inputs)``: the current log-probs and
-  entropies of each micro-batch, with its advantages and masks: one :meth:`~GRPOMonitor.observe_update`;
+  entropies of each micro-batch, with its advantages and masks: one :meth:`~GRPOMonitor.observe_update`. TRL
+  shuffles a generation batch's rows before it splits it into micro-batches (``_prepare_inputs``:
+  ``shuffle_sequence_dict``, ``split_tensor_dict``), so each row carries its group id, its place in the
+  step's rollout and its reward as three more tensors of the batch
+  (:data:`~grpo_exporter.integrations.trl_update.GROUP_KEY`, :data:`~grpo_exporter.integrations.trl_update.
+  ROW_KEY`, :data:`~grpo_exporter.integrations.trl_update.REWARD_KEY`): a rank's rows need not hold whole
+  groups (TRL only needs the global batch to), and the advantages are checked against the rewards they came
+  from. Where TRL computes no old log-probs but has the engine's (vLLM without its
+  importance-sampling correction, a ``rollout_func``), the engine gap reads the loss's own forward of each row
+  (the weights are the rollout's until the optimizer step) and the step's rollout is observed at its end. The
+  loss mask handed over is the one TRL's loss trains with: less the sequences its off-policy mask drops and the
+  tokens or sequences its vLLM importance-sampling ``*_mask`` modes zero (a sequence dropped whole counts in
+  ``grpo_loss_mask_empty_sequences_total``);
 * ``Trainer._get_grad_norm(model, grad_norm)``: the pre-clip norm TRL clips with ``max_grad_norm`` (computed
   without clipping when ``max_grad_norm`` is 0; DeepSpeed's own norm under DeepSpeed).
 
@@ -49,14 +61,16 @@ from grpo_exporter.integrations.trl_settings import (
     concatenate_rollouts,
     engine_settings,
     generations_per_step,
+    implied_staleness,
     loss_settings,
     prompt_key,
     say_what_differs,
 )
-from grpo_exporter.integrations.trl_update import TrainerBase, UpdateReading
+from grpo_exporter.integrations.trl_update import GROUP_KEY, REWARD_KEY, ROW_KEY, TrainerBase, UpdateReading
 from grpo_exporter.runtime.monitor import GRPOMonitor
+from grpo_exporter.runtime.monitor_config import MonitorConfig
 
-TESTED = "trl>=1.16,<1.17 with transformers>=5.24,<5.25"
+TESTED = "trl>=1.16,<1.17 with transformers>=5.24,<5.26"
 
 logger = logging.getLogger("grpo_exporter")
 
@@ -90,6 +104,10 @@ check_signature(  # a staticmethod: called with TRL's keywords to narrow the los
 )
 check_signature(Trainer, "_get_grad_norm", ("self", "model", "grad_norm"), "transformers", TESTED)
 
+#: the monitor's default staleness line: raised to what TRL's schedule implies when the adapter makes the monitor
+_STALENESS_LINE: int = MonitorConfig.model_fields["staleness_max_versions"].default
+
+
 class _EndStep(TrainerCallback):
     """Ends the monitor's step after ``optimizer.step()``; closes a monitor the trainer made at train end."""
 
@@ -122,6 +140,7 @@ class _RolloutReading(TrainerBase):
     _grpo_tools: tuple[int, int] | None  # its tool calls and failures
     _grpo_rewards: Tensor | None  # its rewards per function
     _grpo_pending: list[dict[str, Any]]  # the generation batches of the step, not yet observed
+    _grpo_old_rows: list[tuple[Tensor, Tensor]]  # the step's rows and loss-forward log-probs (no old ones in TRL)
     _grpo_per_step: int
     _grpo_regression_eval: bool  # TRL's evaluation is the mastered-prompt regression set
     _grpo_regression: list[Tensor] | None  # the verifier's verdicts of the evaluate() call under way
@@ -154,7 +173,7 @@ class _RolloutReading(TrainerBase):
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._grpo_rewards = None
-        output = super()._generate_and_score_completions(inputs)
+        output: dict[str, Any] = super()._generate_and_score_completions(inputs)
         if self.model.training and not self._grpo_preflight:
             with self.monitor.contained("rollout", "trl _generate_and_score_completions"):
                 self._observe_rollout(inputs, output)
@@ -178,27 +197,56 @@ class _RolloutReading(TrainerBase):
                 self.monitor.observe_regression(int(self.state.global_step), torch.cat(verdicts))
         return metrics
 
-    def _observe_rollout(self, inputs: Sequence[Mapping[str, Any]], output: Mapping[str, Any]) -> None:
+    def _observe_rollout(self, inputs: Sequence[Mapping[str, Any]], output: dict[str, Any]) -> None:
         """Hold the generation batch's tensors; observe the step's batches as one rollout when the step has all
         of them (several when ``steps_per_generation * num_iterations`` divides ``gradient_accumulation_steps``
-        more than once: each would otherwise overwrite the last one's readings), at the latest when it ends."""
+        more than once: each would otherwise overwrite the last one's readings), at the latest when it ends; a
+        batch whose trainer log-probs come from the loss's forward waits for the step's end. Each row's group
+        and place in the step's rollout go into ``output``, the batch TRL shuffles and splits."""
         step = int(self.state.global_step)
         if self._grpo_pending and self._grpo_pending[0]["step"] != step:
             self._flush_rollouts()
         self._grpo_rollout_step = step
+        start = sum(int(r["completion_ids"].shape[0]) for r in self._grpo_pending)
         tensors = self._rollout_tensors(inputs, output, step, len(self._grpo_pending))
-        self._grpo_pending.append({"step": step, **tensors})
-        if len(self._grpo_pending) >= self._grpo_per_step:
+        deferred = tensors["old_logprobs"] is None and tensors["rollout_logprobs"] is not None
+        self._grpo_pending.append({"step": step, "deferred": deferred, **tensors})
+        n = int(tensors["completion_ids"].shape[0])
+        output[GROUP_KEY] = tensors["group_ids"]
+        if tensors.get("rewards") is not None:
+            output[REWARD_KEY] = tensors["rewards"]
+        output[ROW_KEY] = torch.arange(start, start + n, device=tensors["completion_ids"].device)
+        if len(self._grpo_pending) >= self._grpo_per_step and not deferred:
             self._flush_rollouts()
 
     def _flush_rollouts(self) -> None:
         """Observe the held generation batches of one step as one rollout (concatenated along the batch)."""
         pending, self._grpo_pending = self._grpo_pending, []
+        held, self._grpo_old_rows = self._grpo_old_rows, []
         if pending:
             step = pending[0]["step"]
             pad = self._tokenizer.pad_token_id
-            batches = [{k: v for k, v in r.items() if k != "step"} for r in pending]
-            self.monitor.observe_rollout(step, **concatenate_rollouts(batches, int(pad) if pad is not None else 0))
+            batches = [{k: v for k, v in r.items() if k not in ("step", "deferred")} for r in pending]
+            rollout = concatenate_rollouts(batches, int(pad) if pad is not None else 0)
+            if any(r["deferred"] for r in pending):
+                rollout["old_logprobs"] = self._old_from_updates(rollout["completion_ids"], held)
+            self.monitor.observe_rollout(step, **rollout)
+
+    @staticmethod
+    def _old_from_updates(completion_ids: Tensor, held: Sequence[tuple[Tensor, Tensor]]) -> Tensor | None:
+        """The step's trainer log-probs (N, T) from the loss's forward of each micro-batch (its rows' places in
+        the rollout, its log-probs, right-padded as the rollout's batches are joined), where TRL computes no old
+        ones: every row of the step's generation batches is trained ``num_iterations`` times within the step,
+        before the optimizer step. None (no engine gap this step) unless each row was seen as often, which the
+        host knows from the shapes alone."""
+        n, width = completion_ids.shape
+        seen = sum(int(rows.shape[0]) for rows, _ in held)
+        if not held or seen % n:
+            return None
+        old = torch.zeros((n, width), dtype=held[0][1].dtype, device=completion_ids.device)
+        for rows, logprobs in held:
+            old[rows.to(old.device), : logprobs.shape[1]] = logprobs.to(old.device)
+        return old
 
     def _rollout_tensors(self, inputs: Sequence[Mapping[str, Any]], output: Mapping[str, Any], step: int,
                          index: int) -> dict[str, Any]:
@@ -259,8 +307,10 @@ class GRPOMonitorMixin(_RolloutReading, UpdateReading):
     ``monitor``: a monitor you made (you close it), else one is made with ``run`` = TRL's ``run_name`` (or the
     output directory's name), ``group_size`` = ``num_generations``, ``clip_eps`` = (``epsilon``,
     ``epsilon_high``), ``ratio_level`` and ``clip`` from ``importance_sampling_level`` and ``loss_type`` (GSPO's
-    sequence ratio, CISPO's cap, SAPO's and VESPO's soft weights), ``advantage_norm`` from ``scale_rewards``,
-    ``correctness_component`` = ``verifier``, ``kl_coef`` = ``beta``, and
+    sequence ratio, CISPO's cap, SAPO's and VESPO's soft weights), ``advantage_norm`` from ``scale_rewards``
+    ("whitened" under ``multi_objective_aggregation="normalize_then_sum"``), ``staleness_max_versions`` raised to
+    the staleness TRL's schedule implies (``steps_per_generation x num_iterations`` micro-steps per generation
+    over ``gradient_accumulation_steps``), ``correctness_component`` = ``verifier``, ``kl_coef`` = ``beta``, and
     ``monitor_settings`` on top (any :class:`~grpo_exporter.runtime.monitor_config.MonitorConfig` field, e.g.
     ``{"port": 9887}``); it is closed at the end of ``train()``. ``verifier``: the name of the reward function
     whose reward ``>= verifier_threshold`` means the completion is correct (pass@k, solve rates, length by
@@ -314,12 +364,14 @@ class GRPOMonitorMixin(_RolloutReading, UpdateReading):
         self._grpo_owns_monitor = monitor is None
         norm = advantage_norm(self.args)
         loss = loss_settings(self.args, self.epsilon_low, self.epsilon_high)
+        stale = implied_staleness(self.args)
         if monitor is None:
             run = self.args.run_name or Path(self.args.output_dir or "trl").name
             settings = {
                 "run": run, "group_size": self.num_generations, **loss, **engine_settings(self.args),
                 "kl_coef": float(self.args.beta),
                 **({"advantage_norm": norm} if norm else {}),
+                **({"staleness_max_versions": stale} if stale > _STALENESS_LINE else {}),
                 **({"correctness_component": verifier} if verifier else {}), **(monitor_settings or {}),
             }
             tok = self.processing_class
@@ -336,6 +388,7 @@ class GRPOMonitorMixin(_RolloutReading, UpdateReading):
         self._grpo_capture = None
         self._grpo_warned_no_grad_norm = False
         self._grpo_pending = []
+        self._grpo_old_rows = []
         self._grpo_per_step = generations_per_step(self.args)
         self.add_callback(_EndStep(self))
 

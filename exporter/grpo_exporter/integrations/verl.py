@@ -8,35 +8,54 @@ entropies stay in the workers; only aggregates come back (``actor/grad_norm``, `
 ``actor/pg_clipfrac``, ...), so the metrics that need current log-probs (ratios, ESS, clip split, on-policy
 check) are absent: docs/integrations.md lists them.
 
-Two hook points, both one optimizer step per ``global_steps`` (verl's ``ppo_epochs``/mini-batches are one
-driver step):
+Three hook points, each one monitor step per optimizer step:
 
-* v0 (``RayPPOTrainer``): :func:`monitored_ray_trainer` subclasses it; ``_compute_old_log_prob`` gives the
-  per-token entropies of the sampling policy, ``_update_actor(batch)`` the full batch before the update and the
-  aggregates after.
+* v0 (``RayPPOTrainer``, deprecated by verl): :func:`monitored_ray_trainer` subclasses it;
+  ``_compute_old_log_prob`` gives the per-token entropies of the sampling policy, ``_update_actor(batch)`` the
+  full batch before the update and the aggregates after (verl's ``ppo_epochs``/mini-batches are one step).
+* fully-async (``verl.experimental.fully_async_policy``): ``FullyAsyncTrainer`` is a Ray actor class;
+  :mod:`grpo_exporter.integrations.verl_fully_async` launches the same hooks on it, one step per local update,
+  the policy version counted in parameter versions (``current_param_version``), not in steps.
 * v1 (``PPOTrainer``, verl 0.9's default): the batch lives in the TransferQueue;
   :mod:`grpo_exporter.integrations.verl_v1` reads it once per global step.
+
+Every monitor the adapters make checks the advantages as the configured estimator computes them
+(:func:`advantage_form`, from ``algorithm.adv_estimator``): GRPOAdvantageAboveBound pages only where a per-group
+bound holds. What verl's config implies (:func:`monitor_settings`) is read in
+:mod:`grpo_exporter.integrations.verl_settings`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import hashlib
+import logging
+import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from grpo_exporter.ids import id_tensor
 from grpo_exporter.integrations import (
+    IntegrationError,
     check_signature,
     observe_reported_update,
     observe_rollout_time_update,
     require,
     say_once,
 )
+from grpo_exporter.integrations.verl_settings import (
+    ESTIMATOR_FORMS,
+    TESTED,
+    _bypass,
+    _grad_clip,
+    _select,
+    advantage_form,
+    monitor_settings,
+)
 from grpo_exporter.runtime.monitor import GRPOMonitor
-
-TESTED = "verl>=0.9.1,<0.10"
 
 verl = require("verl", "verl", TESTED)
 from verl import DataProto  # noqa: E402
@@ -84,11 +103,12 @@ VERL_METRICS: Mapping[str, tuple[str, str]] = {
         "increase(grpo_partial_completions_total[w]) / increase(grpo_completions_total[w])", "same"),
     "fully_async/count/dropped_stale_samples": (
         "grpo_dropped_stale_completions_total",
-        "same count (the batch's meta_info count/dropped_stale_samples); verl's runs since its rollouter started, "
-        "this counter since the exporter did"),
+        "same count (the batch's meta_info fully_async/count/dropped_stale_samples); verl's runs since its "
+        "rollouter started, this counter since the exporter did"),
 }
 
 
+logger = logging.getLogger("grpo_exporter")
 def _tensor(batch: Any, key: str) -> Tensor | None:
     return batch.get(key, None)
 
@@ -115,7 +135,10 @@ def observe_dataproto(
     ``correct_key``: a ``non_tensor_batch`` entry of the reward manager's extra info (verl's math rewards write
     ``acc``) read as correct when ``>= verifier_threshold``; absent → no pass@k or solve rates. ``prompt_key``: a
     ``non_tensor_batch`` entry that identifies the prompt across steps (``index`` from the dataset's
-    ``extra_info``); ``uid`` is per rollout, so it gives groups, not prompts. ``component_keys``: numeric
+    ``extra_info``); ``uid`` is per rollout, so it gives groups, not prompts. verl's dataset sets ``index`` to 0
+    where ``extra_info`` has none: a batch whose every row has one ``prompt_key`` value across several ``uid``
+    groups (or that lacks the key) is identified by the prompt's token ids instead (``prompts``, its padding
+    left out; else ``uid``), from then on for this monitor, said once. ``component_keys``: numeric
     ``non_tensor_batch`` entries published as reward components. ``entropy``: the per-token entropies of the
     old-log-prob pass (``_compute_old_log_prob``'s ``entropys``: the sampling policy on these tokens).
 
@@ -131,15 +154,23 @@ def observe_dataproto(
     * ``bypass``: rollout correction's bypass mode (``apply_bypass_mode``: ``old_log_probs`` *is*
       ``rollout_log_probs``). The engine gap then reads 0 by construction: it is absent instead (and said once).
       Detected from the batch when the two are one tensor.
-    * Fully-async: the batch's ``min_global_steps`` (the parameter version each trajectory started on) against
-      ``policy_version`` (default ``step``) give the rollout staleness. The engine gap is read only when every
+    * Weight versions: verl's rollout servers tag each trajectory with the weight versions it was generated on
+      (``min_global_steps`` / ``max_global_steps``: the ``global_steps`` of the last weight sync; v0 syncs
+      ``global_steps`` after each update, so a fresh rollout carries ``global_steps - 1``, fully-async
+      ``current_param_version``). The oldest start against ``policy_version`` (the version the old log-probs were
+      computed on; default ``step``) gives the rollout staleness. The engine gap is read only when every
       trajectory was generated on ``policy_version`` alone (``min_global_steps`` and ``max_global_steps`` equal
       to it): on older weights the difference to the old log-probs is the policy lag, not an engine fault, so
       the gap is absent for such batches (said once). Partial rollouts (``max_global_steps`` above
       ``min_global_steps``) are counted, and the rollouter's running total of samples it dropped as too stale
-      (``meta_info["count/dropped_stale_samples"]``) is counted as it grows.
+      (``meta_info["fully_async/count/dropped_stale_samples"]``, which ``assemble_batch_from_rollout_samples``
+      copies from the rollouter's ``count/dropped_stale_samples``) is counted as it grows.
     * ``response_window``: the response length at which verl cuts a response (``rollout.response_length``);
       default the batch's width (v0 pads every response to it).
+    * Rewards: the rollout's are the sequence scores (``token_level_scores``: the task reward, verl's
+      ``critic/score``); the advantages are checked against what verl's estimators read,
+      ``token_level_rewards`` summed (with ``use_kl_in_reward`` the score minus the KL penalty), handed with them
+      to the update, so that the form's premise and bound (Dr. GRPO's range) hold on the rewards they came from.
     * ``filter_counts``: with dynamic sampling (the DAPO recipe's ``algorithm.filter_groups``) the kept batch's
       ``generated_groups`` (``num_gen_batches`` x ``gen_batch_size``) and ``filtered_all_correct_groups`` /
       ``filtered_all_incorrect_groups``, passed to ``observe_rollout`` as counted.
@@ -168,26 +199,40 @@ def observe_dataproto(
             "prompt_tokens": rows.take(_tensor(batch, "prompts")),  # read by the flight recorder only
         }
         device = responses.device
-        rollout |= _verdicts(rows, correct_key, prompt_key, component_keys, verifier_threshold, device)
-        rollout |= _agent_loop_counts(extra, rows.extra, device) | dict(filter_counts or {})
+        rollout |= _verdicts(rows, correct_key, _prompt_ids(monitor, rows, prompt_key, batch), component_keys,
+                             verifier_threshold, device)
+        rollout |= _agent_loop_counts(extra, rows, device) | dict(filter_counts or {})
         if rows.rows is not None:  # verl's response/aborted_ratio: rows with no response token
             rollout["aborted_completions"] = responses.shape[0] - rows.rows.numel()
-        dropped = data.meta_info.get("count/dropped_stale_samples")  # the fully-async rollouter's running total
+        dropped = data.meta_info.get("fully_async/count/dropped_stale_samples",
+                                     data.meta_info.get("count/dropped_stale_samples"))  # the rollouter's total
         if dropped is not None:
             rollout["dropped_stale_total"] = int(dropped)
         monitor.observe_rollout(step, **rollout)
-        more: dict[str, Any] = {}
-        started = rows.extra("min_global_steps") if "min_global_steps" in extra else ()
-        if len(started):
-            more = {"policy_version": version, "rollout_policy_version": int(min(started)),
-                    # every row, as the update keeps them: an aborted one has no loss token and weighs nothing
-                    "staleness": version - torch.tensor([int(v) for v in extra["min_global_steps"]], device=device)}
-        # the update keeps every row: verl normalised each group's advantages with its aborted samples in it
-        # (their loss mask is empty), so the bound is that of the whole group
-        if "uid" in extra:
-            more["group_ids"] = id_tensor("group_ids", extra["uid"], device)
+        more = _update_keywords(batch, rows, version, device)
         observe_rollout_time_update(monitor, step, loss_all, _tensor(batch, "advantages"), old_all,
                                     _tensor(batch, "ref_log_prob"), entropy, more)
+
+
+def _update_keywords(batch: Any, rows: _Rows, version: int, device: torch.device) -> dict[str, Any]:
+    """The rollout-time update's keywords beyond its tensors: the policy versions and each row's staleness (from
+    ``min_global_steps``), the groups and the rewards verl's estimators read."""
+    extra = rows.non_tensors
+    more: dict[str, Any] = {}
+    started = _versions(extra, "min_global_steps")
+    if started is not None and len(rows.pick(started)):
+        more = {"policy_version": version, "rollout_policy_version": int(rows.pick(started).min()),
+                # every row, as the update keeps them: an aborted one has no loss token and weighs nothing
+                "staleness": version - torch.as_tensor(started, device=device)}
+    # the update keeps every row: verl normalised each group's advantages with its aborted samples in it
+    # (their loss mask is empty), so the bound is that of the whole group
+    if "uid" in extra:
+        more["group_ids"] = id_tensor("group_ids", extra["uid"], device)
+    earned = _tensor(batch, "token_level_rewards")
+    if earned is not None and _tensor(batch, "advantages") is not None:
+        # what verl's estimators read (score - beta x KL with use_kl_in_reward): the form and bound premises
+        more["rewards"] = earned.sum(dim=-1).float()
+    return more
 
 
 def _masks(batch: Any, width: int, response_mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -218,7 +263,10 @@ class _Rows:
         return t if t is None or self.rows is None else t[self.rows.to(t.device)]
 
     def extra(self, key: str) -> Any:
-        values = self.non_tensors[key]
+        return self.pick(self.non_tensors[key])
+
+    def pick(self, values: np.ndarray) -> np.ndarray:
+        """The completions' entries of a per-row array."""
         return values if self.rows is None else values[self.rows.cpu().numpy()]
 
 
@@ -239,15 +287,15 @@ def _engine_logprobs(monitor: GRPOMonitor, old: Tensor | None, engine: Tensor | 
     return engine
 
 
-def _verdicts(rows: _Rows, correct_key: str | None, prompt_key: str | None, component_keys: Sequence[str],
+def _verdicts(rows: _Rows, correct_key: str | None, prompt_ids: np.ndarray | None, component_keys: Sequence[str],
               threshold: float, device: torch.device) -> dict[str, Any]:
     """Groups (``uid``), prompt identity, correctness and reward components from the ``non_tensor_batch``."""
     extra = rows.non_tensors
     out: dict[str, Any] = {}
     if "uid" in extra:
         out["group_ids"] = rows.extra("uid")
-    if prompt_key is not None and prompt_key in extra:
-        out["prompt_ids"] = rows.extra(prompt_key)
+    if prompt_ids is not None:
+        out["prompt_ids"] = prompt_ids
     if correct_key is not None and correct_key in extra:
         out["correct"] = torch.as_tensor(rows.extra(correct_key).astype("float64"), device=device) >= threshold
     components = {k: torch.as_tensor(rows.extra(k).astype("float32"), device=device)
@@ -257,20 +305,19 @@ def _verdicts(rows: _Rows, correct_key: str | None, prompt_key: str | None, comp
     return out
 
 
-def _agent_loop_counts(extra: Mapping[str, Any], take_extra: Callable[[str], Any], device: torch.device
-                       ) -> dict[str, Any]:
+def _agent_loop_counts(extra: Mapping[str, Any], rows: _Rows, device: torch.device) -> dict[str, Any]:
     """What verl's loops count per trajectory, as ``observe_rollout`` keywords: the agent loop's
     ``__num_turns__`` (``num_turns/*``), ``tool_call_counts`` where a tool agent writes them
     (``tool_call_counts/*``), and partial rollouts: trajectories whose ``max_global_steps`` differs from their
     ``min_global_steps`` (fully-async's ``partial/partial_ratio``)."""
     counts: dict[str, Any] = {}
     if "__num_turns__" in extra:
-        counts["turns"] = torch.as_tensor(take_extra("__num_turns__").astype("int64"), device=device)
+        counts["turns"] = torch.as_tensor(rows.extra("__num_turns__").astype("int64"), device=device)
     if "tool_call_counts" in extra:
-        counts["tool_calls"] = int(take_extra("tool_call_counts").astype("int64").sum())
-    if "min_global_steps" in extra and "max_global_steps" in extra:
-        started, ended = take_extra("min_global_steps"), take_extra("max_global_steps")
-        counts["partial"] = torch.as_tensor((ended != started).astype(bool), device=device)
+        counts["tool_calls"] = int(rows.extra("tool_call_counts").astype("int64").sum())
+    started, ended = _versions(extra, "min_global_steps"), _versions(extra, "max_global_steps")
+    if started is not None and ended is not None:
+        counts["partial"] = torch.as_tensor(rows.pick(ended != started), device=device)
     return counts
 
 
@@ -280,10 +327,64 @@ def _kept(t: Tensor | None) -> Tensor:
     return t
 
 
+def _versions(extra: Mapping[str, Any], key: str) -> np.ndarray | None:
+    """A weight-version tag of every row (int64), or None where the batch lacks it or a server left it unset
+    (verl's agent loop always writes the keys; a server that never had its version set writes None)."""
+    values = extra.get(key)
+    if values is None or any(v is None for v in values):
+        return None
+    return np.asarray([int(v) for v in values], dtype=np.int64)
+
+
 def _on_version(extra: Mapping[str, Any], version: int) -> bool:
     """Every trajectory generated on ``version`` alone (true when the batch carries no versions)."""
-    return all(key not in extra or all(int(v) == version for v in extra[key])
-               for key in ("min_global_steps", "max_global_steps"))
+    return all(tags is None or bool((tags == version).all())
+               for tags in (_versions(extra, "min_global_steps"), _versions(extra, "max_global_steps")))
+
+
+#: the monitors whose prompts are identified by their token ids (verl's index said nothing), for good
+_BY_PROMPT_TOKENS: weakref.WeakSet[GRPOMonitor] = weakref.WeakSet()
+
+
+def _prompt_ids(monitor: GRPOMonitor, rows: _Rows, prompt_key: str | None, batch: Any) -> np.ndarray | None:
+    """Each completion's prompt identity: the ``prompt_key`` entry, unless it cannot tell prompts apart (absent,
+    or verl's dataset default: ``index`` 0 on every row while the batch holds several ``uid`` groups); then, for
+    this monitor from now on, a digest of the prompt's token ids (``prompts``), else the ``uid``."""
+    if prompt_key is None:
+        return None
+    extra = rows.non_tensors
+    values, uids = extra.get(prompt_key), extra.get("uid")
+    if monitor not in _BY_PROMPT_TOKENS:
+        one_value = values is not None and len(values) > 1 and len(set(values.tolist())) == 1
+        if values is not None and not (one_value and uids is not None and len(set(uids.tolist())) > 1):
+            return rows.extra(prompt_key)
+        _BY_PROMPT_TOKENS.add(monitor)
+        why = (f"has no {prompt_key!r}" if values is None or uids is None else
+               f"holds {prompt_key}={values[0]!r} on every sample of {len(set(uids.tolist()))} groups (verl's "
+               "dataset writes index 0 where a row's extra_info has none)")
+        say_once(monitor, "verl-prompt-ids", f"grpo_exporter: verl's batch {why}: prompts are identified by their "
+                 "prompt token ids instead (uid where the batch has none), for the rest of the run; set "
+                 "extra_info.index per prompt in your dataset, or pass prompt_key=")
+    digests = _prompt_digests(batch)
+    if digests is not None:
+        return rows.pick(digests)
+    return rows.extra("uid") if uids is not None else None
+
+
+def _prompt_digests(batch: Any) -> np.ndarray | None:
+    """A 64-bit digest (hex) of each row's prompt token ids, padding left out where the ``attention_mask`` spans
+    prompt and response (v0's left padding varies with the batch's longest prompt); None without ``prompts``."""
+    prompts, mask = _tensor(batch, "prompts"), _tensor(batch, "attention_mask")
+    if prompts is None:
+        return None
+    tokens = prompts.detach().cpu().long()
+    width = tokens.shape[1]
+    if mask is not None and mask.shape[1] == width + batch["responses"].shape[1]:
+        valid = mask[:, :width].detach().cpu().bool()
+    else:
+        valid = torch.ones_like(tokens, dtype=torch.bool)
+    return np.array([hashlib.blake2b(row[keep].numpy().tobytes(), digest_size=8).hexdigest()
+                     for row, keep in zip(tokens, valid, strict=True)], dtype=object)
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:
@@ -312,17 +413,70 @@ def _mean(value: Any) -> float | None:
 
 def monitored_ray_trainer(base: type | None = None) -> type:
     """A subclass of verl's v0 ``RayPPOTrainer`` (or ``base``) that reports every step to ``self.monitor``
-    (set it after construction: ``trainer.monitor = GRPOMonitor(...)``)."""
+    (set it after construction: ``trainer.monitor = GRPOMonitor(**monitor_settings(config, port=9400))``).
+
+    The policy version is ``global_steps - 1``: v0 syncs the weights to the rollout servers as ``global_steps``
+    after each update, so a fresh rollout is tagged one below the step that trains on it. verl's fully-async
+    ``FullyAsyncTrainer`` is refused at once (a Ray actor class, versioned in parameter versions, not in
+    steps): :func:`~grpo_exporter.integrations.verl_fully_async.monitored_fully_async_task_runner` launches it
+    monitored."""
     if base is None:
         base = require("verl.trainer.ppo.ray_trainer", "verl", TESTED).RayPPOTrainer
+        _say_v0_deprecated()
+    _refuse_actor_classes(base)
+    return _hooked(base, "MonitoredRayPPOTrainer")
+
+
+_SAID_V0: list[bool] = []
+
+
+def _say_v0_deprecated() -> None:
+    """Once per process: verl 0.9.1 marks its v0 trainer for removal (its ``@deprecated`` RayPPOTrainer)."""
+    if not _SAID_V0:
+        _SAID_V0.append(True)
+        logger.warning(
+            "grpo_exporter: verl 0.9.1 marks its v0 trainer for removal (RayPPOTrainer warns 'Legacy trainer is "
+            "deprecated, and wil be removed in v0.9.0', main_ppo.py says the same of main_ppo_v0.py with "
+            "trainer.use_v1=false); it may be gone in any later verl. verl's default v1 trainer (trainer.use_v1) "
+            "is monitored with grpo_exporter.integrations.verl_v1.monitored_task_runner()")
+
+
+def _refuse_actor_classes(base: Any) -> None:
+    """The v0 hooks need a plain class with verl's v0 step and version semantics: a Ray actor class cannot be
+    subclassed, and the fully-async trainer counts versions in ``current_param_version``."""
+    inner = getattr(base, "__ray_actor_class__", base)
+    if any(c.__name__ == "FullyAsyncTrainer" for c in getattr(inner, "__mro__", ())):
+        raise IntegrationError(
+            f"grpo_exporter.integrations.verl: {inner.__name__} is verl's fully-async trainer: a Ray actor class "
+            "(@ray.remote), which monitored_ray_trainer cannot subclass, whose rollouts are tagged with "
+            "current_param_version while global_steps counts every local update (the staleness would grow with "
+            "trigger_parameter_sync_step). Launch verl's fully_async_main with "
+            "run_ppo(config, task_runner_class=monitored_fully_async_task_runner(...)) instead. Tested with "
+            f"{TESTED}.")
+    if inner is not base:
+        raise IntegrationError(
+            f"grpo_exporter.integrations.verl: {inner.__name__} is a Ray actor class (@ray.remote): a subclass of "
+            "it is no actor class and cannot be launched as verl launches it. Pass its __ray_actor_class__ and "
+            f"wrap the result with ray.remote. Tested with {TESTED}.")
+
+
+def _hooked(base: Any, name: str) -> type:
+    """``base`` with the hooks: ``_compute_old_log_prob`` keeps the model's tokens and the per-token entropies of
+    the sampling policy, ``_update_actor(batch)`` reads the batch before the update and the aggregates after.
+    ``_grpo_versions`` gives (monitor step, policy version)."""
     check_signature(base, "_update_actor", ("self", "batch"), "verl", TESTED)
     check_signature(base, "_compute_old_log_prob", ("self", "batch"), "verl", TESTED)
 
-    class MonitoredRayPPOTrainer(base):  # type: ignore[misc, valid-type]
+    class MonitoredRayPPOTrainer(base):
         monitor: GRPOMonitor | None = None
         _grpo_entropy: Tensor | None = None
-
         _grpo_response_mask: Tensor | None = None
+        #: whether the adapter made the monitor from verl's config (else one handed in is checked against it)
+        _grpo_made_monitor = False
+
+        def _grpo_versions(self) -> tuple[int, int]:
+            step = int(self.global_steps)
+            return step, step - 1
 
         def _compute_old_log_prob(self, batch: DataProto) -> Any:
             # decoupled rollout correction replaces response_mask with the rejection-sampled one after this
@@ -335,9 +489,11 @@ def monitored_ray_trainer(base: type | None = None) -> type:
             return result
 
         def _update_actor(self, batch: DataProto) -> Any:
-            step = int(self.global_steps)
+            step, version = self._grpo_versions()
             if self.monitor is not None:
-                observe_dataproto(self.monitor, batch, step, entropy=self._grpo_entropy,
+                if not self._grpo_made_monitor:
+                    _check_form(self.monitor, self.config)
+                observe_dataproto(self.monitor, batch, step, entropy=self._grpo_entropy, policy_version=version,
                                   response_mask=self._grpo_response_mask, bypass=_bypass(self.config))
             self._grpo_entropy = self._grpo_response_mask = None
             output = super()._update_actor(batch)
@@ -345,27 +501,24 @@ def monitored_ray_trainer(base: type | None = None) -> type:
                 observe_actor_metrics(self.monitor, step, output.meta_info.get("metrics", {}), _grad_clip(self.config))
             return output
 
+    MonitoredRayPPOTrainer.__name__ = MonitoredRayPPOTrainer.__qualname__ = name
     return MonitoredRayPPOTrainer
 
 
-def _select(config: Any, key: str) -> Any:
+def _check_form(monitor: GRPOMonitor, config: Any) -> None:
+    """Once per monitor, where a monitor handed in checks the advantages as another form than verl computes (an
+    estimator of yours: the monitor's form is yours)."""
     try:
-        from omegaconf import OmegaConf
-
-        return OmegaConf.select(config, key)
-    except Exception:
-        return None
-
-
-def _grad_clip(config: Any) -> float | None:
-    """The norm verl's actor clips at: ``actor_rollout_ref.actor.optim.clip_grad`` (what verl's engines read),
-    else the deprecated ``actor.grad_clip`` (verl copies it there); None when neither is set."""
-    value = _select(config, "actor_rollout_ref.actor.optim.clip_grad")
-    if value is None:
-        value = _select(config, "actor_rollout_ref.actor.grad_clip")
-    return float(value) if value is not None else None
+        form = advantage_form(config)
+    except IntegrationError:
+        return
+    if monitor.config.advantage_norm != form:
+        estimator = _select(config, "algorithm.adv_estimator")
+        say_once(monitor, "verl-form", f"grpo_exporter: verl's algorithm.adv_estimator={estimator!r} computes "
+                 f"{form!r} advantages (use_kl_in_reward={bool(_select(config, 'algorithm.use_kl_in_reward'))}), "
+                 f"the monitor checks them as {monitor.config.advantage_norm!r}: GRPOAdvantageAboveBound judges "
+                 "them against the wrong bound. Make the monitor with GRPOMonitor(**monitor_settings(config, ...)).")
 
 
-def _bypass(config: Any) -> bool:
-    """``algorithm.rollout_correction.bypass_mode`` of verl's config."""
-    return bool(_select(config, "algorithm.rollout_correction.bypass_mode"))
+__all__ = ["ESTIMATOR_FORMS", "TESTED", "VERL_METRICS", "advantage_form", "monitor_settings", "monitored_ray_trainer",
+           "observe_actor_metrics", "observe_dataproto"]

@@ -23,20 +23,13 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.integrations import check_signature, require, say_once
-from grpo_exporter.integrations.verl import (
-    TESTED,
-    DataProto,
-    _bypass,
-    _grad_clip,
-    _select,
-    observe_actor_metrics,
-    observe_dataproto,
-)
+from grpo_exporter.integrations.verl import DataProto, observe_actor_metrics, observe_dataproto
+from grpo_exporter.integrations.verl_settings import TESTED, _bypass, _grad_clip, _select, monitor_settings
 from grpo_exporter.runtime.monitor import GRPOMonitor
 
 #: the TransferQueue fields read once per global step (absent ones are skipped by the TransferQueue)
-FIELDS = ("uid", "index", "prompts", "responses", "response_mask", "rm_scores", "old_log_probs",
-          "rollout_log_probs", "ref_log_prob", "advantages", "entropy", "extra_fields", "num_turns")
+FIELDS = ("uid", "index", "prompts", "responses", "response_mask", "rm_scores", "token_level_rewards",
+          "old_log_probs", "rollout_log_probs", "ref_log_prob", "advantages", "entropy", "extra_fields", "num_turns")
 
 
 def _rows(data: Any, name: str) -> list[Any]:
@@ -66,11 +59,17 @@ def observe_tq_batch(
       ``response_length`` tokens long (``actor_rollout_ref.rollout.response_length``), not when it is the
       batch's longest.
     * ``rm_scores`` is the token-level score (the sequence score on the last token); correctness is the reward
-      extra info ``extra_fields["reward_extra_info"][correct_key]`` the reward loop wrote.
+      extra info ``extra_fields["reward_extra_info"][correct_key]`` the reward loop wrote. With
+      ``use_kl_in_reward`` verl writes ``token_level_rewards`` (score - beta x KL): the rewards the advantages
+      came from, handed with them; else those are the scores.
     * ``response_masks``: each key's response mask before rollout correction's rejection sampling (decoupled
       mode writes the kept tokens back into the TransferQueue).
     * ``engine_gap=False``: the old log-probs were not computed on the weights the engine sampled with
-      (``parameter_sync_step > 1``): the engine gap is absent, never the policy lag read as an engine fault.
+      (``parameter_sync_step > 1`` in the modes that do not restore them): the engine gap is absent, never the
+      policy lag read as an engine fault.
+    * ``prompts``: the prompt token ids, for the prompt identity where ``index`` cannot give it (verl's dataset
+      writes index 0 where a row's ``extra_info`` has none): the attention mask handed on spans prompt (its
+      own length) and response, so that the padding is left out of the prompt's digest.
     * The tags' ``min_global_steps`` against ``policy_version`` give the rollout staleness; a trajectory
       generated on other weights than ``policy_version`` (async modes) leaves the engine gap absent too
       (:func:`~grpo_exporter.integrations.verl.observe_dataproto`).
@@ -84,28 +83,18 @@ def observe_tq_batch(
         tags = [batch.tags[i] for i in rows]
         data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=list(FIELDS))
         lengths = data["responses"].offsets().diff()
-        non_tensors: dict[str, Any] = {}
-        for name in ("uid", "index"):
-            values = _rows(data, name)
-            if values:
-                non_tensors[name] = np.array(values, dtype=object if name == "uid" else None)
-        infos = [(extra or {}).get("reward_extra_info", {}) if isinstance(extra, Mapping) else {}
-                 for extra in _rows(data, "extra_fields")]
-        for key in ([correct_key] if correct_key else []) + list(component_keys):
-            if infos and all(key in info for info in infos):
-                non_tensors[key] = np.array([float(info[key]) for info in infos])
-        turns = _rows(data, "num_turns")
-        if turns:  # the agent loop's count, under v0's name (verl's own num_turns/* metrics do the same)
-            non_tensors["__num_turns__"] = np.array([int(t) for t in turns], dtype=np.int64)
-        for name in ("min_global_steps", "max_global_steps"):  # staleness, and whether the engine gap is readable
-            versions = [tag.get(name) for tag in tags]
-            if all(v is not None for v in versions):
-                non_tensors[name] = np.array(versions, dtype=np.int64)
+        non_tensors = _non_tensors(data, tags, correct_key, component_keys)
         tensors = {name: data[name].to_padded_tensor(padding=0) for name in FIELDS
                    if name in data and isinstance(data[name], Tensor) and data[name].is_nested}
         width = tensors["responses"].shape[1]
-        tensors["attention_mask"] = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        window = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        if "prompts" in tensors:  # the prompt's own tokens (right-padded here), then the response window
+            prompt_lengths = data["prompts"].offsets().diff()
+            prompt = torch.arange(tensors["prompts"].shape[1]).unsqueeze(0) < prompt_lengths.unsqueeze(1)
+            window = torch.cat([prompt.long(), window], dim=1)
+        tensors["attention_mask"] = window
         tensors["token_level_scores"] = tensors.pop("rm_scores")
+        tensors.setdefault("token_level_rewards", tensors["token_level_scores"])  # verl writes them with KL only
         entropy = tensors.pop("entropy", None)
         if not engine_gap:
             tensors.pop("rollout_log_probs", None)
@@ -121,32 +110,54 @@ def observe_tq_batch(
                       response_window=response_length)
 
 
-def _kl_coef(config: Any) -> float:
-    """The KL-to-reference coefficient verl applies: the actor's ``kl_loss_coef`` with ``use_kl_loss``, the
-    reward's ``algorithm.kl_ctrl.kl_coef`` with ``use_kl_in_reward``, else 0 (no penalty)."""
-    if _select(config, "actor_rollout_ref.actor.use_kl_loss"):
-        return float(_select(config, "actor_rollout_ref.actor.kl_loss_coef") or 0.0)
-    if _select(config, "algorithm.use_kl_in_reward"):
-        return float(_select(config, "algorithm.kl_ctrl.kl_coef") or 0.0)
-    return 0.0
+def _non_tensors(data: Any, tags: list[Any], correct_key: str | None, component_keys: Sequence[str]
+                 ) -> dict[str, Any]:
+    """The ``non_tensor_batch`` of the rows as a v0 ``DataProto`` holds it: ``uid`` and ``index``, the reward
+    extra info's ``correct_key`` and ``component_keys`` (where every row has them), the agent loop's turns and
+    the tags' weight versions."""
+    non_tensors: dict[str, Any] = {}
+    for name in ("uid", "index"):
+        values = _rows(data, name)
+        if values:
+            non_tensors[name] = np.array(values, dtype=object if name == "uid" else None)
+    infos = [(extra or {}).get("reward_extra_info", {}) if isinstance(extra, Mapping) else {}
+             for extra in _rows(data, "extra_fields")]
+    for key in ([correct_key] if correct_key else []) + list(component_keys):
+        if infos and all(key in info for info in infos):
+            non_tensors[key] = np.array([float(info[key]) for info in infos])
+    turns = _rows(data, "num_turns")
+    if turns:  # the agent loop's count, under v0's name (verl's own num_turns/* metrics do the same)
+        non_tensors["__num_turns__"] = np.array([int(t) for t in turns], dtype=np.int64)
+    for name in ("min_global_steps", "max_global_steps"):  # staleness, and whether the engine gap is readable
+        versions = [tag.get(name) for tag in tags]
+        if all(v is not None for v in versions):
+            non_tensors[name] = np.array(versions, dtype=np.int64)
+    return non_tensors
 
 
 def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = "acc",
-                         **monitor_settings: Any) -> type:
+                         **settings: Any) -> type:
     """A subclass of a verl v1 trainer class (``base``; default the one registered as ``"sync"``) that makes a
-    :class:`GRPOMonitor` after verl's ``__init__`` (``group_size`` = ``actor_rollout_ref.rollout.n``, ``run`` =
-    ``trainer.experiment_name`` unless ``monitor_settings`` say otherwise) and reports every global step.
+    :class:`GRPOMonitor` after verl's ``__init__``
+    (:func:`~grpo_exporter.integrations.verl_settings.monitor_settings`: ``group_size`` =
+    ``actor_rollout_ref.rollout.n``, ``run`` = ``trainer.experiment_name``, ``kl_coef``, and ``advantage_norm``
+    from ``algorithm.adv_estimator``, unless ``settings`` say otherwise) and reports every global step.
 
     The monitor step is verl's ``global_steps``; the policy version is ``global_steps - 1`` (the weights the
     step's rollouts were sampled with when they are fresh: verl's own ``trajectory_staleness`` is
     ``(global_steps - 1) - max_global_steps``). The engine gap is read only when every row was generated on that
-    version alone and the step is one local update (``parameter_sync_step == 1``): otherwise the old log-probs
-    come from weights the engine never had, and the gap would be the policy lag (said once)."""
+    version alone and the old log-probs of every local update were computed on it: one local update
+    (``parameter_sync_step == 1``), or ``separate_async``, whose ``_compute_old_log_prob`` restores the weights
+    of the step's first local update (pi_old) for every later one. ``sync`` and ``colocate_async`` with
+    ``parameter_sync_step > 1`` compute them on weights the engine never had: the gap would be the policy lag,
+    and is absent (said once)."""
     trainer_base = require("verl.trainer.ppo.v1.trainer_base", "verl", TESTED)
     if base is None:
         base = trainer_base.get_trainer_cls("sync")
     check_signature(base, "step", ("self", "metrics", "timing_raw"), "verl", TESTED)
     check_signature(base, "_compute_advantage", ("self", "batch", "metrics"), "verl", TESTED)
+
+    restores = _restores_pi_old(base)
 
     class MonitoredV1Trainer(base):  # type: ignore[misc, valid-type]
         monitor: GRPOMonitor
@@ -154,9 +165,7 @@ def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = 
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, *args, **kwargs)
-            settings = {"group_size": int(config.actor_rollout_ref.rollout.n), "kl_coef": _kl_coef(config),
-                        "run": str(_select(config, "trainer.experiment_name") or "verl"), **monitor_settings}
-            self.monitor = GRPOMonitor(**settings)
+            self.monitor = GRPOMonitor(**monitor_settings(config, **settings))
             self._grpo_masks = {}
 
         def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
@@ -175,16 +184,16 @@ def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = 
             if monitor is None:
                 return batch
             step = int(self.global_steps)
-            one_update = int(getattr(self, "parameter_sync_step", 1)) == 1
+            pi_old = restores or int(getattr(self, "parameter_sync_step", 1)) == 1
             bypass = _bypass(self.config)
-            if not one_update and not bypass:
-                say_once(monitor, "verl-v1-lag", "grpo_exporter: verl v1 with parameter_sync_step > 1: a step's "
-                         "later local updates compute old log-probs on weights the engine never had, so the engine "
-                         "log-prob gap would be the policy lag and is absent")
+            if not pi_old and not bypass:
+                say_once(monitor, "verl-v1-lag", f"grpo_exporter: verl v1 {type(self).__name__} with "
+                         "parameter_sync_step > 1: a step's later local updates compute old log-probs on weights "
+                         "the engine never had, so the engine log-prob gap would be the policy lag and is absent")
             masks, self._grpo_masks = self._grpo_masks, {}
             width = _select(self.config, "actor_rollout_ref.rollout.response_length")
             observe_tq_batch(monitor, batch, step, response_length=None if width is None else int(width),
-                             response_masks=masks or None, engine_gap=one_update, bypass=bypass,
+                             response_masks=masks or None, engine_gap=pi_old, bypass=bypass,
                              policy_version=step - 1,
                              correct_key=correct_key)
             observe_actor_metrics(monitor, step, metrics, _grad_clip(self.config))
@@ -192,6 +201,17 @@ def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = 
 
     MonitoredV1Trainer.__name__ = MonitoredV1Trainer.__qualname__ = f"Monitored{base.__name__}"
     return MonitoredV1Trainer
+
+
+def _restores_pi_old(cls: type) -> bool:
+    """Whether ``cls`` computes every local update's old log-probs on the weights the step's rollouts were sampled
+    with: verl's ``separate_async`` trainer (``PPOTrainerSeparateAsync._compute_old_log_prob`` saves the weights of
+    local update 0 and restores them for each later one; in bypass mode the old log-probs are the engine's)."""
+    try:
+        from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+    except ImportError:
+        return False
+    return issubclass(cls, PPOTrainerSeparateAsync)
 
 
 def _decoupled(config: Any) -> bool:

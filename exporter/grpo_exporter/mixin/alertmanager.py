@@ -9,7 +9,9 @@ curves mean nothing until it is fixed; the gates keep firing a trend window (20 
 evidence, as long as any alert they mute may still fire from their time, see
 ``promql.Alert.rule``). A layer-1 warning (a drifting gap, the fuse) and the optimizer family
 (grad-norm spikes, clipping on every step) mute nothing, so a warning never mutes a critical; and a critical
-alert mutes the warning of the same family for the same run.
+alert mutes the warning of the same family for the same run. GRPOAdvantageAboveBound mutes
+GRPOAdvantageInconsistent of its run: one advantage bug (a group normalised wrongly both leaves its bound and
+stops summing to 0) pages once.
 
 A receiver whose webhook is not configured has no integration: its alerts are shown in Alertmanager's UI and
 API and go nowhere else (never to a placeholder URL that swallows them); the generators say so on stderr.
@@ -54,6 +56,11 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
                 "source_matchers": ['severity="critical"'],
                 "target_matchers": ['severity="warning"'],
                 "equal": ["family", "run"],
+            },
+            {  # one advantage bug, one page: sequences over their bound already name the broken advantages
+                "source_matchers": ['alertname="GRPOAdvantageAboveBound"'],
+                "target_matchers": ['alertname="GRPOAdvantageInconsistent"'],
+                "equal": ["run"],
             },
         ],
     }

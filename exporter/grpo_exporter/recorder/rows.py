@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.config import MetricsConfig
+from grpo_exporter.functional.advantage_form import advantage_form
 from grpo_exporter.functional.constants import cached_constant
 from grpo_exporter.functional.gradient import completion_positions
-from grpo_exporter.functional.groups import advantage_bounds
 from grpo_exporter.functional.reward import sequence_abs_advantage
 from grpo_exporter.inputs import SEQUENCE_BOOLS, SEQUENCE_FLOATS, TOKEN_BOOLS, TOKEN_FLOATS, StepInputs
 
@@ -124,7 +124,8 @@ def _over_bound(x: StepInputs, cfg: MetricsConfig | None) -> Tensor | None:
     groups = x.groups(cfg.group_size) if cfg is not None and x.advantages is not None else None
     if cfg is None or groups is None or x.advantages is None:
         return None
-    bounds = advantage_bounds(x.rewards, groups, cfg.advantage_norm, cfg.group_size)
+    bounds = advantage_form(x.advantages, x.loss_mask, x.rewards, groups, cfg.group_size, cfg.advantage_norm,
+                            cfg.advantage_bound_rtol).bounds
     abs_a, exists = sequence_abs_advantage(x.advantages, x.loss_mask)
     return exists & (abs_a.double() > bounds[groups.index] * (1.0 + cfg.advantage_bound_rtol) + 1e-6)
 

@@ -42,7 +42,8 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "GRPOLossMaskMismatch": ("rollout",), "GRPOLossOnToolTokens": ("rollout", "tools"),
     "GRPOLogRatioFuseBlowing": ("ratios",),
     "GRPOGradNormSpike": ("grad",), "GRPOGradClippingEveryStep": ("grad",),
-    "GRPOAdvantageAboveBound": ("rollout",), "GRPORewardCliff": ("rollout",),
+    "GRPOAdvantageAboveBound": ("rollout",), "GRPOAdvantageInconsistent": ("rollout",),
+    "GRPOAdvantageFormUnexpected": ("rollout",), "GRPORewardCliff": ("rollout",),
     "GRPORewardHackSuspected": ("components",),
     "GRPOTruncationSurge": ("rollout",), "GRPOLengthGrowthIncorrectOnly": ("rollout", "verdicts"),
     "GRPOLengthHack": ("rollout", "verdicts"), "GRPOCompletionLengthCountsToolTokens": ("rollout", "tools"),
@@ -66,16 +67,25 @@ MODES: dict[str, dict[str, str]] = {
     "your own loop": dict.fromkeys(GROUPS, "when you pass it"),
     "TRL, default (no vLLM)": dict(TRL),
     "TRL, vLLM server or colocate": TRL | {"engine": "", "ratios": ""},
+    "TRL, vLLM without IS correction": TRL | {
+        "engine": "", "ratios": "with `num_iterations > 1` or `steps_per_generation x num_iterations` not "
+        "dividing `gradient_accumulation_steps`"},
     "TRL, `num_iterations > 1` (no vLLM)": TRL | {"ratios": ""},
     "verl v0 (`RayPPOTrainer`)": {
-        "verdicts": VERIFIER, "components": "with `component_keys`", "engine": "with `rollout_log_probs`",
-        "entropy": "", "kl": "", "filtering": "with dynamic sampling (`filter_groups`)"},
+        "verdicts": VERIFIER, "components": "with `component_keys` (your own `observe_dataproto`)",
+        "engine": "with `rollout_log_probs`", "entropy": "", "kl": "",
+        "staleness": "with the servers' weight-version tags", "filtering": "with dynamic sampling (`filter_groups`)"},
     "verl v1 (`PPOTrainer`, TransferQueue)": {
         "verdicts": VERIFIER, "components": "with `component_keys`", "engine": "", "entropy": "", "kl": "",
+        "staleness": ""},
+    "verl fully-async (`monitored_fully_async_task_runner`)": {
+        "verdicts": VERIFIER, "engine": "in decoupled mode (`bypass_mode: false`)", "entropy": "", "kl": "",
         "staleness": ""},
     "OpenRLHF (`monitored_ppo_trainer`)": {
         "verdicts": "from `scores`", "engine": "with `is_correction_level` other than `off`",
         "entropy": "mean only, with `entropy_coef`", "kl": "with `kl.use_loss`"},
+    "OpenRLHF async (`PPOTrainerAsync`)": {
+        "verdicts": "from `scores`", "entropy": "mean only, with `entropy_coef`", "kl": "with `kl.use_loss`"},
 }
 for _mode in MODES.values():
     for _g in ALWAYS:

@@ -94,9 +94,16 @@ was. The step of `observe_regression` and `observe_retrieval` is checked but is 
 (`grpo_steps_total`, `grpo_last_step` follow training).
 
 **Per-sequence or per-token advantages.** GRPO gives one advantage per completion: pass `(N,)`. A loss that
-weights tokens differently (per-token advantages, a length penalty per token) passes `(N, T)`; the bound
-check `max |A| <= (G-1)/sqrt(G)` applies to the per-completion values of the standard normalisations
-(`advantage_norm`).
+weights tokens differently (per-token advantages, a length penalty per token) passes `(N, T)`. The bound
+check `max |A| <= (G-1)/sqrt(G)` holds for group z-scores only, so the monitor first tells which form the
+step's advantages follow (`grpo_advantage_form_sequences_total`, over the complete groups: G members with
+finite advantages): a group z-score (unbiased or population std), group-centred (Dr. GRPO), a batch-wide std,
+batch whitening, or per-token values that vary along the sequence (a KL penalty in the reward). The bound
+applied is that form's (none for the last three); advantages that follow no known form are judged by the
+configured `advantage_norm`'s. Pass the same sequences' `rewards` to `observe_update` too (the framework
+adapters do): the advantages are then also checked against the rewards, which finds advantages of another
+batch and an advantage that ranks a completion against its reward
+(`grpo_advantage_inconsistent_sequences_total`, GRPOAdvantageInconsistent).
 
 **Which log-probs are which.** `rollout_logprobs` is the engine's ruler (the behaviour policy as sampled);
 `old_logprobs` is the trainer's ruler on the same tokens before the update; their difference is the engine

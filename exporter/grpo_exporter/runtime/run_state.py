@@ -82,6 +82,18 @@ class RunState:
         self.param_snapshot: list[Tensor] | None = None
         self.checks: dict[str, float] = {}
         self.dropped_stale_total: int | None = None  # the loop's own running total, as last seen
+        self.forms_said: set[str] = set()  # the advantage forms against the configured one, each said once
+
+    def unexpected_forms(self, metrics: Mapping[str, float]) -> list[str]:
+        """The known advantage forms other than the configured ``advantage_norm`` that this step's advantages
+        follow (``grpo_advantage_form_sequences_total``), each returned once per run: the log line beside
+        GRPOAdvantageFormUnexpected."""
+        family = catalog.metric("grpo_advantage_form_sequences_total")
+        found = [form for form in catalog.ADVANTAGE_FORMS
+                 if form != self.config.advantage_norm and form not in self.forms_said
+                 and metrics.get(family.key(form=form), 0.0) > 0]
+        self.forms_said.update(found)
+        return found
 
     def dropped_stale(self, total: int) -> Derived:
         """The completions dropped as stale since the last rollout, from the loop's running ``total`` (a total

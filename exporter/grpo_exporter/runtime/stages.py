@@ -176,6 +176,11 @@ class Stages:
             self.report.error("update", exc, "stitching the micro-steps")
             inputs = None  # merged as failed, like a rank whose inputs were rejected
         result = self.compute("update", inputs, {}, failed=failed)
+        for form in self.state.unexpected_forms(result.metrics):
+            log.warning("grpo_exporter: run %s: the advantages follow the form %r, not the configured "
+                        "advantage_norm=%r: the |A| bound follows the data (GRPOAdvantageFormUnexpected, info); "
+                        "set advantage_norm to your estimator's form (docs/runbooks.md#grpoadvantageformunexpected)",
+                        self.config.run, form, self.config.advantage_norm)
         derived = self.state.after_update(result.metrics)
         if self.recorder is not None and step is not None:
             with self.report.contained("recorder", "flight recorder"):

@@ -17,6 +17,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
     """This part's alerts, in the order they are written to the rule file."""
     w = c.window()
     growth = "run:grpo_completion_length_tokens:growth_ratio"
+    known_form = c.matchers('form!="unknown"')
     return [
         Alert(
             "GRPOAdvantageAboveBound", Layer.REWARD, "advantage_bound", "critical",
@@ -25,6 +26,31 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "Run {{ $labels.run }}: " + template_value("%.0f") + f" sequences over {w} have |A| above the bound "
             + template_query("max(grpo_advantage_bound{run=%q})") + " (max |A| "
             + template_query("max(grpo_advantage_abs_max{run=%q})") + ").",
+        ),
+        Alert(
+            "GRPOAdvantageInconsistent", Layer.REWARD, "advantage_bound", "critical",
+            f"{increase(c, 'grpo_advantage_inconsistent_sequences_total')} > 0", 60,
+            "Advantages contradict their groups: misaligned groups or advantages of another batch.",
+            "Run {{ $labels.run }}: " + template_value("%.0f") + f" sequences over {w} have an advantage that "
+            "ranks them against their reward within their group, moves where the group's rewards tie, or belongs "
+            "to a group whose advantages do not sum to 0 (advantage form "
+            + '{{ with printf "topk(1, sum by (form) (increase(grpo_advantage_form_sequences_total{run=%q}['
+            + w + '])))" $labels.run | query }}{{ . | first | label "form" }}{{ else }}none{{ end }}).',
+        ),
+        Alert(
+            "GRPOAdvantageFormUnexpected", Layer.REWARD, "advantage_form", "info",
+            f"sum by ({BY}, form) (increase(grpo_advantage_form_sequences_total{known_form}[{w}])) > 0 "
+            "unless on(job, run, form) "
+            # the configured form over the same window: a run's info goes stale at its end before the window does
+            f'label_replace(max_over_time(grpo_run_info{c.matchers()}[{w}]), "form", "$1", "advantage_norm", "(.+)")',
+            0,
+            "The advantages follow another form than the configured advantage_norm: set it to the estimator's.",
+            "Run {{ $labels.run }}: " + template_value("%.0f") + " sequences over " + w + " follow the "
+            "advantage form {{ $labels.form }}, the monitor is configured with advantage_norm "
+            + '{{ with printf "grpo_run_info{run=%q}" $labels.run | query }}{{ . | first | label '
+            + '"advantage_norm" }}{{ else }}unknown{{ end }}: the |A| bound follows the data, set advantage_norm '
+            "to your estimator's form so that a change of form is news.",
+            for_steps=2,
         ),
         Alert(
             "GRPORewardCliff", Layer.REWARD, "reward_cliff", "critical",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from grpo_exporter.functional import reward
-from grpo_exporter.functional.groups import advantage_bounds
-from grpo_exporter.functional.reading import largest, reading
+from grpo_exporter.functional.advantage_form import FORMS, advantage_form
+from grpo_exporter.functional.reading import count, largest, reading
 from grpo_exporter.step.context import Context
 from grpo_exporter.step.gather import Gather
 from grpo_exporter.step.pack import Element
@@ -35,17 +35,24 @@ def rewards(out: Gather, ctx: Context) -> None:
 
 
 @produces("grpo_advantage_abs_max", "grpo_advantage_over_bound_sequences_total", "grpo_advantage_bound",
-          stages=("update",))
+          "grpo_advantage_form_sequences_total", "grpo_advantage_inconsistent_sequences_total", stages=("update",))
 def advantages(out: Gather, ctx: Context) -> None:
+    """The advantage bound of the form the step's advantages follow (seed 2.2; :mod:`~grpo_exporter.functional.
+    advantage_form`), the form, and the sequences that contradict their group."""
     x, groups, cfg = ctx.x, ctx.groups, ctx.cfg
     if x.advantages is None or groups is None:
         return
-    bounds = advantage_bounds(x.rewards, groups, cfg.advantage_norm, cfg.group_size)
-    check = reward.advantage_check(x.advantages, x.loss_mask, groups, bounds, cfg.advantage_bound_rtol)
+    form = advantage_form(x.advantages, x.loss_mask, x.rewards, groups, cfg.group_size, cfg.advantage_norm,
+                          cfg.advantage_bound_rtol)
+    check = reward.advantage_check(x.advantages, x.loss_mask, groups, form.bounds, cfg.advantage_bound_rtol)
     out.add("grpo_advantage_abs_max", check.abs_max)
     out.add("grpo_advantage_over_bound_sequences_total", check.over_bound)
-    known = (groups.sizes() > 0) & torch.isfinite(bounds)
-    out.add("grpo_advantage_bound", reading(largest(torch.where(known, bounds, 0.0), 0.0), known.any()))
+    known = (groups.sizes() > 0) & torch.isfinite(form.bounds)
+    out.add("grpo_advantage_bound", reading(largest(torch.where(known, form.bounds, 0.0), 0.0), known.any()))
+    by_form = torch.nn.functional.one_hot(form.form, len(FORMS)) * form.checked
+    for i, name in enumerate(FORMS):
+        out.add("grpo_advantage_form_sequences_total", Element(by_form, i), form=name)
+    out.add("grpo_advantage_inconsistent_sequences_total", count(form.inconsistent))
 
 
 @produces("grpo_noise_advantage_groups_ratio", "grpo_reward_tied_variance_ratio", stages=("rollout",))
