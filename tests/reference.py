@@ -10,6 +10,7 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
+import torch
 
 from batches import Batch
 from grpo_exporter.catalog import ADVANTAGE_FORMS
@@ -205,13 +206,17 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
             vals = [abs(adv[i, t]) for t in range(width) if mask[i, t] and math.isfinite(adv[i, t])]
             if vals:
                 per_seq[i] = max(vals)
-    form, read, inconsistent = _form_reference(a, members, mask, cfg)
+    # the bound's slack: the setting, or the advantages' own rounding where coarser (bf16)
+    slack = max(cfg.advantage_bound_rtol, float(torch.finfo(batch.dtype).eps))
+    form, read, inconsistent = _form_reference(a, members, mask, cfg, slack)
     checked = len(read)
     bounds = {}
     for idx in members:
         judged = cfg.advantage_norm
-        if form != "unknown" and idx[0] in read:  # the detected form judges the complete groups it read
+        if form != "unknown" and len(idx) == cfg.group_size:  # the detected form judges every whole group
             judged = form if form in ("unbiased", "population", "none") else ""
+            if form == "batch" and cfg.advantage_norm == "none":
+                judged = "none"
         g = max(len(idx), cfg.group_size)
         if judged == "unbiased":
             b = (g - 1) / math.sqrt(g)
@@ -230,7 +235,7 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
     if per_seq:
         out["grpo_advantage_abs_max"] = max(per_seq.values())
     out["grpo_advantage_over_bound_sequences_total"] = float(
-        sum(1 for i, v in per_seq.items() if v > bounds[i] * (1 + cfg.advantage_bound_rtol) + 1e-6)
+        sum(1 for i, v in per_seq.items() if v > bounds[i] * (1 + slack) + 1e-6)
     )
     if any(math.isfinite(b) for b in bounds.values()):
         out["grpo_advantage_bound"] = max(b for b in bounds.values() if math.isfinite(b))
@@ -373,21 +378,21 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
 
 
 def _form_reference(a: dict[str, np.ndarray], members: list[list[int]], mask: np.ndarray,
-                    cfg: Any) -> tuple[str, set[int], int]:
+                    cfg: Any, slack: float) -> tuple[str, set[int], int]:
     """The advantage form, the sequences read (those of complete groups) and the number of inconsistent ones, as
     functional.advantage_form states them, on plain floats: per-sequence advantages, group means and stds."""
     adv = a["advantages"]
     seq: dict[int, float] = {}
-    varies: dict[int, bool] = {}
+    spread_of: dict[int, float] = {}
     for i in range(adv.shape[0]):
         if adv.ndim == 1:
             if math.isfinite(adv[i]):
-                seq[i], varies[i] = float(adv[i]), False
+                seq[i], spread_of[i] = float(adv[i]), 0.0
             continue
         vals = [float(adv[i, t]) for t in range(adv.shape[1]) if mask[i, t] and math.isfinite(adv[i, t])]
         if vals:
             seq[i] = float(np.mean(vals))
-            varies[i] = len(vals) > 1 and max(vals) - min(vals) > 1e-5 * (1 + abs(seq[i]))
+            spread_of[i] = max(vals) - min(vals) if len(vals) > 1 else 0.0
     complete = [idx for idx in members if len(idx) == cfg.group_size and all(i in seq for i in idx)]
     rows = [i for idx in complete for i in idx]
     if not rows:
@@ -398,44 +403,54 @@ def _form_reference(a: dict[str, np.ndarray], members: list[list[int]], mask: np
     std = {tuple(idx): float(np.std([seq[i] for i in idx], ddof=1)) for idx in complete}
     pop = {tuple(idx): float(np.std([seq[i] for i in idx])) for idx in complete}
     mixed = [k for k in std if std[k] > atol]
-    centred = all(abs(m) <= atol for m in mean.values())
-    upper = 1 + max(1e-5, min(cfg.advantage_bound_rtol, 1 / (4 * cfg.group_size)))
+    top = max(abs(seq[i]) for i in rows)
+    at_top = [i for i in rows if abs(seq[i]) >= top * (1 - 1e-6)]
+    judged = [k for k in mixed if not (set(k) & set(at_top) and abs(mean[k]) > atol)]  # nor are clipped groups
+    centred = all(abs(mean[k]) <= atol for k in judged)  # nor are tied groups
+    shifted = not all(abs(mean[k]) <= atol for k in mixed)
+    upper = 1 + max(1e-5, min(slack, 1 / (4 * cfg.group_size)))
 
     def unit(s: dict[tuple[int, ...], float]) -> bool:
-        at_one = sum(1 for k in mixed if 0.98 <= s[k] <= upper)
-        return centred and at_one >= 2 and at_one >= 0.9 * len(mixed) and all(s[k] <= upper for k in mixed)
+        at_one = sum(1 for k in judged if 0.98 <= s[k] <= upper)
+        return centred and at_one > 0 and at_one >= 0.9 * len(judged) and all(s[k] <= upper for k in judged)
 
     multi = sum(1 for i in rows if adv.ndim == 2 and int(mask[i].sum()) > 1)
-    varying = sum(1 for i in rows if varies[i])
+    varying = sum(1 for i in rows if spread_of[i] > 1e-5 * scale)
     r = a["rewards"]
     rewarded = [idx for idx in complete if all(math.isfinite(r[i]) for i in idx)]
     r_tol = 1e-5 * max(abs(float(r[i])) for i in rows if math.isfinite(r[i])) + 1e-12
     spread = [tuple(idx) for idx in rewarded if tuple(idx) in mixed and np.std([r[i] for i in idx], ddof=1) > r_tol]
     k = {g: std[g] / float(np.std([r[i] for i in g], ddof=1)) for g in spread}
+    unit_scale = min(1e-2, 0.5 / max(cfg.group_size - 1, 1))
     forms = {
         "shaped": varying > 0 and varying > 0.5 * multi,
         "unbiased": unit(std), "population": unit(pop),
-        "none": centred and len(spread) > 1 and all(abs(v - 1) <= 1e-2 for v in k.values()),
+        "none": centred and len(spread) > 1 and all(abs(v - 1) <= unit_scale for v in k.values()),
         "batch": centred and len(spread) > 1 and all(abs(v - np.mean(list(k.values())))
                                                       <= 1e-2 * abs(np.mean(list(k.values()))) for v in k.values()),
     }
     means = list(mean.values())
-    common = all(abs(m - np.mean(means)) <= atol for m in means)
-    forms["whitened"] = not centred and common and len(mixed) > 1  # the batches here hold no affine-in-r case
+    common = all(abs(m - np.mean(means)) <= atol for m in means) and bool(mixed) and len(means) > 1
+    unit_batch = abs(scale ** 2 - 1) <= 0.08
+    rescaled = forms["batch"] and unit_batch  # the batches here hold rewards: none is never rescaled
+    forms["none"] = forms["none"] and not rescaled
+    forms["batch"] = forms["batch"] and not rescaled
+    # the batches here hold no affine-in-r case
+    forms["whitened"] = (shifted and common) or rescaled or (centred and unit_batch and len(mixed) == 1)
     form = next((f for f, hit in forms.items() if hit), "unknown")
-    form = {"batch": {"none": "batch", "whitened": "batch"},
+    form = {"batch": dict.fromkeys(("none", "whitened", "unbiased", "population"), "batch"),
             "whitened": dict.fromkeys(("none", "batch", "unbiased", "population"), "whitened")}.get(
         cfg.advantage_norm, {}).get(form, form)
     bad: set[int] = set()
     for idx in rewarded:
         m_r = float(np.mean([r[i] for i in idx]))
-        tied = max(r[i] for i in idx) - min(r[i] for i in idx) <= r_tol
+        tied = max(r[i] for i in idx) == min(r[i] for i in idx)
         for i in idx:
             d, c = seq[i] - mean[tuple(idx)], float(r[i]) - m_r
             if (d * c < 0 and abs(d) > atol and abs(c) > r_tol) or (tied and abs(d) > atol):
                 bad.add(i)
     if cfg.advantage_norm in ("unbiased", "population", "none", "batch") and form == "unknown":
-        bad |= {i for idx in complete if abs(mean[tuple(idx)]) > atol for i in idx}
+        bad |= {i for idx in complete if tuple(idx) in judged and abs(mean[tuple(idx)]) > atol for i in idx}
     if cfg.advantage_norm in ("whitened", "shaped") or form == "shaped":
         bad = set()
     return form, {i for idx in complete for i in idx}, len(bad)

@@ -57,13 +57,14 @@ class MetricsConfig(Settings):
         "checked against the data each step: grpo_advantage_form_sequences_total): unbiased (group z-score with "
         "torch.std: GRPO, TRL scale_rewards='group', verl grpo, OpenRLHF group_norm), population (group z-score "
         "with the population std), none (group-centred, Dr. GRPO: verl norm_adv_by_std_in_grpo=False, TRL "
-        "scale_rewards='none', OpenRLHF dr_grpo), batch (group-centred over the whole batch's std, TRL "
-        "scale_rewards='batch'), whitened (batch-whitened: minus the batch mean, over the batch std; OpenRLHF "
-        "reinforce_baseline and reinforce, verl reinforce_plus_plus_baseline, TRL "
+        "scale_rewards='none', OpenRLHF dr_grpo), batch (group-centred over one batch-wide factor: TRL "
+        "scale_rewards='batch', RLOO's G/(G-1)), whitened (batch-whitened: minus the batch mean, over the batch "
+        "std; OpenRLHF reinforce_baseline and reinforce, verl reinforce_plus_plus_baseline, TRL "
         "multi_objective_aggregation='normalize_then_sum'), or shaped (per-token advantages of a reward shaped per "
         "token, the KL penalty in the reward: OpenRLHF's default, verl use_kl_in_reward, GAE). Only unbiased, "
-        "population and none bound |A| per group; under the others grpo_advantage_bound is absent and nothing "
-        "counts as over it",
+        "population and none bound |A| per group. Pass the rewards to observe_update too, and the advantages are "
+        "also checked against them (misaligned groups, another batch's advantages: "
+        "grpo_advantage_inconsistent_sequences_total)",
     )
     log_ratio_clamp: float | None = Field(
         None, gt=0.0, description="numerical |log ratio| clamp before exp (the fuse); None = not used"

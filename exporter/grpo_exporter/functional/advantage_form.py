@@ -24,11 +24,13 @@ rewards of the same sequences come with them, from the advantages against the re
 * ``unknown``: none of these. A scale applied after normalisation (every group's std the same factor, not 1),
   misaligned groups, advantages of another batch: the configured form's bound still judges them.
 
-Every test but ``shaped`` needs two groups with a spread at least: one group fits any mean, line or unit std.
+The scale and whitening tests need two groups at least: one group fits any common factor, mean or line.
 
-The detected form's bound judges the complete groups it was read from; fragments of groups (a micro-batch that
-split them) and every group of a step of unknown form keep the configured form's. A known form other than the
-configured one is reported (an info alert and a log line: set ``advantage_norm``).
+The detected form's bound judges every group of G members; fragments of groups (a micro-batch that split them)
+and every group of a step of unknown form keep the configured form's. Tied groups (no spread in their
+advantages) are no evidence of centring: rounding leaves them a common offset; nor is an uncentred group
+holding the step's largest |A| (a clip after normalisation; a scale on it exceeds the bound anyway). A known
+form other than the configured one is reported (an info alert and a log line: set ``advantage_norm``).
 Inconsistent sequences are counted apart: with rewards, an advantage that ranks its completion against its
 reward within the group, or moves where the group's rewards tie; under a configured group-centred form, a
 member of a group whose advantages do not sum to 0 (the groups handed over are not the estimator's).
@@ -56,16 +58,16 @@ CENTRED = ("unbiased", "population", "none", "batch")
 #: configured form -> detected forms its healthy data can look like, reported as the configured one: a batch
 #: scale or whitening over a batch whose mean advantage is 0 leaves group-centred advantages over one factor
 COMPATIBLE: dict[str, tuple[str, ...]] = {
-    "batch": ("none", "whitened"),
+    # a batch-wide std that happens to match one group's own reads as that group's z-score
+    "batch": ("none", "whitened", "unbiased", "population"),
     # a sum of per-function group z-scores (TRL normalize_then_sum) whose groups share one spread, whitened
     "whitened": ("none", "batch", "unbiased", "population"),
 }
-#: a group's advantages are centred / tied when within this share of the batch's RMS advantage: the rounding
-#: std normalisation leaves on a tied group is ~1e-3 of a unit advantage
+#: a group's advantages are centred / without a spread when within this share of the batch's RMS advantage
 CENTRE_RTOL = 1e-2
 #: the largest group std of a std-normalised form lies in [UNIT_LOW, 1 + slack]
 UNIT_LOW = 0.98
-#: the groups with a spread a form test needs at least: one group fits any mean, line or unit std by chance
+#: the groups a scale or whitening test needs at least: one group fits any common factor, mean or line
 MIN_GROUPS = 2
 #: share of the groups with a reward spread whose advantage std is 1 for a std-normalised form
 UNIT_SHARE = 0.9
@@ -74,17 +76,21 @@ SCALE_RTOL = 1e-2
 #: how far from 1 the mean square advantage of a batch-whitened step may lie (its weights are the tokens', the
 #: check's the sequences')
 WHITE_RTOL = 0.08
-#: share of multi-token sequences whose advantage varies along the sequence for the form to be ``shaped``
+#: share of multi-token sequences whose advantage varies along the sequence for the form to be ``shaped``, and by
+#: how much at least, over the batch's RMS advantage: a KL penalty in the reward early in training, when the KL
+#: is ~1e-3 nats a token, moves the returns by a per mille; a value broadcast along the sequence does not move
 SHAPED_SHARE = 0.5
+SHAPED_RTOL = 1e-5
 
 
 class SequenceAdvantages(NamedTuple):
     """Per sequence (N,): the advantage (fp64; the mean over finite loss tokens of per-token ones), whether it
-    exists, and whether it varies along the sequence (max - min above 1e-5 x (1 + |A|)) with two or more tokens."""
+    exists, how far it varies along the sequence (max - min over its loss tokens; 0 for per-sequence ones) and
+    whether it has two or more tokens."""
 
     value: Tensor
     exists: Tensor
-    varies: Tensor
+    spread: Tensor
     multi: Tensor
 
 
@@ -93,8 +99,7 @@ def sequence_advantages(advantages: Tensor, loss_mask: Tensor | None) -> Sequenc
     if advantages.dim() == 1:
         a = advantages.double()
         exists = torch.isfinite(a)
-        never = torch.zeros_like(exists)
-        return SequenceAdvantages(torch.where(exists, a, 0.0), exists, never, never)
+        return SequenceAdvantages(torch.where(exists, a, 0.0), exists, torch.zeros_like(a), torch.zeros_like(exists))
     valid = finite(advantages)
     if loss_mask is not None:
         valid = valid & loss_mask
@@ -103,8 +108,7 @@ def sequence_advantages(advantages: Tensor, loss_mask: Tensor | None) -> Sequenc
     top = filled(advantages, valid, -torch.inf).amax(dim=1).double()
     bottom = filled(advantages, valid, torch.inf).amin(dim=1).double()
     multi = tokens > 1
-    varies = multi & ((top - bottom) > 1e-5 * (1.0 + mean.abs()))
-    return SequenceAdvantages(mean, tokens > 0, varies, multi)
+    return SequenceAdvantages(mean, tokens > 0, torch.where(multi, top - bottom, 0.0), multi)
 
 
 class FormCheck(NamedTuple):
@@ -118,6 +122,15 @@ class FormCheck(NamedTuple):
     inconsistent: Tensor
 
 
+def bound_slack(advantages: Tensor, rtol: float) -> float:
+    """The relative slack of the |A| bound for advantages of this dtype: ``rtol`` (the setting), or the dtype's
+    own rounding where it is coarser (a bf16 z-score of a lone minority rounds up to 0.4% above its bound, a
+    bf16 group's std as far from 1)."""
+    if not advantages.is_floating_point():
+        return rtol
+    return max(rtol, torch.finfo(advantages.dtype).eps)
+
+
 def _all(condition: Tensor, where: Tensor) -> Tensor:
     return (condition | ~where).all()
 
@@ -125,9 +138,10 @@ def _all(condition: Tensor, where: Tensor) -> Tensor:
 def _unit(std: Tensor, mixed: Tensor, upper: float) -> Tensor:
     """Whether the groups' advantages are std-normalised: no ``mixed`` group's std above ``upper``, and at
     least UNIT_SHARE of them at 1 (within [UNIT_LOW, upper]; a group whose reward spread is near the eps of
-    std + eps lies below)."""
+    std + eps lies below). One group at 1 suffices: a std above 1 cannot hide in it, and a step of few mixed
+    groups (a solve rate near 1) must still be read."""
     at_one = count(mixed & (std >= UNIT_LOW) & (std <= upper))
-    return (at_one >= MIN_GROUPS) & (at_one >= UNIT_SHARE * count(mixed)) & _all(std <= upper, mixed)
+    return (at_one > 0) & (at_one >= UNIT_SHARE * count(mixed)) & _all(std <= upper, mixed)
 
 
 def _spread_ok(values: Tensor, where: Tensor, rtol: float) -> Tensor:
@@ -153,13 +167,15 @@ def _affine_residual_ok(a: Tensor, r: Tensor, where: Tensor, scale: Tensor) -> T
 class _Groups(NamedTuple):
     """The advantages of the complete groups as the form tests read them: ``member`` (N,) sequences read,
     ``a`` (N,) their advantage (0 elsewhere), ``stats`` per group, ``complete`` and ``mixed`` (a spread above
-    ``atol``) per group, ``atol`` the centring tolerance and ``scale`` the RMS advantage (0-d)."""
+    ``atol``) per group, ``judged`` the mixed groups the centring and unit-std tests read (those without a
+    clipped advantage), ``atol`` the centring tolerance and ``scale`` the RMS advantage (0-d)."""
 
     member: Tensor
     a: Tensor
     stats: GroupStats
     complete: Tensor
     mixed: Tensor
+    judged: Tensor
     atol: Tensor
     scale: Tensor
 
@@ -171,7 +187,13 @@ def _read_groups(seq: SequenceAdvantages, groups: Groups, group_size: int) -> _G
     scale = (a.square().sum() / count(member).clamp(min=1)).sqrt()
     atol = CENTRE_RTOL * scale + 1e-12
     stats = group_stats(torch.where(member, seq.value, torch.nan), groups)
-    return _Groups(member, a, stats, complete, complete & (stats.unbiased_std > atol), atol, scale)
+    mixed = complete & (stats.unbiased_std > atol)
+    # an advantage clipped after normalisation (clamp(-c, c)) sits at the step's largest |A|, and its group no
+    # longer sums to 0 nor has a unit std, with nothing wrong: such a group is no evidence either way
+    top = a.abs().amax() if a.numel() else scale
+    at_top = member & (a.abs() >= top * (1.0 - 1e-6))
+    clipped = (groups.count(at_top) > 0) & (stats.mean.abs() > atol)
+    return _Groups(member, a, stats, complete, mixed, mixed & ~clipped, atol, scale)
 
 
 class _Scaled(NamedTuple):
@@ -194,13 +216,14 @@ def _against_rewards(g: _Groups, rewards: Tensor, groups: Groups, group_size: in
     r_tol = 1e-5 * (r.abs().amax() if r.numel() else g.scale * 0) + 1e-12
     spread = g.mixed & rewarded & (r_stats.unbiased_std > r_tol)
     k = g.stats.unbiased_std / r_stats.unbiased_std.clamp(min=1e-300)
-    none = centred & (count(spread) >= MIN_GROUPS) & _all((k - 1.0).abs() <= SCALE_RTOL, spread)
+    unit_scale = min(SCALE_RTOL, 0.5 / max(group_size - 1, 1))  # RLOO's G/(G-1) is no 1, however large G
+    none = centred & (count(spread) >= MIN_GROUPS) & _all((k - 1.0).abs() <= unit_scale, spread)
     batch = centred & (count(spread) >= MIN_GROUPS) & _spread_ok(k, spread, SCALE_RTOL)
     in_rewarded = r_ok & rewarded[groups.index]
     affine = (count(spread) >= MIN_GROUPS) & _affine_residual_ok(g.a, r, in_rewarded, g.scale)
     d = g.a - g.stats.mean[groups.index]
     c = r - r_stats.mean[groups.index]
-    tied = (r_stats.range <= r_tol)[groups.index]
+    tied = (r_stats.range == 0)[groups.index]  # a near-tie is a spread std normalisation scales up, as it should
     against = ((d * c < 0) & (d.abs() > g.atol) & (c.abs() > r_tol)) | (tied & (d.abs() > g.atol))
     return _Scaled(none, batch, affine, in_rewarded & against)
 
@@ -225,33 +248,40 @@ def advantage_form(
     which also caps how far above 1 a z-score's group std may lie. No host sync."""
     seq = sequence_advantages(advantages, loss_mask)
     g = _read_groups(seq, groups, group_size)
-    varying = count(seq.varies & g.member)
-    centred = _all(g.stats.mean.abs() <= g.atol, g.complete)
-    upper = 1.0 + max(1e-5, min(bound_rtol, 1.0 / (4 * group_size)))
+    varying = count(seq.multi & g.member & (seq.spread > SHAPED_RTOL * g.scale))
+    # tied groups are no evidence of centring: an fp32 group mean one ulp off leaves every member of a tied group
+    # of partial-credit rewards the same non-zero advantage (verl's eps 1e-6 scales it to 0.03-0.8)
+    centred = _all(g.stats.mean.abs() <= g.atol, g.judged)
+    shifted = ~_all(g.stats.mean.abs() <= g.atol, g.mixed)  # a clip does not shift every group: whitening does
+    upper = 1.0 + max(1e-5, min(bound_slack(advantages, bound_rtol), 1.0 / (4 * group_size)))
+    # whitening shifts every complete group, tied ones included, by one mean: two groups show it
     mean_of_means = torch.where(g.complete, g.stats.mean, 0.0).sum() / count(g.complete).clamp(min=1)
-    common_mean = _all((g.stats.mean - mean_of_means).abs() <= g.atol, g.complete) & (count(g.mixed) >= MIN_GROUPS)
+    common_mean = (_all((g.stats.mean - mean_of_means).abs() <= g.atol, g.complete) & (count(g.mixed) > 0)
+                   & (count(g.complete) >= MIN_GROUPS))
     scaled = (_without_rewards(g, centred, configured) if rewards is None
               else _against_rewards(g, rewards, groups, group_size, centred))
     # a centred batch over one scale whose std over the batch is 1: whitening whose batch mean came out ~0
     unit_batch = (g.a.square().sum() / count(g.member).clamp(min=1) - 1.0).abs() <= WHITE_RTOL
     rescaled = (scaled.batch | (scaled.none if rewards is None else torch.zeros_like(centred))) & unit_batch
+    # one group with a spread (a solve rate near 1): centred, not a z-score, a mean square of 1 over the batch
+    lone = centred & unit_batch & (count(g.mixed) == 1)
     tests = {
         "shaped": (varying > 0) & (varying > SHAPED_SHARE * count(seq.multi & g.member)),
-        "unbiased": centred & _unit(g.stats.unbiased_std, g.mixed, upper),
-        "population": centred & _unit(g.stats.population_std, g.mixed, upper),
+        "unbiased": centred & _unit(g.stats.unbiased_std, g.judged, upper),
+        "population": centred & _unit(g.stats.population_std, g.judged, upper),
         "none": scaled.none & ~rescaled, "batch": scaled.batch & ~rescaled,
-        "whitened": (~centred & (common_mean | scaled.affine)) | rescaled,
+        "whitened": (shifted & (common_mean | scaled.affine)) | rescaled | lone,
     }
     checked = count(g.member)
     form = _first(tests, checked, configured)
     inconsistent = scaled.inconsistent
     if configured in CENTRED:
-        uncentred = g.complete & (g.stats.mean.abs() > g.atol)
+        uncentred = g.judged & (g.stats.mean.abs() > g.atol)
         inconsistent = inconsistent | (g.member & uncentred[groups.index] & (form == UNKNOWN))
     if configured in ("whitened", "shaped"):
         inconsistent = torch.zeros_like(inconsistent)
     inconsistent = inconsistent & (form != FORMS.index("shaped"))
-    bounds = form_bounds(form, g.complete, rewards, groups, group_size, configured)
+    bounds = form_bounds(form, groups.sizes() == group_size, rewards, groups, group_size, configured)
     return FormCheck(form, checked, bounds, inconsistent)
 
 
@@ -267,15 +297,19 @@ def _first(tests: dict[str, Tensor], checked: Tensor, configured: AdvantageNorm)
     return form
 
 
-def form_bounds(form: Tensor, complete: Tensor, rewards: Tensor | None, groups: Groups, group_size: int,
+def form_bounds(form: Tensor, whole: Tensor, rewards: Tensor | None, groups: Groups, group_size: int,
                 configured: AdvantageNorm) -> Tensor:
-    """Per-bin |A| bound: on the ``complete`` groups the form was read from, the detected form's where it has
-    one and none for a detected form without a group bound (batch, whitened, shaped); the configured form's on
-    every other group (fragments a micro-batch split, groups with a non-finite advantage) and wherever the
-    form is unknown."""
+    """Per-bin |A| bound: on the ``whole`` groups (G members, whether or not each has a finite advantage: a row
+    whose loss mask overlong filtering emptied is still its group's), the detected form's where it has one and
+    none for a detected form without a group bound (batch, whitened, shaped); the configured form's on fragments
+    of groups (a micro-batch that split them) and wherever the form is unknown. Under a configured ``none``
+    (Dr. GRPO), group-centred advantages over one common factor (a detected batch) keep the range bound: a scale
+    applied after centring is the bug it is there for."""
     own = {name: advantage_bounds(rewards, groups, name, group_size) for name in BOUNDED}  # type: ignore[arg-type]
     configured_bound = own[configured] if configured in own else torch.full_like(own["unbiased"], torch.inf)
     bounds = torch.full_like(configured_bound, torch.inf)
     for name, bound in own.items():
         bounds = torch.where(form == FORMS.index(name), bound, bounds)
-    return torch.where(complete & (form != UNKNOWN), bounds, configured_bound)
+    if configured == "none":
+        bounds = torch.where(form == FORMS.index("batch"), own["none"], bounds)
+    return torch.where(whole & (form != UNKNOWN), bounds, configured_bound)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.config import MetricsConfig
-from grpo_exporter.functional.advantage_form import advantage_form
+from grpo_exporter.functional.advantage_form import advantage_form, bound_slack
 from grpo_exporter.functional.constants import cached_constant
 from grpo_exporter.functional.gradient import completion_positions
 from grpo_exporter.functional.reward import sequence_abs_advantage
@@ -127,7 +127,8 @@ def _over_bound(x: StepInputs, cfg: MetricsConfig | None) -> Tensor | None:
     bounds = advantage_form(x.advantages, x.loss_mask, x.rewards, groups, cfg.group_size, cfg.advantage_norm,
                             cfg.advantage_bound_rtol).bounds
     abs_a, exists = sequence_abs_advantage(x.advantages, x.loss_mask)
-    return exists & (abs_a.double() > bounds[groups.index] * (1.0 + cfg.advantage_bound_rtol) + 1e-6)
+    slack = bound_slack(x.advantages, cfg.advantage_bound_rtol)
+    return exists & (abs_a.double() > bounds[groups.index] * (1.0 + slack) + 1e-6)
 
 
 def select_rows(x: StepInputs, triggers: Sequence[str], rows: int,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from grpo_exporter.functional import reward
-from grpo_exporter.functional.advantage_form import FORMS, advantage_form
+from grpo_exporter.functional.advantage_form import FORMS, advantage_form, bound_slack
 from grpo_exporter.functional.reading import count, largest, reading
 from grpo_exporter.step.context import Context
 from grpo_exporter.step.gather import Gather
@@ -44,7 +44,8 @@ def advantages(out: Gather, ctx: Context) -> None:
         return
     form = advantage_form(x.advantages, x.loss_mask, x.rewards, groups, cfg.group_size, cfg.advantage_norm,
                           cfg.advantage_bound_rtol)
-    check = reward.advantage_check(x.advantages, x.loss_mask, groups, form.bounds, cfg.advantage_bound_rtol)
+    slack = bound_slack(x.advantages, cfg.advantage_bound_rtol)
+    check = reward.advantage_check(x.advantages, x.loss_mask, groups, form.bounds, slack)
     out.add("grpo_advantage_abs_max", check.abs_max)
     out.add("grpo_advantage_over_bound_sequences_total", check.over_bound)
     known = (groups.sizes() > 0) & torch.isfinite(form.bounds)
