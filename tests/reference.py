@@ -412,7 +412,7 @@ def _form_reference(a: dict[str, np.ndarray], members: list[list[int]], mask: np
 
     def unit(s: dict[tuple[int, ...], float]) -> bool:
         at_one = sum(1 for k in judged if 0.98 <= s[k] <= upper)
-        return centred and at_one > 0 and at_one >= 0.9 * len(judged) and all(s[k] <= upper for k in judged)
+        return centred and at_one > 0 and all(s[k] <= upper for k in judged)
 
     multi = sum(1 for i in rows if adv.ndim == 2 and int(mask[i].sum()) > 1)
     varying = sum(1 for i in rows if spread_of[i] > 1e-5 * scale)
