@@ -52,15 +52,18 @@ class AdvantageCheck(NamedTuple):
     over_bound: Tensor
 
 
+def over_bound(abs_a: Tensor, exists: Tensor, groups: Groups, bounds: Tensor, rtol: float) -> Tensor:
+    """(N,) the sequences whose |A| (:func:`sequence_abs_advantage`) is above their group's bound, with relative
+    slack ``rtol`` for rounding and the eps in std + eps: the step's count and the flight recorder's rows."""
+    return exists & (abs_a.double() > bounds[groups.index] * (1.0 + rtol) + 1e-6)
+
+
 def advantage_check(
     advantages: Tensor, loss_mask: Tensor | None, groups: Groups, bounds: Tensor, rtol: float
 ) -> AdvantageCheck:
-    """Max |A| and the number of sequences above their group's normalisation bound (with relative slack
-    ``rtol`` for rounding and the eps in std + eps)."""
+    """Max |A| and the number of sequences above their group's bound (:func:`over_bound`)."""
     abs_a, exists = sequence_abs_advantage(advantages, loss_mask)
-    limit = bounds[groups.index] * (1.0 + rtol) + 1e-6
-    over = exists & (abs_a.double() > limit)
-    return AdvantageCheck(masked_max(abs_a, exists), over.sum())
+    return AdvantageCheck(masked_max(abs_a, exists), over_bound(abs_a, exists, groups, bounds, rtol).sum())
 
 
 class LengthStats(NamedTuple):

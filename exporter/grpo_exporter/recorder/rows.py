@@ -21,7 +21,7 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.functional.advantage_form import advantage_form, bound_slack
 from grpo_exporter.functional.constants import cached_constant
 from grpo_exporter.functional.gradient import completion_positions
-from grpo_exporter.functional.reward import sequence_abs_advantage
+from grpo_exporter.functional.reward import over_bound, sequence_abs_advantage
 from grpo_exporter.inputs import SEQUENCE_BOOLS, SEQUENCE_FLOATS, TOKEN_BOOLS, TOKEN_FLOATS, StepInputs
 
 ROW_FIELDS = (*SEQUENCE_FLOATS, *SEQUENCE_BOOLS, "group_ids", "completion_lengths", "completion_ids", *TOKEN_BOOLS,
@@ -127,8 +127,7 @@ def _over_bound(x: StepInputs, cfg: MetricsConfig | None) -> Tensor | None:
     bounds = advantage_form(x.advantages, x.loss_mask, x.rewards, groups, cfg.group_size, cfg.advantage_norm,
                             cfg.advantage_bound_rtol).bounds
     abs_a, exists = sequence_abs_advantage(x.advantages, x.loss_mask)
-    slack = bound_slack(x.advantages, cfg.advantage_bound_rtol)
-    return exists & (abs_a.double() > bounds[groups.index] * (1.0 + slack) + 1e-6)
+    return over_bound(abs_a, exists, groups, bounds, bound_slack(x.advantages, cfg.advantage_bound_rtol))
 
 
 def select_rows(x: StepInputs, triggers: Sequence[str], rows: int,
