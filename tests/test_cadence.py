@@ -117,8 +117,11 @@ def cases(cadence_s: float) -> dict[str, Case]:
                                        ("GRPOEntropyCollapse", decline_onset),
                                        ("GRPOZeroVarianceAbovePrediction", 3.0, 11.0),
                                        ("GRPOFewGroupsCarrySignal", 3.0, 11.0))),
-        "one-step-grad-spike": Case((Segment("a", one_step(5 * u, cadence_s, grad_norm=100.0), 8 * u),), 9 * u,
+        # a spike beyond anything healthy (extreme: 1000 against a median of 4.5) pages at once; a lone 22x one,
+        # sudden but moving nothing else (a heavy-tailed healthy loop's), is recorded and pages nothing
+        "one-step-grad-spike": Case((Segment("a", one_step(5 * u, cadence_s, grad_norm=1000.0), 8 * u),), 9 * u,
                                     (("GRPOGradNormSpike", 5 * u),)),
+        "lone-grad-spike": Case((Segment("a", one_step(5 * u, cadence_s, grad_norm=100.0), 8 * u),), 9 * u),
         "clip-storm": Case((Segment("a", after(5 * u, near_clip, clip_share=1.0), 8 * u),), 9 * u,
                            (("GRPOClipFractionHigh", 5 * u),)),
         "stale-rollouts": Case((Segment("a", after(5 * u, near_clip, staleness=6), 8 * u),), 9 * u,
@@ -154,11 +157,14 @@ def cases(cadence_s: float) -> dict[str, Case]:
 
 def a_day_at_ten_minutes(step: int, hours: float) -> Knobs:
     """One run of 24 h at 10-minute steps with every fault of the replay acceptance in turn: a one-step grad
-    spike at 4 h, a clip storm 5-7 h, stale rollouts 9-11 h, one noisy batch at 13 h, then from 14 h a slow
+    spike beyond anything healthy at 4 h (a lone 22x one at 12 h, recorded, pages nothing), a clip storm 5-7 h,
+    stale rollouts 9-11 h, one noisy batch at 13 h, then from 14 h a slow
     collapse (over 8 h entropy x 1.0 -> 0.25 and the groups one by one come to repeat one answer: pass@G falls from its
     best while pass@1 holds); a normal end at 23.5 h."""
     k = near_clip(step, hours)
     if round(hours * 6) == 24:
+        k = replace(k, grad_norm=1000.0)
+    if round(hours * 6) == 72:
         k = replace(k, grad_norm=100.0)
     if 5 <= hours < 7:
         k = replace(k, clip_share=1.0)

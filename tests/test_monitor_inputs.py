@@ -267,48 +267,6 @@ def test_step_numbers_are_integers_of_any_kind():
 # ---- per-step events counted in the process (issue 11) -------------------------------------------------
 
 
-def test_a_one_step_grad_norm_spike_is_counted_in_the_process():
-    """Seed: a step whose pre-clip norm is 10x the rolling median. One step of 50x among steps of ~1 is counted
-    once, whatever the scrapes see; the solved-task regime (most norms exactly 0) never makes the median 0."""
-    with monitor() as mon:
-        norms = [1.0 + 0.01 * (i % 7) for i in range(30)] + [50.0] + [1.0] * 5
-        for step, norm in enumerate(norms):
-            mon.observe_update(step, grad_norm_pre_clip=norm, max_grad_norm=100.0)
-            mon.end_step()
-        assert registry_value(mon, "grpo_grad_norm_spike_steps_total") == 1
-    with monitor() as solved:
-        norms = [0.0 if i % 6 else 1.0 for i in range(150)] + [3.0]  # 84% zero norms, then an ordinary mixed step
-        for step, norm in enumerate(norms):
-            solved.observe_update(step, grad_norm_pre_clip=norm, max_grad_norm=100.0)
-            solved.end_step()
-        assert registry_value(solved, "grpo_grad_norm_spike_steps_total") == 0
-
-
-def test_no_spike_is_judged_before_enough_norms():
-    from grpo_exporter.runtime.spikes import GradNormSpikes
-
-    spikes = GradNormSpikes(MonitorConfig(run="r", group_size=8))
-    assert [spikes.observe(x) for x in [0.01] * 19 + [1.0]] == [False] * 20  # 19 tiny early norms: no baseline
-    assert spikes.observe(10.5) is True  # 20 norms seen now: median 0.01, and 10.5 > 10x it
-    assert spikes.observe(float("nan")) is False
-
-
-def test_a_converging_run_whose_signal_swings_is_no_spike_and_a_crash_still_is():
-    """A converging run: most steps carry one mixed group of sixteen (1/16 of the loss tokens have signal,
-    norm ~0.05), some several (1/2, norm ~0.6, twelve times the norm for eight times the signal). Judged per signal
-    share (seed: zero-advantage tokens dilute the gradient) nothing spikes; judged raw, the dense steps do. A
-    crash, 10x the norm at the same signal, still spikes."""
-    from grpo_exporter.runtime.spikes import GradNormSpikes
-
-    config = MonitorConfig(run="r", group_size=8)
-    steps = [(0.05, 1 / 16)] * 30 + [(0.6, 0.5), (0.05, 1 / 16), (0.55, 0.5)] * 5
-    per_signal, raw = GradNormSpikes(config), GradNormSpikes(config)
-    assert not any(per_signal.observe(norm, share) for norm, share in steps)
-    assert any(raw.observe(norm) for norm, _ in steps)
-    assert per_signal.observe(0.6, 1 / 16) is True  # twelve times the sparse steps' norm at their signal
-    assert per_signal.observe(0.3, 0.0) is False  # no signal at all: not judged
-
-
 def test_stale_update_steps_are_counted_on_every_step():
     """A weight sync every 8 steps: staleness climbs 0..7 and resets. Steps 5, 6 and 7 of each cycle are more
     than 4 versions stale; a scrape right after each sync would only ever see 0."""

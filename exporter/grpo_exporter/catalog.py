@@ -473,9 +473,19 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric(
         "grpo_grad_norm_spike_steps_total", C,
-        "Optimizer steps whose pre-clip grad norm exceeded grad_spike_factor (10) times the median of the "
-        "previous grad_spike_window_steps non-zero norms, counted in the process: a one-step spike is never "
-        "missed between scrapes, and zero norms (no signal-carrying group) never make the median 0.",
+        "Optimizer steps whose pre-clip grad norm (per share of signal-carrying tokens) exceeded grad_spike_factor "
+        "(10) times the median of the previous grad_spike_window_steps non-zero norms and grad_spike_tail_factor "
+        "(3) times their 90th percentile: sudden for the run, recorded, not paged alone. Counted in "
+        "the process: a one-step spike is never missed between scrapes.",
+        G, "steps", inputs=("grad_norm_pre_clip",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_grad_norm_spike_confirmed_steps_total", C,
+        "Grad-norm spikes confirmed by what a real instability moves with them, at the spike or within "
+        "grad_spike_confirm_steps (2) optimizer steps: a non-finite value, the log-ratio fuse hit, the token ESS "
+        "ratio below half its window minimum, |dtheta|/|theta| 3x its window maximum, another spike; or a spike "
+        "beyond grad_spike_extreme_factor (100) times the median. GRPOGradNormSpike pages on it (the field "
+        "notes: ESS warns, the grad norm confirms).",
         G, "steps", inputs=("grad_norm_pre_clip",), source=Source.MONITOR,
     ),
     Metric(

@@ -57,18 +57,43 @@ class EventLines(Settings):
 
     grad_spike_factor: float = Field(
         10.0, gt=1, description="a step's pre-clip grad norm above this multiple of the median of the previous "
-        "non-zero norms counts in grpo_grad_norm_spike_steps_total and pages GRPOGradNormSpike (10x); each "
-        "norm is taken per share of loss tokens with non-zero advantage (the gradient's dilution), so a "
-        "converging run whose steps swing between one mixed group and several is no spike",
+        "non-zero norms, and sudden for the run (grad_spike_tail_factor), is a spike (the field notes: a sudden "
+        "spike of 10x or more), counted in grpo_grad_norm_spike_steps_total; each norm is taken per share of loss "
+        "tokens with non-zero advantage (the gradient's dilution)",
+    )
+    grad_spike_tail_factor: float = Field(
+        3.0, gt=1, le=1000, description="a spike is also above this multiple of the 90th percentile of the previous "
+        "norms (the norm one step in ten reaches): a loop whose healthy norms swing by 10x (the first epoch on a "
+        "rollout against the clipped later ones, a solved task's one mixed group against several) spikes only "
+        "beyond its own swing",
+    )
+    grad_spike_extreme_factor: float = Field(
+        100.0, gt=1, description="a spike above this multiple of the median needs no confirmation: nothing healthy "
+        "reaches it (grpo_grad_norm_spike_confirmed_steps_total, GRPOGradNormSpike)",
+    )
+    grad_spike_confirm_steps: int = Field(
+        2, ge=0, le=100, description="optimizer steps after a spike in which what a real instability moves with "
+        "it (a non-finite value, the log-ratio fuse, ESS, |Δθ|/|θ|, another spike) still "
+        "confirms it; the spike step itself always counts (the field notes: ESS warns, the grad norm confirms)",
+    )
+    grad_spike_ess_factor: float = Field(
+        0.5, gt=0, lt=1, description="a token ESS ratio below this fraction of its smallest over the window "
+        "confirms a spike (the importance weights concentrated on a few tokens)",
+    )
+    grad_spike_update_factor: float = Field(
+        3.0, gt=1, description="|Δθ|/|θ| above this multiple of its largest over the window confirms a spike (the "
+        "violent update; measured at the next optimizer step, within grad_spike_confirm_steps)",
     )
     grad_spike_window_steps: int = Field(
-        50, ge=2, le=10_000, description="how many previous non-zero pre-clip norms the spike median is taken "
-        "over (zero norms, steps without a mixed group in a solved task, are left out: they would make the median "
-        "0); at most 10,000, as the median is taken every step",
+        50, ge=2, le=10_000, description="how many previous non-zero pre-clip norms the spike median and spread "
+        "are taken over (zero norms, steps without a mixed group in a solved task, are left out: they would make "
+        "the median 0), and the confirming readings' run medians; at most 10,000, as the medians are taken every "
+        "step",
     )
     grad_spike_min_steps: int = Field(
         20, ge=1, description="no spike is judged before this many non-zero norms were seen (a median of a "
-        "handful of early norms is no baseline)", le=MAX_STEPS,
+        "handful of early norms is no baseline); nor is a confirming reading before as many of its values",
+        le=MAX_STEPS,
     )
     staleness_max_versions: int = Field(
         4, ge=1, description="an update step trained on rollouts more than this many policy versions old counts "

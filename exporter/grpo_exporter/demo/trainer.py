@@ -1,6 +1,8 @@
 """A real GRPO loop on the CPU: brief supervised warm start, then rollouts from a separate engine, group
 sigma-normalised advantages, the PPO-clip loss (log ratio clamped before exp), gradient accumulation, and an
-optimizer step, with every fault of :mod:`grpo_exporter.demo.scenarios` injectable at a chosen step.
+optimizer step per epoch over the rollout, with every fault of :mod:`grpo_exporter.demo.scenarios` injectable at
+a chosen step. The loop's own choices (epochs, micro-batches, loss aggregation, optimizer, warm-up, grad clip,
+KL in the loss: :mod:`grpo_exporter.demo.loop`) are settings, as the world sweep varies them.
 
 It talks to grpo-exporter only through the public ``GRPOMonitor`` API, like any user's loop.
 """
@@ -15,12 +17,11 @@ import torch
 from torch import Tensor
 
 from grpo_exporter import GRPOMonitor
-from grpo_exporter.demo import dynamic_sampling
+from grpo_exporter.demo import dynamic_sampling, loop
 from grpo_exporter.demo.engine import Rollout, RolloutEngine
 from grpo_exporter.demo.model import TinyLM
-from grpo_exporter.demo.task import FIRST_SYMBOL, PAD, TOOL_LENGTH, Task
-
-HACK_WEIGHT = 2.0  # reward-hack: the quirk pays twice a correct answer
+from grpo_exporter.demo.rewards import rewards as rewards_of
+from grpo_exporter.demo.task import PAD, TOOL_LENGTH, Task
 
 
 @dataclass
@@ -47,6 +48,11 @@ class Faults:
     # > 0: the sampler draws every prompt from this many fixed ones (a data loader stuck on one small shard):
     # the policy masters them, and a dynamic-sampling loop generates ever more to fill its batch
     prompt_pool: int = 0
+    # the optimizer's faults that make a true grad-norm spike: a learning rate multiplied (a schedule or a
+    # resumed optimizer state gone wrong), and the loss multiplied by the accumulation steps where it should be
+    # divided (the gradient micro_batches^2 times its size)
+    lr_multiplier: float = 1.0
+    loss_times_accumulation: bool = False
 
 
 @dataclass
@@ -60,7 +66,14 @@ class DemoConfig:
     warmup_target: float = 0.3
     lr: float = 2e-4
     micro_batches: int = 4
-    max_grad_norm: float = 1.5  # healthy pre-clip norms stay near 0.5-1.2; an unscaled 4-step accumulation is ~4x
+    # None: no clipping (the norm is still measured); healthy pre-clip norms stay near 0.5-1.2, an unscaled
+    # 4-step accumulation is ~4x
+    max_grad_norm: float | None = 1.5
+    epochs: int = 1  # optimizer steps per rollout batch, each over all its micro-batches (PPO epochs)
+    loss_aggregation: str = "token"  # loop.AGGREGATIONS
+    optimizer: str = "adam"  # loop.OPTIMIZERS
+    lr_warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
+    kl_coef: float = 0.0  # > 0: beta times the k3 KL to the warm-started reference in the loss
     clip_eps: tuple[float, float] = (0.2, 0.28)
     log_ratio_clamp: float = 20.0
     format_weight: float = 0.1
@@ -98,7 +111,8 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.task = config.task
         self.policy = TinyLM(self.task.vocab, context=self.task.prompt_length + config.max_new)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=0.0)
+        self.optimizer = loop.Optimizer(self.policy.parameters(), config.optimizer, config.lr, config.lr_warmup_steps)
+        self.reference: TinyLM | None = None  # the KL term's frozen policy (kl_coef > 0), set after the warm start
         self.engine = RolloutEngine(self.policy, config.engine_precision)
         self.version = 0
         self.faults = Faults()
@@ -134,7 +148,13 @@ class Trainer:
                 if accuracy >= c.warmup_target:
                     break
         self.engine.sync(self.policy, self.version)
+        self._freeze_reference()
         return accuracy
+
+    def _freeze_reference(self) -> None:
+        """The KL term's reference: the warm-started policy, frozen (only with ``kl_coef`` > 0)."""
+        if self.config.kl_coef > 0:
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False)
 
     def snapshot(self) -> dict[str, object]:
         """The warm-started state (weights, sampling generator, policy version): a warm start is deterministic
@@ -148,6 +168,7 @@ class Trainer:
         self.generator.set_state(snapshot["generator"])  # type: ignore[arg-type]
         self.version = int(snapshot["version"])  # type: ignore[call-overload]
         self.engine.sync(self.policy, self.version)
+        self._freeze_reference()
 
     @torch.no_grad()
     def sampled_accuracy(self, prompts: int = 32) -> float:
@@ -196,44 +217,39 @@ class Trainer:
             filtered_all_incorrect_groups=self._filter.get("filtered_all_incorrect_groups"),
         )
 
-        size = rewards.shape[0] // c.micro_batches
-        self.optimizer.zero_grad()
-        for i in range(c.micro_batches):
-            rows = slice(i * size, (i + 1) * size)
-            self._micro_batch(step, rollout, rows, old_logprobs, loss_mask, advantages, rewards, lengths)
-        pre_clip = self.monitor.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm)
-        skipped = not bool(torch.isfinite(pre_clip))  # a real trainer skips a non-finite step
-        if skipped:
-            self.optimizer.zero_grad()
-        else:
-            self.optimizer.step()
-            self.version += 1
+        pre_clip, skipped = self._update(step, rollout, old_logprobs, loss_mask, advantages, rewards, lengths)
         self.engine.sync(self.policy, self.version)
         return StepReport(step, float(rewards.mean()), float(correct.float().mean()),
                           float(rollout.truncated.float().mean()), float(pre_clip), skipped,
                           float(correct.view(-1, c.group_size).any(dim=1).float().mean()))
 
+    def _update(self, step: int, rollout: Rollout, old_logprobs: Tensor, loss_mask: Tensor, advantages: Tensor,
+                rewards: Tensor, lengths: Tensor) -> tuple[Tensor, bool]:
+        """``epochs`` optimizer steps over the rollout, each accumulated over ``micro_batches``. A step whose
+        pre-clip norm is not finite or exactly 0 is skipped, as real trainers do. Returns the last pre-clip norm
+        and whether a step was skipped."""
+        c = self.config
+        size = rewards.shape[0] // c.micro_batches
+        skipped = False
+        pre_clip = torch.zeros(())
+        for _ in range(c.epochs):
+            self.optimizer.zero_grad()
+            for i in range(c.micro_batches):
+                rows = slice(i * size, (i + 1) * size)
+                self._micro_batch(step, rollout, rows, old_logprobs, loss_mask, advantages, rewards, lengths)
+            limit = math.inf if c.max_grad_norm is None else c.max_grad_norm
+            pre_clip = self.monitor.clip_grad_norm_(self.policy.parameters(), limit)
+            if not bool(torch.isfinite(pre_clip)) or float(pre_clip) == 0.0:
+                skipped = True
+                self.optimizer.zero_grad()
+                continue
+            self.optimizer.step(self.faults.lr_multiplier)
+            self.version += 1
+        return pre_clip, skipped
+
     def _rewards(self, rollout: Rollout) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(correct, total reward, components) of the rollout, with the reward faults switched on."""
-        c, f = self.config, self.faults
-        correct = self._score(rollout)
-        if f.verifier_broken:
-            correct = torch.zeros_like(correct)
-        if f.reward_hack:
-            # the "format" component now pays for a quirk (answers opening with the first symbol) that the policy
-            # already produces sometimes, and outweighs correctness: right only when that symbol is in the prompt
-            fmt = (rollout.completions[:, 0] == FIRST_SYMBOL).float()
-            rewards = correct.float() + HACK_WEIGHT * fmt
-        else:
-            fmt = (~rollout.truncated).float()
-            rewards = correct.float() + c.format_weight * fmt
-        components = {"correctness": correct.float(), "format": fmt}
-        if c.partial_weight:
-            partial = self.task.partial(rollout.prompts, *self.task.model_part(rollout.completions, rollout.lengths,
-                                                                               rollout.tool_mask))
-            rewards = rewards + c.partial_weight * partial
-            components["partial"] = partial
-        return correct, rewards, components
+        return rewards_of(rollout, self._score(rollout), self.task, self.config, self.faults)
 
     def _micro_batch(self, step: int, rollout: Rollout, rows: slice, old_logprobs: Tensor, loss_mask: Tensor,
                      advantages: Tensor, rewards: Tensor, lengths: Tensor) -> None:
@@ -246,20 +262,21 @@ class Trainer:
             old[:, 0] = -math.inf
         mask = loss_mask[rows]
         adv = advantages[rows].unsqueeze(1)
-        log_ratio = logprobs - old
-        if f.exp_before_clamp:
-            ratio = torch.exp(log_ratio).clamp(max=math.exp(c.log_ratio_clamp))
-        else:
-            ratio = torch.exp(log_ratio.clamp(-c.log_ratio_clamp, c.log_ratio_clamp))
-        low, high = c.clip_eps
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
-        loss = -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+        per_token = loop.ppo_clip(logprobs - old, adv, c.clip_eps, c.log_ratio_clamp, f.exp_before_clamp)
         if f.entropy_penalty:  # an entropy *penalty* (a bonus with the wrong sign) sharpens the policy
-            loss = loss + f.entropy_penalty * (entropy * mask).sum() / mask.sum().clamp(min=1)
-        scale = 1.0 if f.loss_not_divided_by_accumulation else 1.0 / c.micro_batches
+            per_token = per_token + f.entropy_penalty * entropy
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self._logprobs(rollout, rows, model=self.reference)[0]
+            per_token = per_token + c.kl_coef * loop.kl_k3(logprobs, ref)
+        loss = loop.aggregate(per_token, mask.float(), c.loss_aggregation, float(mask.shape[0] * mask.shape[1]))
+        scale = (1.0 if f.loss_not_divided_by_accumulation else
+                 float(c.micro_batches) if f.loss_times_accumulation else 1.0 / c.micro_batches)
         (loss * scale).backward()
         self.monitor.observe_update(
             step, logprobs=logprobs.detach(), old_logprobs=old, advantages=advantages[rows], loss_mask=mask,
+            ref_logprobs=ref,
             entropy=entropy.detach(), on_policy=rollout.policy_version == self.version,
             policy_version=self.version, rollout_policy_version=rollout.policy_version,
             rewards=rewards[rows], completion_lengths=lengths[rows], completion_ids=rollout.completions[rows],
@@ -300,16 +317,17 @@ class Trainer:
         temperature = self.faults.old_logprob_temperature
         return torch.cat([self._logprobs(rollout, slice(i, i + size), temperature)[0] for i in range(0, n, size)])
 
-    def _logprobs(self, rollout: Rollout, rows: slice = slice(None), temperature: float = 1.0) -> tuple[Tensor,
-                                                                                                          Tensor]:
+    def _logprobs(self, rollout: Rollout, rows: slice = slice(None), temperature: float = 1.0,
+                  model: TinyLM | None = None) -> tuple[Tensor, Tensor]:
         """Trainer-side per-token log-probs and entropies of the completions (log_softmax in fp32 of logits
-        computed in ``trainer_precision``; ``temperature`` divides them, 1 but for the second-path fault)."""
+        computed in ``trainer_precision``; ``temperature`` divides them, 1 but for the second-path fault) under
+        the policy, or ``model`` (the KL term's reference)."""
         prompts, completions = rollout.prompts[rows], rollout.completions[rows]
         sequence = torch.cat([prompts, completions], dim=1)
         lp = self.task.prompt_length
         bf16 = self.config.trainer_precision == torch.bfloat16
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = self.policy(sequence[:, :-1])[:, lp - 1 :]
+            logits = (model or self.policy)(sequence[:, :-1])[:, lp - 1 :]
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         chosen = logp.gather(2, completions.unsqueeze(2)).squeeze(2)
         entropy = -(logp.exp() * logp).sum(dim=-1)

@@ -2,10 +2,13 @@
 with the demo's trainer (:meth:`World.config`) and watched by a real :class:`~grpo_exporter.GRPOMonitor`
 (tests/worlds.py trains them and replays them through the production rules).
 
-The axes (issue 27): task family (one right answer; many; one whose length depends on the prompt; partial
-credit from several reward components), warm-start strength (weak, medium, already solved), G (4, 8, 16),
-completion length (short, long), engine precision (fp32, bf16) and cadence (20 s, 2 min, 10 min between
-steps). :func:`world` enumerates them so that any 24 consecutive worlds cover every value of every axis.
+The axes: task family (one right answer; many; one whose length depends on the prompt; partial credit from
+several reward components), warm-start strength (weak, medium, already solved), G (4, 8, 16), completion length
+(short, long), engine precision (fp32, bf16) and cadence (20 s, 2 min, 10 min between steps); and the training
+loop itself (:class:`Loop`): epochs per rollout (1, 2, 4), micro-batches accumulated per optimizer step (1, 4,
+8), loss aggregation (token mean, sequence mean, Dr. GRPO's constant), optimizer (Adam, AdamW with weight decay,
+SGD with momentum), learning rate (constant, warm-up), grad clip (0.5, 1, none) and KL in the loss or not.
+:func:`world` enumerates them so that any 24 consecutive worlds cover every value of every axis.
 
 A world is classified by the trainer's own measurements, never by the exporter's: its pass@1 (share of
 correct rollouts) and pass@G (share of groups with a correct one) early and late in the run. The seed's
@@ -27,6 +30,7 @@ from statistics import fmean
 
 import torch
 
+from grpo_exporter.demo import loop
 from grpo_exporter.demo.task import Task
 from grpo_exporter.demo.trainer import DemoConfig
 
@@ -48,6 +52,13 @@ CADENCES = {"20s": 20.0, "2min": 120.0, "10min": 600.0}
 # steps a world trains: past the rules' baselines and anchors at its cadence (1 h floors at 20 s; ~5 h at 10 min)
 STEPS = {"20s": 300, "2min": 150, "10min": 80}
 BATCH = 64  # completions a step: prompts = BATCH / G
+EPOCHS = (1, 2, 4)
+MICRO_BATCHES = (1, 4, 8)
+AGGREGATIONS = loop.AGGREGATIONS
+OPTIMIZERS = loop.OPTIMIZERS
+SCHEDULES = {"constant": 0, "warmup": 20}  # optimizer steps of linear warm-up
+CLIPS = {"0.5": 0.5, "1": 1.0, "none": None}
+KL = {"off": 0.0, "on": 0.04}  # beta of the k3 KL to the warm-started policy (DeepSeekMath's GRPO: 0.04)
 # the classification (the trainer's own pass@1 and pass@G, early and late fifths of the run)
 # pass@G falls by more than this, absolute, and by more than COLLAPSE_STANDARD_ERRORS standard errors of the
 # difference of the two fifths' means (the groups they hold decide), the standard of evidence the alerts apply
@@ -55,6 +66,48 @@ BATCH = 64  # completions a step: prompts = BATCH / G
 COLLAPSE_PASS_G_DROP = 0.05
 COLLAPSE_STANDARD_ERRORS = 2.0
 PASS_1_HOLD = 0.05  # ... while pass@1 falls less than this
+
+
+@dataclass(frozen=True)
+class Loop:
+    """How a world trains on each rollout batch (values of the loop axes, keys of the tables above). The
+    defaults are the demo's own loop (its clip: ``clip`` None); the conflict family and the named control
+    worlds of tests/test_worlds.py train with it."""
+
+    epochs: int = 1
+    micro_batches: int = 4
+    aggregation: str = "token"
+    optimizer: str = "adam"
+    schedule: str = "constant"
+    clip: str | None = None
+    kl: str = "off"
+
+    @property
+    def name(self) -> str:
+        clip = f"{DemoConfig.max_grad_norm:g}" if self.clip is None else self.clip
+        return (f"e{self.epochs}m{self.micro_batches}-{self.aggregation}-{self.optimizer}-{self.schedule}-"
+                f"clip{clip}-kl{self.kl}")
+
+    def settings(self) -> dict[str, object]:
+        """The :class:`~grpo_exporter.demo.trainer.DemoConfig` fields of this loop."""
+        clip = {} if self.clip is None else {"max_grad_norm": CLIPS[self.clip]}
+        return {"epochs": self.epochs, "micro_batches": self.micro_batches, "loss_aggregation": self.aggregation,
+                "optimizer": self.optimizer, "lr_warmup_steps": SCHEDULES[self.schedule], "kl_coef": KL[self.kl],
+                **clip}
+
+
+def loop_of(index: int) -> Loop:
+    """The ``index``-th world's loop. Each axis is (index // d + index) mod its period, or a block of d worlds
+    mod 2, with d small enough that any 24 consecutive indices hold every value."""
+    return Loop(
+        epochs=EPOCHS[(index // 5 + index) % 3],
+        micro_batches=MICRO_BATCHES[(index // 8 + index) % 3],
+        aggregation=AGGREGATIONS[(index // 9 + index) % 3],
+        optimizer=OPTIMIZERS[(index // 4 + index) % 3],
+        schedule=list(SCHEDULES)[(index // 3) % 2],
+        clip=list(CLIPS)[(index // 10 + index) % 3],
+        kl=list(KL)[(index // 7) % 2],
+    )
 
 
 @dataclass(frozen=True)
@@ -67,6 +120,7 @@ class World:
     precision: str
     cadence: str
     seed: int
+    loop: Loop = field(default_factory=Loop)
     # not an axis of the enumeration: a bf16 trainer whose old log-probs are recomputed ``old_logprob_rows``
     # rows a pass (batch-variant numerics, the on-policy check's noise; tests/test_worlds.py)
     trainer: str = "fp32"
@@ -77,7 +131,7 @@ class World:
         extra = f"-trainer-{self.trainer}" if self.trainer != "fp32" else ""
         extra += f"-rows{self.old_logprob_rows}" if self.old_logprob_rows is not None else ""
         return (f"w{self.index:03d}-{self.family}-{self.warm}-g{self.group_size}-{self.length}-{self.precision}-"
-                f"{self.cadence}{extra}")
+                f"{self.cadence}-{self.loop.name}{extra}")
 
     @property
     def cadence_s(self) -> float:
@@ -96,7 +150,7 @@ class World:
             partial_weight=partial, engine_precision=PRECISIONS[self.precision],
             trainer_precision=PRECISIONS[self.trainer], old_logprob_rows=self.old_logprob_rows,
             task=Task(symbols=6, length=symbols_in_prompt, kind=kind),
-            lr=CONFLICT_LR if self.family == CONFLICT else DemoConfig.lr,
+            lr=CONFLICT_LR if self.family == CONFLICT else DemoConfig.lr, **self.loop.settings(),  # type: ignore[arg-type]
         )
 
 
@@ -112,6 +166,7 @@ def world(index: int) -> World:
         precision=list(PRECISIONS)[(index // 2 + index // 8) % 2],
         cadence=list(CADENCES)[(index // 12 + index) % 3],
         seed=1000 + index,
+        loop=loop_of(index),
     )
 
 
@@ -177,5 +232,6 @@ class Trajectory:
         return "collapsing" if falls and holds else "healthy"
 
 
-__all__ = ["CADENCES", "COLLAPSE_INDEX", "CONFLICT", "FAMILIES", "GROUP_SIZES", "LENGTHS", "PRECISIONS", "WARM",
-           "Trajectory", "World", "collapse_world", "world"]
+__all__ = ["AGGREGATIONS", "CADENCES", "CLIPS", "COLLAPSE_INDEX", "CONFLICT", "EPOCHS", "FAMILIES", "GROUP_SIZES",
+           "KL", "LENGTHS", "MICRO_BATCHES", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "WARM", "Loop", "Trajectory",
+           "World", "collapse_world", "loop_of", "world"]

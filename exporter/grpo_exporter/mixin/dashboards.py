@@ -175,11 +175,15 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   (q("run:grpo_log_ratio_clamp_hit_tokens:window_ratio"),),
                   "percentunit", thresholds=((c.fuse_hit_ratio, "orange"),), min=0),
         PanelSpec("How large is the gradient before and after clipping?",
-                  f"Pre-clip norm (log before clip!), post-clip norm and {c.grad_spike_factor:g}x the rolling median: a spike crossing it pages.",
+                  f"Pre-clip norm (log before clip!), post-clip norm and {c.grad_spike_factor:g}x the rolling median: a spike crossing it is recorded, and pages once confirmed (panel below).",
                   (q(f"max by (run) (grpo_grad_norm_pre_clip{{{SEL}}})", "pre-clip {{run}}"),
                    q(f"max by (run) (grpo_grad_norm_post_clip{{{SEL}}})", "post-clip {{run}}"),
                    q(f"{c.grad_spike_factor:g} * run:grpo_grad_norm_pre_clip:baseline_median", "spike line {{run}}")),
                   "none", min=0),
+        PanelSpec("Is a spike a real instability?", "Spikes sudden for the run (recorded); confirmed ones page.",
+                  tuple(q(f"sum by (run) (increase(grpo_grad_norm_spike{s}_steps_total{{{SEL}}}[{c.window()}]))",
+                          f"{legend} {{{{run}}}}") for s, legend in (("", "recorded"), ("_confirmed", "confirmed"))),
+                  "short", min=0),
         PanelSpec("Does clipping act on every step?",
                   "Share of optimizer steps rescaled by gradient clipping. Nearly every step while the clip removes half "
                   f"the update or more (pre-clip norm >= {c.grad_clip_carry_factor:g}x post-clip, panel above) = the "

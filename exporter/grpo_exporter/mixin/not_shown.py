@@ -12,7 +12,6 @@ NOT_SHOWN: dict[str, str] = {
     "grpo_dropped_reward_components_total": "configuration feedback (raise max_reward_components), not a training signal",
     "grpo_dropped_micro_steps_total": "API-use feedback (a step that never ends), logged by the exporter too",
     "grpo_stale_update_steps_total": "GRPORolloutsStale's counter; the staleness panel shows the versions and the line",
-    "grpo_grad_norm_spike_steps_total": "GRPOGradNormSpike's counter; the grad-norm panel shows the norms and the spike line",
     "grpo_run_finished": "lifecycle: tells a normal end from a crash for GRPOExporterDown and GRPOTrainingStalled",
     "grpo_build_info": "used by the job and run variables, not plotted",
     "grpo_steps_total": "shown as steps per minute",

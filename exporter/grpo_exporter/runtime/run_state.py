@@ -24,7 +24,7 @@ from grpo_exporter.runtime.anchors import FrozenMean
 from grpo_exporter.runtime.components import ComponentNames
 from grpo_exporter.runtime.monitor_config import MonitorConfig
 from grpo_exporter.runtime.solve_rates import SolveRates
-from grpo_exporter.runtime.spikes import GradNormSpikes
+from grpo_exporter.runtime.spikes import Evidence, GradNormSpikes
 from grpo_exporter.step import host_values
 
 log = logging.getLogger("grpo_exporter")
@@ -60,7 +60,7 @@ class Prediction:
 @dataclass
 class Derived:
     """What a step's readings add to the publication through the run's state: gauges (replaced) and counter
-    increments (added); ``spike``: the step's grad norm was a spike (the flight recorder's trigger)."""
+    increments (added); ``spike``: the step confirmed a grad-norm spike (the flight recorder's trigger)."""
 
     gauges: dict[str, float] = field(default_factory=dict)
     increments: dict[str, float] = field(default_factory=dict)
@@ -162,14 +162,19 @@ class RunState:
 
     def after_update(self, metrics: Mapping[str, float]) -> Derived:
         """A grad-norm spike (against the run's recent norms, judged with the step's share of tokens that carry
-        signal), the on-policy noise frozen over the run's first steps, and a stale update (rollouts more than
-        ``staleness_max_versions`` policy versions old)."""
+        signal) and its confirmation, the on-policy noise frozen over the run's first steps, and a stale update
+        (rollouts more than ``staleness_max_versions`` policy versions old)."""
         out = Derived()
         norm = metrics.get(catalog.key("grpo_grad_norm_pre_clip"))
         zero_share = metrics.get(catalog.key("grpo_zero_advantage_tokens_ratio"))
-        out.spike = norm is not None and self.spikes.observe(norm, None if zero_share is None else 1.0 - zero_share)
-        if out.spike:
+        reading = self.spikes.observe(norm, None if zero_share is None else 1.0 - zero_share, Evidence.of(metrics))
+        out.spike = reading.confirmed
+        if reading.spike:
             out.increments[catalog.key("grpo_grad_norm_spike_steps_total")] = 1.0
+        if reading.confirmed:
+            out.increments[catalog.key("grpo_grad_norm_spike_confirmed_steps_total")] = 1.0
+            log.warning("grpo_exporter: run %s: a grad-norm spike confirmed by %s (GRPOGradNormSpike; pre-clip norm "
+                        "%s)", self.config.run, reading.evidence, norm)
         on_policy = metrics.get(catalog.key("grpo_onpolicy_log_ratio_abs_max_nats"))
         noise = self.onpolicy_noise.observe(on_policy) if on_policy is not None else None
         if noise is not None:

@@ -121,11 +121,16 @@ def alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPOGradNormSpike", OPTIMIZER, "grad_norm", "warning",
-            f"{increase(c, 'grpo_grad_norm_spike_steps_total')} > 0", 0,
-            "Pre-clip gradient norm spiked above its rolling median.",
-            "Run {{ $labels.run }}: " + template_value("%.0f") + f" optimizer step(s) over {w} had a pre-clip grad norm "
-            f"above {c.grad_spike_factor:g}x the median of the previous {c.grad_spike_window_steps} non-zero "
-            "norms (counted in the process, so no step between scrapes is missed); rolling median now "
+            f"{increase(c, 'grpo_grad_norm_spike_confirmed_steps_total')} > 0", 0,
+            "A sudden pre-clip gradient-norm spike, confirmed by what a real instability moves with it.",
+            "Run {{ $labels.run }}: " + template_value("%.0f") + f" optimizer step(s) over {w} confirmed a "
+            f"pre-clip grad norm above {c.grad_spike_factor:g}x the median of the previous "
+            f"{c.grad_spike_window_steps} non-zero norms and {c.grad_spike_tail_factor:g}x their 90th percentile, "
+            "with a non-finite value, the log-ratio fuse, the ESS ratio, "
+            f"|dtheta|/|theta| or another spike within {c.grad_spike_confirm_steps} steps (or above "
+            f"{c.grad_spike_extreme_factor:g}x); "
+            + template_query("sum(increase(grpo_grad_norm_spike_steps_total{run=%q}[" + w + "]))", "%.0f")
+            + " spike(s) recorded; rolling median now "
             + template_query("max(run:grpo_grad_norm_pre_clip:baseline_median{run=%q})") + ".",
             event=True,
         ),
