@@ -237,6 +237,8 @@ class Segment:
     seed: int = 0
     instance: str = INSTANCE  # its scrape target; runs on one target follow each other
     monitor: dict[str, object] = field(default_factory=dict)  # more MonitorConfig settings
+    prompts: int = 16  # groups a step
+    group_size: int = 8
 
 
 @dataclass
@@ -284,8 +286,8 @@ def replay(mixin: MixinConfig, cadence_s: float, segments: list[Segment], total_
     timeline = Timeline(scrapes)
     for seg in segments:
         up = f'up{{instance="{seg.instance}",job="{JOB}"}}'
-        sim = SimulatedRun(seg.seed)
-        config = MonitorConfig(**({"run": seg.run, "group_size": 8, "port": None, "guard": "off",
+        sim = SimulatedRun(seg.seed, prompts=seg.prompts, group_size=seg.group_size)
+        config = MonitorConfig(**({"run": seg.run, "group_size": seg.group_size, "port": None, "guard": "off",
                                    "close_linger_s": 0.0, "edit_distance_groups": 4} | seg.monitor))
         mon = GRPOMonitor(config=config)
         steps = int(seg.hours * 3600 // cadence_s)

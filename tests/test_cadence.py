@@ -86,6 +86,25 @@ def entropy_decline(step: int, hours: float) -> Knobs:
     return Knobs(solve=0.5, entropy=1.0 - 0.75 * fall, same_answer=fall, distinct=1.0 - 0.6 * fall)
 
 
+def slow_collapse(shape: str) -> Scenario:
+    """A collapse over 8 h from hour 4: a share of the groups that grows to 0.8 repeat one answer (pass@G falls
+    by about a third), entropy falls 1.0 -> 0.4 and the distinct share with it, while pass@1 rises 0.45 -> 0.55
+    (the reward keeps rising). ``shape``: how the fall goes, ``linear``, ``early`` (fast first: half of it by
+    6.3 h) or ``late`` (fast last: half by 9.7 h)."""
+    def fall(hours: float) -> float:
+        x = min(1.0, max(0.0, (hours - 4) / 8))
+        return {"linear": x, "early": 1 - (1 - x) ** 2, "late": x * x}[shape]
+
+    return lambda step, hours: Knobs(solve=0.45 + 0.1 * min(1.0, hours / 12), entropy=1.0 - 0.6 * fall(hours),
+                                     same_answer=0.8 * fall(hours), distinct=1.0 - 0.6 * fall(hours), grad_norm=4.5)
+
+
+def learning(step: int, hours: float) -> Knobs:
+    """A healthy run that learns for 12 h: pass@1 0.3 -> 0.8, entropy 1.0 -> 0.5, no group repeats an answer."""
+    x = min(1.0, hours / 12)
+    return Knobs(solve=0.3 + 0.5 * x, entropy=1.0 - 0.5 * x, grad_norm=4.5)
+
+
 def one_step(at_hours: float, cadence_s: float, **fault: object) -> Scenario:
     """``fault`` on exactly one step: the first at or after ``at_hours``."""
     target = round(at_hours * 3600 / cadence_s)
@@ -146,6 +165,21 @@ def cases(cadence_s: float) -> dict[str, Case]:
         "process-dies": Case((Segment("a", near_clip, 5 * u, closed=False),), 7 * u,
                              (("GRPOTrainingStalled", 5 * u), ("GRPOExporterDown", 5 * u))),
     }
+    if cadence_s >= 120:
+        # a slow collapse over 8 h from hour 4 with fewer groups a step than the collapse window needs: the trend
+        # and long windows hold them. At 2-min steps, 8 groups a step page the linear fall by 9 h (6.9-8.8 h over
+        # 4 seeds: half-way at 8 h is reached on 2 of 4), 4 groups at G = 16 the early-fast fall by 8 h (6.4-7.4 h;
+        # half of its fall is at 6.3 h); a run that learns for 20 h with 4 groups a step at G = 16 (pass@G near 1)
+        # pages nothing (docs/runbooks.md#grpopolicycollapseonset has the table, 10-min steps included)
+        found["slow-collapse-learning-4-groups"] = Case(
+            (Segment("a", learning, 19.5, prompts=4, group_size=16),), 20.0)
+        if cadence_s < 300:
+            found["slow-collapse-linear-8-groups"] = Case(
+                (Segment("a", slow_collapse("linear"), 9.5, prompts=8),), 10.0,
+                (("GRPOPolicyCollapseOnset", 4.0, 5.0),))
+            found["slow-collapse-early-4-groups"] = Case(
+                (Segment("a", slow_collapse("early"), 8.5, prompts=4, group_size=16),), 9.0,
+                (("GRPOPolicyCollapseOnset", 4.0, 4.0),))
     if cadence_s < 60:
         found["bf16-healthy"] = Case((Segment("a", bf16, 9 * u),), 10 * u, (notice,))
         # the slow collapse's first half at 20 s steps (its whole 16 h would be 2880 steps of replay)

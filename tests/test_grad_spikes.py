@@ -42,7 +42,9 @@ def test_a_lone_spike_is_recorded_and_not_paged():
 def test_a_spike_with_what_an_instability_moves_is_confirmed_at_once(evidence, why):
     spikes = GradNormSpikes(CONFIG)
     steady(spikes)
-    assert spikes.observe(50.0, None, evidence) == Reading(spike=True, confirmed=True, evidence=why)
+    reading = spikes.observe(50.0, None, evidence)
+    assert (reading.spike, reading.confirmed, reading.evidence) == (True, True, why)
+    assert reading.update_jump == (why == "update")  # the violent update is also an event of its own
 
 
 def test_a_spike_is_confirmed_by_the_next_steps_and_not_after_them():
@@ -127,3 +129,66 @@ def test_the_monitor_records_the_lone_spike_and_pages_the_confirmed_one(caplog):
         assert registry_value(confirmed, "grpo_grad_norm_spike_steps_total") == 1
         assert registry_value(confirmed, "grpo_grad_norm_spike_confirmed_steps_total") == 1
     assert sum("spike confirmed by nonfinite" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_violent_update_is_its_own_event_whatever_the_norm():
+    """The field notes' shape "grad norm normal, parameter delta abnormal": |dθ|/|θ| 4x the largest of the last 50
+    steps is an update jump (GRPOParamUpdateJump) with a norm that did not move; a warm-up's growth by (k+1)/k
+    a step is none."""
+    spikes = GradNormSpikes(CONFIG)
+    warmup = [spikes.observe(1.0, None, Evidence(ess=1.0, update=1e-4 * (k + 1))) for k in range(40)]
+    assert not any(r.update_jump for r in warmup)
+    jump = spikes.observe(1.0, None, Evidence(ess=1.0, update=4e-4 * 40 * 1.05))
+    assert jump == Reading(update_jump=True)
+
+
+def test_the_monitor_counts_an_update_jump_from_the_parameters_it_samples():
+    """A learning rate multiplied by 100 from step 30 (plain SGD on a small model): the monitor's
+    clip_grad_norm_ samples the parameters, the next step's |dθ|/|θ| jumps, and
+    grpo_param_update_jump_steps_total counts it once; the steps before count nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    inputs, targets = torch.randn(64, 16), torch.randn(64, 4)
+    with GRPOMonitor(run="jump", group_size=8, port=None, guard="off", close_linger_s=0.0) as mon:
+        counts = []
+        for step in range(40):
+            if step == 30:
+                optimizer.param_groups[0]["lr"] = 0.1
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            mon.observe_update(step, loss=loss.detach())
+            optimizer.zero_grad()
+            loss.backward()
+            mon.clip_grad_norm_(model.parameters(), 1e9)
+            optimizer.step()
+            counts.append(registry_value(mon, "grpo_param_update_jump_steps_total"))
+        assert counts[30] == 0
+        assert counts[-1] == 1
+
+
+def test_a_second_spike_on_the_same_rollout_is_no_repeat():
+    """Two epochs on one rollout share its batch: a spike on both is one fixed batch's (the notes' other shape:
+    replay it), not a repeat. A spike on the next rollout is."""
+    spikes = GradNormSpikes(CONFIG)
+    for step in range(30):
+        spikes.observe(1.0 + 0.02 * (step % 5), None, QUIET, step=step)
+    assert spikes.observe(50.0, None, QUIET, step=30) == Reading(spike=True)
+    assert spikes.observe(60.0, None, QUIET, step=30) == Reading(spike=True)  # its second epoch
+    assert spikes.observe(70.0, None, QUIET, step=31) == Reading(spike=True, confirmed=True, evidence="repeat")
+
+
+def test_the_flight_recorder_opens_an_incident_for_a_confirmed_spike_only(tmp_path):
+    """The recorder's grad_norm_spike trigger follows the alert: a lone 50x spike opens no incident; a 50x spike
+    whose next step has a NaN loss does (the incident opens at the confirming step)."""
+    def run(folder, confirm: bool) -> float:
+        with GRPOMonitor(run="rec", group_size=8, port=None, guard="off", recorder_dir=folder, close_linger_s=0.0,
+                         recorder_triggers=("grad_norm_spike",)) as mon:
+            for step, norm in enumerate([1.0 + 0.01 * (i % 7) for i in range(30)] + [50.0, 1.0, 1.0]):
+                loss = math.nan if confirm and step == 31 else 0.5
+                mon.observe_update(step, grad_norm_pre_clip=norm, max_grad_norm=100.0, loss=loss)
+                mon.end_step()
+            mon.wait_for_workers()
+            return mon.metrics()["grpo_recorder_incidents_total"]
+
+    assert run(tmp_path / "lone", confirm=False) == 0
+    assert run(tmp_path / "confirmed", confirm=True) == 1

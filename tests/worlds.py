@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import math
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -84,6 +85,7 @@ def _series(w: World, keep: set[str], scrapes: int, fault: Fault | None) -> tupl
             r = trainer.step(step)
             trajectory.pass_at_1.append(r.correct)
             trajectory.pass_at_group.append(r.pass_at_group)
+            trajectory.grad_norms.append(r.peak_grad_norm)
             mon.wait_for_workers(timeout=LANE_WAIT_S)
             clock = step * cadence
             state = _exposed(mon, keep, clock, instance) | {up: 1.0}
@@ -156,26 +158,49 @@ Submit = Callable[[str, tuple[World, set[str], int, Fault | None]], Future]
 
 
 def sweep(worlds: Sequence[World], faults: dict[str, Fault] | None = None, processes: int | None = None,
-          folder: Path | None = None, submit: Submit | None = None) -> list[Replayed]:
+          folder: Path | None = None, submit: Submit | None = None, save: Path | None = None) -> list[Replayed]:
     """Train and replay ``worlds`` (``faults``: world name -> a demo Faults switch and the value it takes
     half-way), one promtool run per cadence and PROMTOOL_WORLDS worlds; returns each world with what fired.
-    ``submit``: where each world trains (default: a pool of ``processes``, one per core)."""
+    ``submit``: where each world trains (default: a pool of ``processes``, one per core); ``save``: a folder
+    the trained batches are written to, so that :func:`rejudge` replays them through changed rules."""
     faults = faults or {}
     out: list[Replayed] = []
     with contextlib.ExitStack() as owned:
         if submit is None:
             pool = owned.enter_context(ProcessPoolExecutor(processes or min(len(worlds), os.cpu_count() or 1)))
             submit = lambda _, job: pool.submit(_job, job)  # noqa: E731
-        for mixin, scrapes, jobs in submit_sweep(worlds, faults, submit):
+        for i, (mixin, scrapes, jobs) in enumerate(submit_sweep(worlds, faults, submit)):
             timeline = Timeline(scrapes)
             trajectories = []
             for job in jobs:
                 series, trajectory = job.result()
                 timeline.series.update(series)
                 trajectories.append(trajectory)
-            with tempfile.TemporaryDirectory() as tmp:
-                fired = _fired(mixin, timeline, Path(folder or tmp))
-            out += [Replayed(t, fired.get(t.world.name, {}), _label(faults.get(t.world.name))) for t in trajectories]
+            labels = [_label(faults.get(t.world.name)) for t in trajectories]
+            if save is not None:
+                save.mkdir(parents=True, exist_ok=True)
+                batch = (mixin.step_seconds, scrapes, timeline.series, trajectories, labels)
+                (save / f"batch-{i:03d}.pickle").write_bytes(pickle.dumps(batch))
+            out += _judged(mixin, timeline, trajectories, labels, folder)
+    return sorted(out, key=lambda r: (r.world.index, r.world.name))
+
+
+def _judged(mixin: MixinConfig, timeline: Timeline, trajectories: list[Trajectory], labels: list[str | None],
+            folder: Path | None) -> list[Replayed]:
+    with tempfile.TemporaryDirectory() as tmp:
+        fired = _fired(mixin, timeline, Path(folder or tmp))
+    return [Replayed(t, fired.get(t.world.name, {}), label) for t, label in zip(trajectories, labels, strict=True)]
+
+
+def rejudge(saved: Path) -> list[Replayed]:
+    """The batches a :func:`sweep` saved, judged again by the rules as they are now (the exporter's in-process
+    judgements, such as the grad-norm spike, are those of the training run)."""
+    out: list[Replayed] = []
+    for path in sorted(saved.glob("batch-*.pickle")):
+        step_seconds, scrapes, series, trajectories, labels = pickle.loads(path.read_bytes())
+        timeline = Timeline(scrapes)
+        timeline.series.update(series)
+        out += _judged(MixinConfig(step_seconds=step_seconds), timeline, trajectories, labels, None)
     return sorted(out, key=lambda r: (r.world.index, r.world.name))
 
 
@@ -201,17 +226,22 @@ def pages(r: Replayed, labels: dict[str, dict[str, str]]) -> dict[str, int]:
 
 def verdict(r: Replayed, labels: dict[str, dict[str, str]]) -> str | None:
     """Why ``r`` fails the sweep, or None: a healthy world pages nothing; a collapsing one pages layer 4 at
-    most; a notice fires once at most."""
+    most; one whose trainer measured a gradient explosion (``unstable``) pages the optimizer family at most; a
+    notice fires once at most."""
     paged = pages(r, labels)
     notices = {a: n for a, n in r.fired.items() if a not in paged}
     if any(n > 1 for n in notices.values()):
         return f"a notice repeated: {notices}"
     if r.fault is not None:
         return None if paged else f"the control fault {r.fault} paged nothing"
-    if r.trajectory.kind == "healthy" and paged:
+    t = r.trajectory
+    allowed = (("4-",) if t.kind == "collapsing" else ()) + (("1-optimizer",) if t.unstable else ())
+    wrong = {a: n for a, n in paged.items() if not labels[a]["layer"].startswith(allowed or ("-",))}
+    if wrong and not allowed:
         return f"healthy, paged {paged}"
-    if r.trajectory.kind == "collapsing" and any(not labels[a]["layer"].startswith("4-") for a in paged):
-        return f"collapsing, paged outside layer 4: {paged}"
+    if wrong:
+        where = " and ".join({"4-": "layer 4", "1-optimizer": "the optimizer family"}[a] for a in allowed)
+        return f"{t.kind}{', unstable' if t.unstable else ''}, paged outside {where}: {wrong}"
     return None
 
 
@@ -223,7 +253,7 @@ def table(results: Sequence[Replayed], labels: dict[str, dict[str, str]]) -> str
         w, t = r.world, r.trajectory
         (p1e, pge), (p1l, pgl) = t.early, t.late
         fired = ", ".join(f"{a}" + (f" x{n}" if n > 1 else "") for a, n in sorted(r.fired.items())) or "-"
-        kind = t.kind if r.fault is None else f"fault: {r.fault}"
+        kind = (t.kind + (", unstable" if t.unstable else "")) if r.fault is None else f"fault: {r.fault}"
         engine = w.precision + (f" (trainer {w.trainer}" + (f", old log-probs {w.old_logprob_rows} row a pass"
                                                              if w.old_logprob_rows else "") + ")"
                                 if w.trainer != "fp32" or w.old_logprob_rows else "")
@@ -242,15 +272,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"(from {COLLAPSE_INDEX}: the conflict family's worlds)")
     parser.add_argument("--conflict", type=int, default=0, help="also the conflict family's worlds 0..N-1 "
                         f"(indices {COLLAPSE_INDEX}..: a family that drifts to collapse)")
+    parser.add_argument("--save", type=Path, default=None, help="also write the trained batches to this folder")
+    parser.add_argument("--rejudge", type=Path, default=None, help="train nothing: judge the batches a --save "
+                        "wrote by the rules as they are now")
     args = parser.parse_args(argv)
     indices = [int(i) for i in args.only.split(",")] if args.only else list(range(args.worlds))
     indices += [COLLAPSE_INDEX + i for i in range(args.conflict)]
     worlds = [collapse_world(i - COLLAPSE_INDEX) if i >= COLLAPSE_INDEX else world(i) for i in indices]
-    results = sweep(worlds, processes=args.processes)
+    results = (rejudge(args.rejudge) if args.rejudge is not None
+               else sweep(worlds, processes=args.processes, save=args.save))
     labels = alert_labels(MixinConfig())
     failures = [(r, v) for r in results if (v := verdict(r, labels)) is not None]
     classes = {k: sum(r.trajectory.kind == k for r in results) for k in ("healthy", "collapsing")}
-    summary = (f"{len(results)} worlds: {classes['healthy']} healthy, {classes['collapsing']} collapsing; "
+    unstable = sum(r.trajectory.unstable for r in results)
+    summary = (f"{len(results)} worlds: {classes['healthy']} healthy, {classes['collapsing']} collapsing "
+               f"({unstable} of them unstable: a gradient explosion the trainer measured); "
                f"{len(failures)} failing the verdict")
     text = table(results, labels)
     print(text)
@@ -272,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-__all__ = ["Replayed", "alert_labels", "pages", "submit_sweep", "sweep", "table", "verdict", "world"]
+__all__ = ["Replayed", "alert_labels", "pages", "rejudge", "submit_sweep", "sweep", "table", "verdict", "world"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

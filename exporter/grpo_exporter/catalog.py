@@ -482,8 +482,9 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_grad_norm_spike_confirmed_steps_total", C,
         "Grad-norm spikes confirmed by what a real instability moves with them, at the spike or within "
-        "grad_spike_confirm_steps (2) optimizer steps: a non-finite value, the log-ratio fuse hit, the token ESS "
-        "ratio below half its window minimum, |dtheta|/|theta| 3x its window maximum, another spike; or a spike "
+        "grad_spike_confirm_steps (2) training steps: a non-finite value, the log-ratio fuse hit, the token ESS "
+        "ratio below half its window minimum, |dtheta|/|theta| 3x its window maximum, a spike on another "
+        "rollout; or a spike "
         "beyond grad_spike_extreme_factor (100) times the median. GRPOGradNormSpike pages on it (the field "
         "notes: ESS warns, the grad norm confirms).",
         G, "steps", inputs=("grad_norm_pre_clip",), source=Source.MONITOR,
@@ -509,6 +510,14 @@ CATALOG: tuple[Metric, ...] = (
         "Relative parameter update |theta_after - theta_before| / |theta_before| over the sampled parameters "
         "of the last optimizer step (dimensionless).",
         G, inputs=("params_before", "params_after"), merge=Merge.SAME,
+    ),
+    Metric(
+        "grpo_param_update_jump_steps_total", C,
+        "Optimizer steps whose relative parameter update |dtheta|/|theta| exceeded grad_spike_update_factor (3) "
+        "times its largest over the previous grad_spike_window_steps steps: a violent update whatever the grad "
+        "norm did (a learning rate multiplied, the optimizer state, the loss scale). Counted in the process, from "
+        "the parameters clip_grad_norm_ samples; GRPOParamUpdateJump pages on it.",
+        G, "steps", inputs=("params_before", "params_after"), source=Source.MONITOR,
     ),
     Metric(
         "grpo_rollout_staleness_versions", GA,

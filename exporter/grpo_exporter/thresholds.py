@@ -72,17 +72,19 @@ class EventLines(Settings):
         "reaches it (grpo_grad_norm_spike_confirmed_steps_total, GRPOGradNormSpike)",
     )
     grad_spike_confirm_steps: int = Field(
-        2, ge=0, le=100, description="optimizer steps after a spike in which what a real instability moves with "
-        "it (a non-finite value, the log-ratio fuse, ESS, |Δθ|/|θ|, another spike) still "
-        "confirms it; the spike step itself always counts (the field notes: ESS warns, the grad norm confirms)",
+        2, ge=0, le=100, description="training steps after a spike's in which what a real instability moves with "
+        "it (a non-finite value, the log-ratio fuse, ESS, |Δθ|/|θ|, a spike on another rollout) still confirms it; "
+        "the spike's own step (its later epochs) always counts (the field notes: ESS warns, the grad norm "
+        "confirms)",
     )
     grad_spike_ess_factor: float = Field(
         0.5, gt=0, lt=1, description="a token ESS ratio below this fraction of its smallest over the window "
         "confirms a spike (the importance weights concentrated on a few tokens)",
     )
     grad_spike_update_factor: float = Field(
-        3.0, gt=1, description="|Δθ|/|θ| above this multiple of its largest over the window confirms a spike (the "
-        "violent update; measured at the next optimizer step, within grad_spike_confirm_steps)",
+        3.0, gt=1, description="|Δθ|/|θ| above this multiple of its largest over the window is a violent update: "
+        "counted in grpo_param_update_jump_steps_total (GRPOParamUpdateJump), and it confirms a spike (measured "
+        "at the next optimizer step, within grad_spike_confirm_steps)",
     )
     grad_spike_window_steps: int = Field(
         50, ge=2, le=10_000, description="how many previous non-zero pre-clip norms the spike median and spread "

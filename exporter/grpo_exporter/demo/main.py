@@ -71,7 +71,7 @@ def run_demo(
                     out(f"step {step}: injected {scenario}")
                 r = trainer.step(step)
                 out(f"step {r.step:4d}  reward {r.reward:5.2f}  correct {r.correct:4.2f}  truncated {r.truncated:4.2f}"
-                    f"  grad {r.grad_norm:8.3g}{'  (step skipped: non-finite)' if r.skipped else ''}")
+                    f"  grad {r.grad_norm:8.3g}{'  (step skipped: non-finite or zero norm)' if r.skipped else ''}")
                 time.sleep(max(0.0, 1.0 / pace - (time.monotonic() - start)))
         finally:
             if local is not None:

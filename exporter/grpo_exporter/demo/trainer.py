@@ -102,6 +102,7 @@ class StepReport:
     grad_norm: float
     skipped: bool
     pass_at_group: float = 0.0  # share of groups with a correct completion (the trainer's own pass@G)
+    peak_grad_norm: float = 0.0  # the largest finite pre-clip norm of the step's optimizer steps (epochs)
 
 
 class Trainer:
@@ -217,35 +218,35 @@ class Trainer:
             filtered_all_incorrect_groups=self._filter.get("filtered_all_incorrect_groups"),
         )
 
-        pre_clip, skipped = self._update(step, rollout, old_logprobs, loss_mask, advantages, rewards, lengths)
+        norms = self._update(step, rollout, old_logprobs, loss_mask, advantages, rewards, lengths)
+        pre_clip, skipped = norms[-1], not all(math.isfinite(n) and n > 0 for n in norms)
+        finite = [n for n in norms if math.isfinite(n)]
         self.engine.sync(self.policy, self.version)
         return StepReport(step, float(rewards.mean()), float(correct.float().mean()),
-                          float(rollout.truncated.float().mean()), float(pre_clip), skipped,
-                          float(correct.view(-1, c.group_size).any(dim=1).float().mean()))
+                          float(rollout.truncated.float().mean()), pre_clip, skipped,
+                          float(correct.view(-1, c.group_size).any(dim=1).float().mean()), max(finite, default=0.0))
 
     def _update(self, step: int, rollout: Rollout, old_logprobs: Tensor, loss_mask: Tensor, advantages: Tensor,
-                rewards: Tensor, lengths: Tensor) -> tuple[Tensor, bool]:
+                rewards: Tensor, lengths: Tensor) -> list[float]:
         """``epochs`` optimizer steps over the rollout, each accumulated over ``micro_batches``. A step whose
-        pre-clip norm is not finite or exactly 0 is skipped, as real trainers do. Returns the last pre-clip norm
-        and whether a step was skipped."""
+        pre-clip norm is not finite or exactly 0 is skipped, as real trainers do. Returns each one's pre-clip
+        norm."""
         c = self.config
         size = rewards.shape[0] // c.micro_batches
-        skipped = False
-        pre_clip = torch.zeros(())
+        norms = []
         for _ in range(c.epochs):
             self.optimizer.zero_grad()
             for i in range(c.micro_batches):
                 rows = slice(i * size, (i + 1) * size)
                 self._micro_batch(step, rollout, rows, old_logprobs, loss_mask, advantages, rewards, lengths)
             limit = math.inf if c.max_grad_norm is None else c.max_grad_norm
-            pre_clip = self.monitor.clip_grad_norm_(self.policy.parameters(), limit)
-            if not bool(torch.isfinite(pre_clip)) or float(pre_clip) == 0.0:
-                skipped = True
+            norms.append(float(self.monitor.clip_grad_norm_(self.policy.parameters(), limit)))
+            if not math.isfinite(norms[-1]) or norms[-1] == 0.0:
                 self.optimizer.zero_grad()
                 continue
             self.optimizer.step(self.faults.lr_multiplier)
             self.version += 1
-        return pre_clip, skipped
+        return norms
 
     def _rewards(self, rollout: Rollout) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(correct, total reward, components) of the rollout, with the reward faults switched on."""

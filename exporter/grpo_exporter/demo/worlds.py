@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from statistics import fmean
+from statistics import fmean, median
 
 import torch
 
@@ -66,6 +66,10 @@ KL = {"off": 0.0, "on": 0.04}  # beta of the k3 KL to the warm-started policy (D
 COLLAPSE_PASS_G_DROP = 0.05
 COLLAPSE_STANDARD_ERRORS = 2.0
 PASS_1_HOLD = 0.05  # ... while pass@1 falls less than this
+# a step whose largest pre-clip norm (the trainer's own) is this many times the median of the run's non-zero ones:
+# a gradient explosion by any reading (the field notes' danger sign is 10x), which a loop without a grad clip
+# meets (SGD with momentum, a k3 KL term far from its reference). There the optimizer family's pages are right.
+UNSTABLE_NORM_FACTOR = 100.0
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,7 @@ class Trajectory:
     warm_accuracy: float
     pass_at_1: list[float] = field(default_factory=list)
     pass_at_group: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # each step's largest pre-clip norm, the trainer's own
 
     def _fifth(self, values: list[float], late: bool) -> float:
         k = max(1, len(values) // 5)
@@ -220,6 +225,13 @@ class Trajectory:
         (_, early), (_, late) = self.early, self.late
         groups = max(1, len(self.pass_at_group) // 5) * (BATCH // self.world.group_size)
         return math.sqrt((early * (1 - early) + late * (1 - late)) / groups)
+
+    @property
+    def unstable(self) -> bool:
+        """Whether a step's pre-clip norm reached UNSTABLE_NORM_FACTOR times the median of the run's non-zero
+        norms: the trainer measured a gradient explosion."""
+        norms = [n for n in self.grad_norms if n > 0 and math.isfinite(n)]
+        return bool(norms) and max(norms) > UNSTABLE_NORM_FACTOR * median(norms)
 
     @property
     def kind(self) -> str:

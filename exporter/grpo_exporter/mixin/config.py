@@ -153,7 +153,18 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         0.7, gt=0, lt=1, description="GRPORewardHackSuspected: correctness below this share of its baseline ..."
     )
     truncation_surge_factor: float = Field(2.0, gt=1, description="GRPOTruncationSurge: x the baseline share")
-    truncation_surge_floor: float = Field(0.05, ge=0, lt=1, description="GRPOTruncationSurge: and above this share")
+    truncation_surge_floor: float = Field(
+        0.05, ge=0, lt=1, description="GRPOTruncationSurge: and above this share, held over `truncation_hold_steps` "
+        "(answers near the length limit swing: a healthy run went 0.01 -> 0.11 for 20 steps and back)"
+    )
+    truncation_surge_share: float = Field(
+        0.2, gt=0, lt=1, description="GRPOTruncationSurge: a share this large pages without being held (the field "
+        "notes: many samples hitting max_len, whose rewards are mostly waste)"
+    )
+    truncation_hold_steps: int = Field(
+        30, ge=1, description="GRPOTruncationSurge: steps a surge below `truncation_surge_share` must hold above "
+        "the floor (longer than a healthy run's excursion near the limit, 20 steps)"
+    )
     length_growth_ratio: float = Field(
         1.2, gt=1, description="the length alerts: mean length over this multiple of its own baseline is growth"
     )
@@ -214,10 +225,10 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         "of 8 and 2.5 at 7.3 h, the others within 2.4-3.2 h"
     )
     collapse_min_groups: int = Field(
-        100, ge=1, description="GRPOPolicyCollapseOnset: judged only when the collapse window holds this many "
-        "groups (dozens of prompts are an alarm, not a ruler). Below it a pass@G near 1 moves by whole groups, "
-        " far from the normal approximation its standard error assumes: at 4 groups a step, 4 failed "
-        "groups of 40 read as a fall of 0.08 from 0.98"
+        100, ge=1, description="GRPOPolicyCollapseOnset: each of its windows (collapse, trend, long) is judged only "
+        "when it holds this many groups (dozens of prompts are an alarm, not a ruler). Below it a pass@G near 1 "
+        "moves by whole groups, far from the normal approximation its standard error assumes: at 4 groups a "
+        "step, 4 failed groups of 40 read as a fall of 0.08 from 0.98"
     )
     pass_drop_margin: float = Field(
         0.05, ge=0, lt=1, description="GRPOEntropyCollapse, fast leg: windowed pass@G this far below its trailing "

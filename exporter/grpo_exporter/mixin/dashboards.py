@@ -180,9 +180,9 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q(f"max by (run) (grpo_grad_norm_post_clip{{{SEL}}})", "post-clip {{run}}"),
                    q(f"{c.grad_spike_factor:g} * run:grpo_grad_norm_pre_clip:baseline_median", "spike line {{run}}")),
                   "none", min=0),
-        PanelSpec("Is a spike a real instability?", "Spikes sudden for the run (recorded); confirmed ones page.",
-                  tuple(q(f"sum by (run) (increase(grpo_grad_norm_spike{s}_steps_total{{{SEL}}}[{c.window()}]))",
-                          f"{legend} {{{{run}}}}") for s, legend in (("", "recorded"), ("_confirmed", "confirmed"))),
+        PanelSpec("Is a spike a real instability?", "Spikes (recorded); confirmed ones and update jumps page.",
+                  tuple(q(f"sum by (run) (increase({m}_steps_total{{{SEL}}}[{c.window()}]))", f"{m[5:]} {{{{run}}}}")
+                        for m in ("grpo_grad_norm_spike", "grpo_grad_norm_spike_confirmed", "grpo_param_update_jump")),
                   "short", min=0),
         PanelSpec("Does clipping act on every step?",
                   "Share of optimizer steps rescaled by gradient clipping. Nearly every step while the clip removes half "

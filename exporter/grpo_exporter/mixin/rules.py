@@ -165,6 +165,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
          "expr": windowed_mean(c, "grpo_pass_at_k_ratio", steps=c.collapse_window_steps, k="1")},
         {"record": "run:grpo_pass_at_1:trend_mean",
          "expr": windowed_mean(c, "grpo_pass_at_k_ratio", steps=c.trend_window_steps, k="1")},
+        {"record": "run:grpo_pass_at_1:long_mean",
+         "expr": f"max by ({BY}) (avg_over_time(grpo_pass_at_k_ratio{c.matchers(k='1')}[{c.baseline_window}]))"},
         # the trend mean once its window holds its steps: the run's best (peak) is taken over these only, never
         # over the first minutes' windows of a step or two (a partial window of 4 groups reads 1.0)
         {"record": "run:grpo_pass_at_group_size:trend_mean_full",

@@ -25,6 +25,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "entropy": ("entropy", "entropy_mean"),
     "kl": ("logprobs", "ref_logprobs", "kl_coef"),
     "grad": ("grad_norm_pre_clip", "grads", "max_grad_norm"),
+    "params": ("parameters",),  # clip_grad_norm_ through the monitor: it samples the parameters each step
     "staleness": ("policy_version", "rollout_policy_version"),
     "tools": ("tool_mask",),
     "filtering": ("generated_groups",),
@@ -41,7 +42,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "GRPONonFiniteValues": (),
     "GRPOLossMaskMismatch": ("rollout",), "GRPOLossOnToolTokens": ("rollout", "tools"),
     "GRPOLogRatioFuseBlowing": ("ratios",),
-    "GRPOGradNormSpike": ("grad",), "GRPOGradClippingEveryStep": ("grad",),
+    "GRPOGradNormSpike": ("grad",), "GRPOGradClippingEveryStep": ("grad",), "GRPOParamUpdateJump": ("params",),
     "GRPOAdvantageAboveBound": ("rollout",), "GRPOAdvantageInconsistent": ("rollout",),
     "GRPOAdvantageFormUnexpected": ("rollout",), "GRPORewardCliff": ("rollout",),
     "GRPORewardHackSuspected": ("components",),

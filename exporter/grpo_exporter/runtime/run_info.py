@@ -18,6 +18,7 @@ def static_values(config: MonitorConfig) -> dict[str, float]:
         # a counter exists from the start, so that its first increment is an increase Prometheus can see
         catalog.metric("grpo_grad_norm_spike_steps_total").key(): 0.0,
         catalog.metric("grpo_grad_norm_spike_confirmed_steps_total").key(): 0.0,
+        catalog.metric("grpo_param_update_jump_steps_total").key(): 0.0,
         catalog.metric("grpo_stale_update_steps_total").key(): 0.0,
         catalog.metric("grpo_build_info").key(version=__version__, torch_version=torch.__version__): 1.0,
         catalog.metric("grpo_run_info").key(

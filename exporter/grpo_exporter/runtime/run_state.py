@@ -160,17 +160,20 @@ class RunState:
                                           self.config.gap_baseline_steps, self.config.runbook_url))
         return out
 
-    def after_update(self, metrics: Mapping[str, float]) -> Derived:
+    def after_update(self, metrics: Mapping[str, float], step: int | None = None) -> Derived:
         """A grad-norm spike (against the run's recent norms, judged with the step's share of tokens that carry
         signal) and its confirmation, the on-policy noise frozen over the run's first steps, and a stale update
         (rollouts more than ``staleness_max_versions`` policy versions old)."""
         out = Derived()
         norm = metrics.get(catalog.key("grpo_grad_norm_pre_clip"))
         zero_share = metrics.get(catalog.key("grpo_zero_advantage_tokens_ratio"))
-        reading = self.spikes.observe(norm, None if zero_share is None else 1.0 - zero_share, Evidence.of(metrics))
+        reading = self.spikes.observe(norm, None if zero_share is None else 1.0 - zero_share, Evidence.of(metrics),
+                                      step)
         out.spike = reading.confirmed
         if reading.spike:
             out.increments[catalog.key("grpo_grad_norm_spike_steps_total")] = 1.0
+        if reading.update_jump:
+            out.increments[catalog.key("grpo_param_update_jump_steps_total")] = 1.0
         if reading.confirmed:
             out.increments[catalog.key("grpo_grad_norm_spike_confirmed_steps_total")] = 1.0
             log.warning("grpo_exporter: run %s: a grad-norm spike confirmed by %s (GRPOGradNormSpike; pre-clip norm "

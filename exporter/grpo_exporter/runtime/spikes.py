@@ -13,13 +13,18 @@ between one mixed group and several, and the norm swings past 10x its median wit
   ``grad_spike_tail_factor`` times their 90th percentile (the norm one step in ten already reaches), so a loop
   whose healthy norms swing by 10x spikes only beyond its own swing;
 - **confirmed** (paged: ``grpo_grad_norm_spike_confirmed_steps_total``, GRPOGradNormSpike, the flight recorder's
-  trigger): the spike step or one of the next ``grad_spike_confirm_steps`` optimizer steps also shows what a
-  real instability moves with it, each beyond anything the run's last ``grad_spike_window_steps`` steps showed: a
-  non-finite value, the log-ratio fuse hit, the token ESS ratio below ``grad_spike_ess_factor`` of its smallest,
-  |Δθ|/|θ| above ``grad_spike_update_factor`` times its largest (the violent update), or another spike (a
-  gradient scaled from some step on); or the spike is above ``grad_spike_extreme_factor`` times the median,
-  which nothing healthy reaches. The clipped share is no evidence: with several epochs per rollout it swings
-  between 0 (the first) and a third (the last) on every healthy rollout.
+  trigger): the spike's training step (its later epochs too) or one of the next ``grad_spike_confirm_steps``
+  also shows what a real instability moves with it, each beyond anything the run's last
+  ``grad_spike_window_steps`` optimizer steps showed: a non-finite value, the log-ratio fuse hit, the token ESS
+  ratio below ``grad_spike_ess_factor`` of its smallest, |Δθ|/|θ| above ``grad_spike_update_factor`` times its
+  largest (the violent update), or a spike on another rollout (a gradient scaled from some step on); or the
+  spike is above ``grad_spike_extreme_factor`` times the median, which nothing healthy reaches. The clipped
+  share is no evidence: with several epochs per rollout it swings between 0 (the first) and a third (the last)
+  on every healthy rollout.
+
+The jump of |Δθ|/|θ| is also an event of its own (``grpo_param_update_jump_steps_total``, GRPOParamUpdateJump): a
+learning rate multiplied moves the weights violently under Adam with a norm that stays normal (the field notes'
+shape "grad norm 正常但参数 delta 异常": the optimizer state, the loss scale, a sharded update, the schedule).
 
 The judged quantity is the norm per share of loss tokens that carry signal (non-zero advantage). In a token-level
 loss the zero-advantage tokens sit in the denominator and scale the gradient down like a smaller batch (seed
@@ -68,11 +73,13 @@ class Evidence:
 class Reading:
     """One optimizer step's verdict: ``spike`` (sudden for the run, recorded), ``confirmed`` (paged: this step
     confirms a spike of this step or of the last ``grad_spike_confirm_steps``) and ``evidence`` (what confirmed
-    it: nonfinite, fuse, ess, update, repeat or extreme)."""
+    it: nonfinite, fuse, ess, update, repeat or extreme); ``update_jump``: the step's |Δθ|/|θ| jumped (a violent
+    update whatever the norm did: the field notes' "grad norm normal but parameter delta abnormal")."""
 
     spike: bool = False
     confirmed: bool = False
     evidence: str = ""
+    update_jump: bool = False  # |Δθ|/|θ| above grad_spike_update_factor x its window maximum, spike or not
 
 
 class _Rolling:
@@ -98,25 +105,37 @@ class GradNormSpikes:
         self.lines = lines
         size, minimum = lines.grad_spike_window_steps, lines.grad_spike_min_steps
         self.norms, self.ess, self.update = _Rolling(size, minimum), _Rolling(size, minimum), _Rolling(size, minimum)
-        self.pending = 0  # optimizer steps left to confirm the last unconfirmed spike
+        self.pending: int | None = None  # the training step of the last unconfirmed spike
+        self.calls = 0  # optimizer steps seen: the step of a call that names none
 
-    def observe(self, norm: float | None, signal_share: float | None, evidence: Evidence) -> Reading:
-        """Judge one optimizer step: ``norm`` its pre-clip norm (None: not given), ``signal_share`` the share of
-        its loss tokens with non-zero advantage (None: unknown), ``evidence`` its other readings; then remember
-        them. A zero norm or a step without signal (a solved task) is not judged as a spike; a non-finite norm
-        is counted elsewhere (grpo_nonfinite_values_total{tensor="grad_norm"}) and is evidence here."""
+    def observe(self, norm: float | None, signal_share: float | None, evidence: Evidence,
+                step: int | None = None) -> Reading:
+        """Judge one optimizer step of training step ``step`` (None: each call its own step): ``norm`` its
+        pre-clip norm (None: not given), ``signal_share`` the share of its loss tokens with non-zero advantage
+        (None: unknown), ``evidence`` its other readings; then remember them. A zero norm or a step without
+        signal (a solved task) is not judged as a spike; a non-finite norm is counted elsewhere
+        (grpo_nonfinite_values_total{tensor="grad_norm"}) and is evidence here.
+
+        A spike waits for its evidence over the rest of its step (the later epochs on the same rollout) and the
+        next ``grad_spike_confirm_steps`` steps. A second spike confirms it only from another step: the epochs
+        of one rollout share its batch, and a spike on one fixed batch is the notes' other shape (an outlier
+        reward or sequence: replay the batch), no instability."""
+        self.calls += 1
+        step = self.calls if step is None else step
+        if self.pending is not None and step > self.pending + self.lines.grad_spike_confirm_steps:
+            self.pending = None
         unstable = self._instability(evidence)
-        judged = _judged(norm, signal_share)
-        spike, extreme = self._spike(judged)
-        if spike:
-            confirmed_by = "extreme" if extreme else unstable or ("repeat" if self.pending else "")
-            self.pending = 0 if confirmed_by else self.lines.grad_spike_confirm_steps
-            reading = Reading(True, bool(confirmed_by), confirmed_by)
-        elif self.pending:
-            self.pending = 0 if unstable else self.pending - 1
-            reading = Reading(False, bool(unstable), unstable)
-        else:
-            reading = Reading()
+        jump = self._update_jump(evidence.update)
+        unstable = unstable or ("update" if jump else "")
+        spike, extreme = self._spike(judged := _judged(norm, signal_share))
+        repeat = "repeat" if spike and self.pending is not None and step != self.pending else ""
+        confirmed_by = ("extreme" if extreme else unstable or repeat) if spike else \
+            (unstable if self.pending is not None else "")
+        if confirmed_by:
+            self.pending = None
+        elif spike and self.pending is None:
+            self.pending = step
+        reading = Reading(spike, bool(confirmed_by), confirmed_by, jump)
         self.norms.add(judged)
         self.ess.add(evidence.ess)
         self.update.add(None if evidence.update is None or evidence.update <= 0 else evidence.update)
@@ -142,10 +161,13 @@ class GradNormSpikes:
             return "fuse"
         if e.ess is not None and self.ess.ready and e.ess < lines.grad_spike_ess_factor * min(self.ess.values):
             return "ess"
-        if (e.update is not None and self.update.ready
-                and e.update > lines.grad_spike_update_factor * max(self.update.values)):
-            return "update"
         return ""
+
+    def _update_jump(self, update: float | None) -> bool:
+        """|Δθ|/|θ| above grad_spike_update_factor times its largest over the window (healthy updates change by
+        less from one optimizer step to the next: a learning-rate warm-up by (k+1)/k)."""
+        return (update is not None and self.update.ready
+                and update > self.lines.grad_spike_update_factor * max(self.update.values))
 
 
 def _judged(norm: float | None, signal_share: float | None) -> float | None:

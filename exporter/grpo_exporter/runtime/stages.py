@@ -181,7 +181,7 @@ class Stages:
                         "advantage_norm=%r: the |A| bound follows the data (GRPOAdvantageFormUnexpected, info); "
                         "set advantage_norm to your estimator's form (docs/runbooks.md#grpoadvantageformunexpected)",
                         self.config.run, form, self.config.advantage_norm)
-        derived = self.state.after_update(result.metrics)
+        derived = self.state.after_update(result.metrics, step)
         if self.recorder is not None and step is not None:
             with self.report.contained("recorder", "flight recorder"):
                 self.recorder.observe("update", step, inputs, result.metrics, spike=derived.spike)

@@ -16,6 +16,20 @@ from grpo_exporter.mixin.promql import (
 )
 
 
+def _pass_falls_towards_pass_1(c: MixinConfig, window: str, level: str) -> str:
+    """pass@G's mean over ``window`` (``collapse``, ``trend`` or ``long``) below ``level`` by more than
+    ``collapse_standard_errors`` of its sampling error and ``pass_drop_margin``, the spread pass@G - pass@1 over
+    it narrower than early by ``pass_drop_margin``; judged only when the window holds ``collapse_min_groups``."""
+    return (
+        f"run:grpo_pass_at_group_size:{window}_mean < on(job, run) ({level} - on(job, run) "
+        f"clamp_min({c.collapse_standard_errors:g} * {early_window_sampling_error(window, level)}, "
+        f"{c.pass_drop_margin:g})) and on(job, run) (run:grpo_pass_at_group_size:{window}_mean - on(job, run) "
+        f"run:grpo_pass_at_1:{window}_mean) < on(job, run) (run:grpo_pass_at_group_size:anchor - on(job, run) "
+        f"run:grpo_pass_at_1:anchor - {c.pass_drop_margin:g}) and on(job, run) "
+        f"run:grpo_groups:{window}_increase >= {c.collapse_min_groups}"
+    )
+
+
 def alerts(c: MixinConfig) -> list[Alert]:
     """This part's alerts, in the order they are written to the rule file."""
     w = c.window()
@@ -48,15 +62,17 @@ def alerts(c: MixinConfig) -> list[Alert]:
     # learning falls from there, and may stay above where the run began)
     level = ("(run:grpo_pass_at_group_size:baseline_median > on(job, run) run:grpo_pass_at_group_size:anchor or "
              "on(job, run) run:grpo_pass_at_group_size:anchor)")
-    onset = (
-        f"run:grpo_entropy_mean_nats:window_mean < on(job, run) ({c.entropy_alarm_factor:g} * "
-        f"run:grpo_entropy_mean_nats:anchor) and on(job, run) run:grpo_pass_at_group_size:collapse_mean < on(job, run) "
-        f"({level} - on(job, run) "
-        f"clamp_min({c.collapse_standard_errors:g} * {early_window_sampling_error('collapse', level)}, {c.pass_drop_margin:g})) "
-        "and on(job, run) (run:grpo_pass_at_group_size:collapse_mean - on(job, run) run:grpo_pass_at_1:collapse_mean) "
-        "< on(job, run) (run:grpo_pass_at_group_size:anchor - on(job, run) run:grpo_pass_at_1:anchor - "
-        f"{c.pass_drop_margin:g}) and on(job, run) run:grpo_groups:collapse_increase >= {c.collapse_min_groups}"
-    )
+    # judged over the collapse window, and over the trend and the long (baseline) window where the shorter ones
+    # hold too few groups to judge (collapse_min_groups): 8 groups a step fill a trend window, 4 a long one.
+    # The longer windows' means are compared with the early window's mean only: against the trailing baseline,
+    # a median of 5-step means, a mean over hours near pass@G 1 reads low by its dips alone (a healthy run of 4
+    # groups a step at G = 16 paged at 19 h that way)
+    anchor_level = "run:grpo_pass_at_group_size:anchor"
+    falls = " or on(job, run) ".join(
+        f"({_pass_falls_towards_pass_1(c, window, level if window == 'collapse' else anchor_level)})"
+        for window in ("collapse", "trend", "long"))
+    onset = (f"run:grpo_entropy_mean_nats:window_mean < on(job, run) ({c.entropy_alarm_factor:g} * "
+             f"run:grpo_entropy_mean_nats:anchor) and on(job, run) ({falls})")
     return [
         Alert(
             "GRPOEntropyCollapse", Layer.DIVERSITY, "entropy", "warning",

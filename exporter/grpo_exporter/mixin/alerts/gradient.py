@@ -127,11 +127,23 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"pre-clip grad norm above {c.grad_spike_factor:g}x the median of the previous "
             f"{c.grad_spike_window_steps} non-zero norms and {c.grad_spike_tail_factor:g}x their 90th percentile, "
             "with a non-finite value, the log-ratio fuse, the ESS ratio, "
-            f"|dtheta|/|theta| or another spike within {c.grad_spike_confirm_steps} steps (or above "
+            f"|dtheta|/|theta| or a spike on another rollout within {c.grad_spike_confirm_steps} steps (or above "
             f"{c.grad_spike_extreme_factor:g}x); "
             + template_query("sum(increase(grpo_grad_norm_spike_steps_total{run=%q}[" + w + "]))", "%.0f")
             + " spike(s) recorded; rolling median now "
             + template_query("max(run:grpo_grad_norm_pre_clip:baseline_median{run=%q})") + ".",
+            event=True,
+        ),
+        Alert(
+            "GRPOParamUpdateJump", OPTIMIZER, "param_update", "warning",
+            f"{increase(c, 'grpo_param_update_jump_steps_total')} > 0", 0,
+            "An optimizer step moved the weights far more than any step before it.",
+            "Run {{ $labels.run }}: " + template_value("%.0f") + f" optimizer step(s) over {w} had a relative "
+            f"parameter update |dtheta|/|theta| above {c.grad_spike_update_factor:g}x its largest over the previous "
+            f"{c.grad_spike_window_steps} steps (now "
+            + template_query("max(grpo_param_relative_update{run=%q})") + "; grad norm "
+            + template_query("max(grpo_grad_norm_pre_clip{run=%q})") + "): the learning rate, the optimizer "
+            "state, the loss scale or a sharded update, not the gradient.",
             event=True,
         ),
         Alert(

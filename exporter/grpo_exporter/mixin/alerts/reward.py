@@ -15,6 +15,10 @@ from grpo_exporter.mixin.promql import (
 
 def alerts(c: MixinConfig) -> list[Alert]:
     """This part's alerts, in the order they are written to the rule file."""
+    # a truncation share held over truncation_hold_steps, against the baseline from before it (a held surge
+    # becomes the trailing baseline's own level within the baseline window)
+    hold = c.window(c.truncation_hold_steps)
+    held = f"min_over_time(run:grpo_truncated_completions:window_ratio[{hold}])"
     w = c.window()
     growth = "run:grpo_completion_length_tokens:growth_ratio"
     known_form = c.matchers('form!="unknown"')
@@ -85,12 +89,16 @@ def alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPOTruncationSurge", Layer.REWARD, "truncation", "warning",
-            f"run:grpo_truncated_completions:window_ratio > on(job, run) ({c.truncation_surge_factor:g} * "
+            f"(run:grpo_truncated_completions:window_ratio > on(job, run) ({c.truncation_surge_factor:g} * "
             f"run:grpo_truncated_completions:baseline_ratio) and run:grpo_truncated_completions:window_ratio "
-            f"> {c.truncation_surge_floor:g}", 600,
+            f"> {c.truncation_surge_share:g}) or ({held} > {c.truncation_surge_floor:g} and {held} > on(job, run) "
+            f"({c.truncation_surge_factor:g} * run:grpo_truncated_completions:baseline_ratio offset {hold}))", 600,
             "Many more completions hit the maximum length than usual.",
             "Run {{ $labels.run }}: " + template_value("%.3g") + " of completions truncated over " + w + ", against a "
-            "baseline of " + template_query("max(run:grpo_truncated_completions:baseline_ratio{run=%q})") + ".",
+            "baseline of " + template_query("max(run:grpo_truncated_completions:baseline_ratio{run=%q})") + " ("
+            + template_query("max(run:grpo_truncated_completions:baseline_ratio{run=%q} offset " + hold + ")")
+            + f" before the last {hold}; pages above {c.truncation_surge_share:g}, or above "
+            f"{c.truncation_surge_floor:g} for the last {hold}).",
             trend=True,
         ),
         Alert(
