@@ -158,8 +158,9 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         "(answers near the length limit swing: a healthy run went 0.01 -> 0.11 for 20 steps and back)"
     )
     truncation_surge_share: float = Field(
-        0.2, gt=0, lt=1, description="GRPOTruncationSurge: a share this large pages without being held (the field "
-        "notes: many samples hitting max_len, whose rewards are mostly waste)"
+        0.15, gt=0, lt=1, description="GRPOTruncationSurge: a share this large pages without being held (the field "
+        "notes: many samples hitting max_len, whose rewards are mostly waste); above a healthy run's 0.11 "
+        "excursion near the limit"
     )
     truncation_hold_steps: int = Field(
         30, ge=1, description="GRPOTruncationSurge: steps a surge below `truncation_surge_share` must hold above "
