@@ -19,7 +19,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 WEIGHT_DECAY = 0.1  # AdamW's, as LLM RL recipes set it (verl and OpenRLHF default to 0.01-0.1)
 SGD_MOMENTUM = 0.9
 SGD_LR_SCALE = 100.0  # SGD with momentum learns at ~100x Adam's learning rate on the demo's tiny model
-KL_ESTIMATOR_CLAMP = 10.0  # the k3 estimator's log-ratio is clamped, as verl's low_var_kl is
+KL_ESTIMATOR_CLAMP = 10.0  # the k3 estimator's log-ratio d is clamped before exp (TRL clamps nothing, verl the value)
 
 
 def aggregate(per_token: Tensor, mask: Tensor, how: str, constant: float) -> Tensor:
