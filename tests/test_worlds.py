@@ -125,6 +125,15 @@ def test_the_verdict_allows_layer_4_on_a_collapsing_world_and_nothing_else():
     noisy = Trajectory(COLLAPSING, 0.4, [0.4] * steps, [0.95] * 80 + [0.87] * 20)
     assert 0.05 < 0.95 - 0.87 < 2 * noisy.pass_at_group_fall_error
     assert noisy.kind == "healthy"
+    # pass@1 falling beyond 0.05 and 2 standard errors is a run crashing at its own task: any layer's page is
+    # right, and it must page (worlds 81, 136 and 182 of docs/worlds-200.md: SGD without a grad clip)
+    crashing = Trajectory(COLLAPSING, 0.4, [0.7] * 50 + [0.3] * 50, [0.95] * 50 + [0.6] * 50)
+    assert crashing.kind == "degrading"
+    assert verdict(Replayed(crashing, {"GRPOEntropyCollapse": 1, "GRPORewardCliff": 1}), labels) is None
+    assert verdict(Replayed(crashing, {}), labels) == "degrading (pass@1 fell), paged nothing"
+    wobbling = Trajectory(COLLAPSING, 0.4, [0.7] * 80 + [0.63] * 20, [0.95] * steps)
+    assert 0.05 < 0.7 - 0.63 < 2 * wobbling.pass_at_1_fall_error
+    assert wobbling.kind == "healthy"
 
 
 def test_healthy_worlds_page_nothing_and_collapsing_ones_only_layer_4(capsys):

@@ -227,7 +227,8 @@ def pages(r: Replayed, labels: dict[str, dict[str, str]]) -> dict[str, int]:
 def verdict(r: Replayed, labels: dict[str, dict[str, str]]) -> str | None:
     """Why ``r`` fails the sweep, or None: a healthy world pages nothing; a collapsing one pages layer 4 at
     most; one whose trainer measured a gradient explosion (``unstable``) pages the optimizer family at most; a
-    notice fires once at most."""
+    degrading one (pass@1 fell: the run crashed at its own task) pages, at any layer; a notice fires once at
+    most."""
     paged = pages(r, labels)
     notices = {a: n for a, n in r.fired.items() if a not in paged}
     if any(n > 1 for n in notices.values()):
@@ -235,6 +236,8 @@ def verdict(r: Replayed, labels: dict[str, dict[str, str]]) -> str | None:
     if r.fault is not None:
         return None if paged else f"the control fault {r.fault} paged nothing"
     t = r.trajectory
+    if t.kind == "degrading":
+        return None if paged else "degrading (pass@1 fell), paged nothing"
     allowed = (("4-",) if t.kind == "collapsing" else ()) + (("1-optimizer",) if t.unstable else ())
     wrong = {a: n for a, n in paged.items() if not labels[a]["layer"].startswith(allowed or ("-",))}
     if wrong and not allowed:
@@ -283,9 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                else sweep(worlds, processes=args.processes, save=args.save))
     labels = alert_labels(MixinConfig())
     failures = [(r, v) for r in results if (v := verdict(r, labels)) is not None]
-    classes = {k: sum(r.trajectory.kind == k for r in results) for k in ("healthy", "collapsing")}
+    classes = {k: sum(r.trajectory.kind == k for r in results) for k in ("healthy", "collapsing", "degrading")}
     unstable = sum(r.trajectory.unstable for r in results)
-    summary = (f"{len(results)} worlds: {classes['healthy']} healthy, {classes['collapsing']} collapsing "
+    summary = (f"{len(results)} worlds: {classes['healthy']} healthy, {classes['collapsing']} collapsing, "
+               f"{classes['degrading']} degrading "
                f"({unstable} of them unstable: a gradient explosion the trainer measured); "
                f"{len(failures)} failing the verdict")
     text = table(results, labels)

@@ -223,6 +223,16 @@ class Trajectory:
         """The standard error of the difference between pass@G's early and late fifth means: each a share of
         the groups of its fifth, sqrt(p(1-p)/groups) added in quadrature."""
         (_, early), (_, late) = self.early, self.late
+        return self._fall_error(early, late)
+
+    @property
+    def pass_at_1_fall_error(self) -> float:
+        """As :attr:`pass_at_group_fall_error`, for pass@1, counting groups rather than completions (the
+        completions of one prompt are not independent samples)."""
+        (early, _), (late, _) = self.early, self.late
+        return self._fall_error(early, late)
+
+    def _fall_error(self, early: float, late: float) -> float:
         groups = max(1, len(self.pass_at_group) // 5) * (BATCH // self.world.group_size)
         return math.sqrt((early * (1 - early) + late * (1 - late)) / groups)
 
@@ -236,8 +246,12 @@ class Trajectory:
     @property
     def kind(self) -> str:
         """``collapsing`` when pass@G fell clearly (beyond COLLAPSE_PASS_G_DROP and its sampling error) while
-        pass@1 held or rose, else ``healthy``."""
+        pass@1 held or rose; ``degrading`` when pass@1 itself fell clearly (beyond PASS_1_HOLD and its sampling
+        error): the run got worse at its own task, a training crash the trainer measured, which any layer may
+        page; else ``healthy``."""
         (p1_early, pg_early), (p1_late, pg_late) = self.early, self.late
+        if p1_early - p1_late > max(PASS_1_HOLD, COLLAPSE_STANDARD_ERRORS * self.pass_at_1_fall_error):
+            return "degrading"
         falls = pg_early - pg_late > max(COLLAPSE_PASS_G_DROP,
                                          COLLAPSE_STANDARD_ERRORS * self.pass_at_group_fall_error)
         holds = p1_late >= p1_early - PASS_1_HOLD

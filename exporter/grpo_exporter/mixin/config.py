@@ -129,6 +129,17 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         "is the run's effective learning rate (world 130 of docs/worlds-200.md: 1.25x the line on 84% of its steps), "
         "not a fault."
     )
+    grad_clip_onset_ratio: float = Field(
+        0.5, gt=0, lt=1, description="GRPOGradClippingEveryStep pages the clip *starting* to carry the update: "
+        "within the last baseline window a clip window had fewer than this share of its steps clipped. A loop "
+        "configured with a clip below its own healthy norms is clipped from its first step and its norms fall as it "
+        "learns (docs/worlds-200.md: clip 0.5 at 1.5-3.4x); the field notes' 'clipped on every step' is a change."
+    )
+    grad_clip_extreme_factor: float = Field(
+        10.0, gt=1, description="GRPOGradClippingEveryStep pages whatever the run's history once the median "
+        "pre-clip norm is this multiple of the clip: no healthy loop of the world sweep passes 3.4x, a gradient "
+        "scaled by the accumulation steps from the first step does."
+    )
     clip_window_steps: int = Field(
         20, ge=1, description="GRPOGradClippingEveryStep: steps its share is taken over. A healthy run whose "
         "norms sit near the clip is clipped on many steps in a row; 'every step' needs a long run of them."
@@ -200,7 +211,18 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         "GRPOZeroVarianceAbovePrediction's). At 60-70% zero-variance groups filtering already costs a lot; "
         "at 90% the update is decided by a handful of groups"
     )
-    clip_fraction_high: float = Field(0.2, gt=0, lt=1, description="GRPOClipFractionHigh: the usual 20% danger line")
+    clip_fraction_high: float = Field(
+        0.2, gt=0, lt=1, description="GRPOClipFractionHigh: the field notes' danger line, crossed *suddenly*: the "
+        "share must also be `clip_fraction_rise` x its rolling baseline"
+    )
+    clip_fraction_rise: float = Field(
+        2.0, gt=1, description="GRPOClipFractionHigh: x the run's own baseline share. Several epochs per rollout "
+        "keep a healthy share at 0.1-0.3 from the first step (the later epochs move off the rollout's policy)"
+    )
+    clip_fraction_extreme: float = Field(
+        0.4, gt=0, lt=1, description="GRPOClipFractionHigh pages above this share whatever the baseline (and before "
+        "one exists): twice the danger line, above every healthy loop of the world sweep"
+    )
     # staleness_max_versions: EventLines (counted by the exporter)
 
     # ---- layer 4 thresholds ----

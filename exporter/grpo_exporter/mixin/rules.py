@@ -203,6 +203,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
          "expr": correctness(c, "run:grpo_reward_mean:window_mean")},
         {"record": "run:grpo_reward_correctness:baseline_median",
          "expr": correctness(c, "run:grpo_reward_mean:baseline_median")},
+        {"record": "run:grpo_tokens_outside_clip:baseline_ratio",
+         "expr": rolling_baseline(c, "run:grpo_tokens_outside_clip:window_ratio")},
         {"record": "run:grpo_truncated_completions:baseline_ratio",
          "expr": rolling_baseline(c, "run:grpo_truncated_completions:window_ratio")},
         {"record": "run:grpo_completion_length_tokens:baseline_mean",

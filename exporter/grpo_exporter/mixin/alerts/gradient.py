@@ -150,13 +150,18 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "GRPOGradClippingEveryStep", OPTIMIZER, "grad_clip", "warning",
             f"run:grpo_grad_clip_active_steps:window_ratio > {c.grad_clip_active_ratio:g} and on(job, run) "
             f"{increase(c, 'grpo_optimizer_steps_total', steps=c.clip_window_steps)} >= {c.clip_window_steps // 2} "
-            f"and on(job, run) run:grpo_grad_norm_clip_factor:window_median >= {c.grad_clip_carry_factor:g}",
+            f"and on(job, run) (run:grpo_grad_norm_clip_factor:window_median >= {c.grad_clip_extreme_factor:g} or "
+            f"(run:grpo_grad_norm_clip_factor:window_median >= {c.grad_clip_carry_factor:g} and on(job, run) "
+            f"min_over_time(run:grpo_grad_clip_active_steps:window_ratio[{c.baseline_window}]) < "
+            f"{c.grad_clip_onset_ratio:g}))",
             900,
-            "Gradient clipping is active on nearly every step and carries the update.",
+            "Gradient clipping has started to carry the update on nearly every step.",
             "Run {{ $labels.run }}: " + template_value("%.2f") + f" of optimizer steps were clipped over the last "
             f"{c.clip_window_steps} steps (threshold {c.grad_clip_active_ratio:g}), the median pre-clip norm "
             + template_query("max(run:grpo_grad_norm_clip_factor:window_median{run=%q})", "%.2f")
-            + f"x the clip (threshold {c.grad_clip_carry_factor:g}x): the update depends on the fuse.",
+            + f"x the clip (threshold {c.grad_clip_carry_factor:g}x where fewer than {c.grad_clip_onset_ratio:g} of "
+            f"a window's steps were clipped within {c.baseline_window}, else {c.grad_clip_extreme_factor:g}x): the "
+            "update depends on the fuse.",
             for_steps=5,
         ),
     ]

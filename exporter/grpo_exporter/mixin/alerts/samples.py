@@ -91,12 +91,17 @@ def alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPOClipFractionHigh", Layer.SAMPLES, "clip_total", "warning",
-            f"run:grpo_tokens_outside_clip:window_ratio > {c.clip_fraction_high:g} and on(job, run) "
+            f"(run:grpo_tokens_outside_clip:window_ratio > {c.clip_fraction_extreme:g} or "
+            f"(run:grpo_tokens_outside_clip:window_ratio > {c.clip_fraction_high:g} and "
+            f"run:grpo_tokens_outside_clip:window_ratio > on(job, run) "
+            f"({c.clip_fraction_rise:g} * run:grpo_tokens_outside_clip:baseline_ratio))) and on(job, run) "
             f"sum by ({BY}) (run:grpo_update_tokens:window_increase{{advantage_sign!=\"zero\"}}) >= {c.min_clip_tokens}",
             600,
-            "Many tokens lie outside the clip range: updates too large or data too stale.",
+            "Many more tokens than before lie outside the clip range: updates too large or data too stale.",
             "Run {{ $labels.run }}: " + template_value("%.3g") + f" of signed update tokens are outside the clip range "
-            f"over {w} (threshold {c.clip_fraction_high:g}).",
+            f"over {w}: above {c.clip_fraction_high:g} and {c.clip_fraction_rise:g}x the run's baseline "
+            + template_query("max(run:grpo_tokens_outside_clip:baseline_ratio{run=%q})", "%.3g")
+            + f", or above {c.clip_fraction_extreme:g}.",
             trend=True,
         ),
         Alert(
