@@ -167,10 +167,10 @@ def cases(cadence_s: float) -> dict[str, Case]:
     }
     if cadence_s >= 120:
         # a slow collapse over 8 h from hour 4 with fewer groups a step than the collapse window needs: the trend
-        # and long windows hold them. At 2-min steps, 8 groups a step page the linear fall by 9 h (6.9-8.8 h over
-        # 4 seeds: half-way at 8 h is reached on 2 of 4), 4 groups at G = 16 the early-fast fall by 8 h (6.4-7.4 h;
-        # half of its fall is at 6.3 h); a run that learns for 20 h with 4 groups a step at G = 16 (pass@G near 1)
-        # pages nothing (docs/runbooks.md#grpopolicycollapseonset has the table, 10-min steps included)
+        # and long windows hold them. At 2-min steps, 8 groups a step page the linear fall by 9 h (6.6-7.9 h over
+        # 3 random draws: half-way at 8 h), 4 groups at G = 16 the early-fast fall by 8 h (half of its fall is at
+        # 6.3 h); a run that learns for 20 h with 4 groups a step at G = 16 (pass@G near 1) pages nothing
+        # (docs/runbooks.md#grpopolicycollapseonset has the table, 10-min steps included)
         found["slow-collapse-learning-4-groups"] = Case(
             (Segment("a", learning, 19.5, prompts=4, group_size=16),), 20.0)
         if cadence_s < 300:
