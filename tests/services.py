@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any, TypeVar
 
 from grpo_exporter.demo.stack import start_service, stop_services
 
@@ -96,3 +98,52 @@ def prometheus_query(base: str, expr: str) -> dict:
             return json.loads(response.read())
     except urllib.error.HTTPError as err:
         return json.loads(err.read())
+
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float, every: float = 0.1) -> T:
+    """Poll ``probe`` until it returns something truthy; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(every)
+
+
+def query(base: str, expr: str) -> list[dict[str, Any]]:
+    """The result vector of an instant query that must succeed."""
+    answer = prometheus_query(base, expr)
+    assert answer["status"] == "success", answer
+    return list(answer["data"]["result"])
+
+
+class PageClock:
+    """When each alert (by fingerprint) first reached ``webhook``, firing: polled every 0.1 s until close()."""
+
+    def __init__(self, webhook: Webhook) -> None:
+        self.webhook = webhook
+        self.first: dict[str, float] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.1):
+            now = time.monotonic()
+            for _, alert in self.webhook.alerts():
+                if alert["status"] == "firing":
+                    self.first.setdefault(alert["fingerprint"], now)
+
+    def pages(self, **labels: str) -> list[tuple[float, str, dict[str, Any]]]:
+        """(first seen, receiver path, alert) of every firing alert delivered whose labels include ``labels``."""
+        return [(self.first.get(a["fingerprint"], time.monotonic()), path, a) for path, a in self.webhook.alerts()
+                if a["status"] == "firing" and labels.items() <= a["labels"].items()]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from grpo_exporter.cli import main
-from grpo_exporter.runtime.monitor_config import verify_password
+from grpo_exporter.serving.settings import verify_password
 
 
 def test_hash_password(capsys):

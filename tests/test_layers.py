@@ -36,8 +36,6 @@ SERVING = "serving"
 DEBTS = {
     ("serving.publication", "runtime.anchors"): "the frozen early-window anchors are published with the gauges "
     "they freeze",
-    ("serving.server", "runtime.monitor_config"): "the server reads its TLS and auth settings from the monitor's "
-    "config",
 }
 
 

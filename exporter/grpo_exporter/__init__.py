@@ -13,8 +13,9 @@ from grpo_exporter.integrations import IntegrationError
 from grpo_exporter.recorder.inspect import InspectError
 from grpo_exporter.runtime.guard import TrainingSignalError
 from grpo_exporter.runtime.monitor import GRPOMonitor, MonitorClosedError
-from grpo_exporter.runtime.monitor_config import MonitorConfig, hash_password
+from grpo_exporter.runtime.monitor_config import MonitorConfig
 from grpo_exporter.serving.server import AddressUnavailableError, PortInUseError
+from grpo_exporter.serving.settings import hash_password
 
 __all__ = [
     "AddressUnavailableError",

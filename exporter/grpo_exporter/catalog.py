@@ -261,7 +261,7 @@ FILTERED_OUTCOMES = ("all_correct", "all_incorrect")
 ESS_LEVELS = ("token", "sequence")
 TURNS = ("1", "2", "3", "4", "5+")  # the model turns of a multi-turn completion; the last gathers the later ones
 STAGES = ("rollout", "update", "grad", "guard", "publish", "scrape", "distributed")
-ERROR_STAGES = (*STAGES, "recorder")  # the flight recorder's writer thread fails apart from any observe call
+ERROR_STAGES = (*STAGES, "recorder", "targets")  # threads of their own: the flight recorder, the target file
 #: why a stage call of a monitor with compile_step="auto" took the eager step (grpo_exporter.runtime.compilation)
 COMPILE_FALLBACKS = ("compiler", "run", "recompile", "late", "busy", "pending")
 

@@ -144,11 +144,26 @@ def _demo(args: argparse.Namespace) -> int:
 def _hash_password(args: argparse.Namespace) -> int:
     import getpass
 
-    from grpo_exporter.runtime.monitor_config import hash_password
+    from grpo_exporter.serving.settings import hash_password
 
     password = args.password if args.password is not None else getpass.getpass("password: ")
     print(hash_password(password))
     return 0
+
+
+def _targets_prune(args: argparse.Namespace) -> int:
+    from grpo_exporter.serving.targets import prune
+
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        print(f"grpo-exporter targets prune: {directory} is no directory", file=sys.stderr)
+        return 2
+    pruned = prune(directory, args.stale_after_s)
+    for path in pruned.removed:
+        print(f"removed {path}")
+    for path, exc in pruned.failed:
+        print(f"grpo-exporter targets prune: cannot remove {path}: {exc.strerror or exc}", file=sys.stderr)
+    return 1 if pruned.failed else 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -290,12 +305,25 @@ def _add_hash_password(commands: Subparsers) -> None:
     hashing.set_defaults(run=_hash_password)
 
 
+def _add_targets(commands: Subparsers) -> None:
+    targets = commands.add_parser("targets", help="the target files that exporters write for Prometheus' "
+                                  "file_sd_configs (targets_dir)")
+    actions = targets.add_subparsers(dest="action", required=True)
+    prune = actions.add_parser("prune", help="remove target files whose exporter stopped touching them (a crashed "
+                               "run's): for a SLURM epilog or a timer")
+    prune.add_argument("--dir", required=True, help="the targets directory (the exporters' targets_dir)")
+    prune.add_argument("--stale-after-s", type=float, default=3600.0,
+                       help="remove files not touched for this many seconds (default 3600, the exporters' "
+                       "targets_stale_after_s; a serving exporter touches its file every minute)")
+    prune.set_defaults(run=_targets_prune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-exporter", description=__doc__)
     parser.add_argument("--version", action="version", version=f"grpo-exporter {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (_add_catalog, _add_rules, _add_dashboards, _add_kubernetes, _add_reference, _add_demo, _add_bench,
-                _add_inspect, _add_hash_password):
+                _add_inspect, _add_hash_password, _add_targets):
         add(commands)
     return parser
 

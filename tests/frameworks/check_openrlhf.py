@@ -329,6 +329,44 @@ def test_the_monitored_trainer_is_a_ray_actor_class_whose_monitor_lives_in_the_t
     assert form == "shaped"  # group_norm with OpenRLHF's default KL penalty in the reward
 
 
+def test_the_trainer_actors_monitor_announces_its_target_on_the_node_ray_picks(monkeypatch, tmp_path) -> None:
+    """train_ppo_ray.py creates the trainer with ``PPOTrainer.remote(...)``: Ray ships the class by value (its
+    cloudpickle) to a node of its choice, whose environment is not the driver's. GRPO_EXPORTER_TARGETS_DIR and
+    GRPO_EXPORTER_PORT, set where monitored_ppo_trainer is called and unset where the actor runs, travel with the
+    class: the monitor built in the trainer's ``__init__`` announces ``<its address>:<the port it bound>`` in
+    ``grpo-<run>.json`` with the job and run labels, and close() withdraws it. The variables were set for the
+    monitor's construction only."""
+    import json
+    import os
+
+    import ray
+
+    from grpo_exporter.integrations.openrlhf import monitored_ppo_trainer
+
+    monkeypatch.setattr(ray, "remote", local_remote)  # .remote() ships the class as Ray does, runs it here
+    monkeypatch.setenv("GRPO_EXPORTER_TARGETS_DIR", str(tmp_path))
+    monkeypatch.setenv("GRPO_EXPORTER_PORT", "0")
+    actor_class = monitored_ppo_trainer(LocalActor(Trainer), run="openrlhf-targets", close_linger_s=0)
+    monkeypatch.delenv("GRPO_EXPORTER_TARGETS_DIR")  # the actor's node has none of the driver's variables
+    monkeypatch.delenv("GRPO_EXPORTER_PORT")
+    trainer = actor_class.remote(max_norm=2.0)
+    monitor = trainer.monitor
+    try:
+        assert "GRPO_EXPORTER_TARGETS_DIR" not in os.environ
+        assert "GRPO_EXPORTER_PORT" not in os.environ
+        (path,) = tmp_path.glob("grpo-*.json")
+        (group,) = json.loads(path.read_text())
+        assert path.name == "grpo-openrlhf-targets.json"
+        assert monitor.port not in (None, 0, 9887)  # the free port port=0 bound, not the default
+        assert group["targets"] == [monitor.target]
+        assert monitor.target.rsplit(":", 1)[1] == str(monitor.port)
+        assert (group["labels"]["job"], group["labels"]["run"]) == ("grpo", "openrlhf-targets")
+        assert trainer.step(1)["grpo_steps_total"] == 1  # the monitor the trainer reports to
+    finally:
+        monitor.close()
+    assert not path.exists()
+
+
 #: OpenRLHF's estimators and the form of the advantages each computes with the KL penalty out of the reward
 ESTIMATOR_FORM = {"group_norm": "unbiased", "dr_grpo": "none", "rloo": "batch", "reinforce": "whitened",
                   "reinforce_baseline": "whitened", "flash_reinforce": "whitened", "gae": "shaped"}

@@ -359,8 +359,9 @@ def test_every_verl_metric_the_mapping_names_is_in_verls_source() -> None:
             assert f'"{key}"' in text, key
 
 
-def test_the_docs_v0_lines_run_as_written(monkeypatch, caplog) -> None:
-    """docs/quickstart-verl.md's v0 lines, as written but for a free port, where verl's TaskRunner builds
+def test_the_docs_v0_lines_run_as_written(monkeypatch, caplog, tmp_path) -> None:
+    """docs/quickstart-verl.md's v0 lines, as written but for a free port and a targets directory of this test's
+    own, where verl's TaskRunner builds
     RayPPOTrainer: the object is verl's trainer class with the hooks and a monitor of the run's group size and
     advantage form, and verl's deprecation of its v0 trainer is passed on. (RayPPOTrainer's __init__ builds Ray
     worker groups: it is stood in by one that keeps the config.)"""
@@ -378,7 +379,9 @@ def test_the_docs_v0_lines_run_as_written(monkeypatch, caplog) -> None:
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": G}},
                                "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False}})
     names: dict[str, Any] = {"config": config, "trainer_kwargs": {"tokenizer": "the tokenizer"}}
-    exec(snippet("monitored_ray_trainer").replace("port=9400", "port=0"), names)
+    code, shared = snippet("monitored_ray_trainer"), 'targets_dir="/shared/prometheus/targets"'
+    assert shared in code
+    exec(code.replace(shared, f"targets_dir={str(tmp_path)!r}, port=0"), names)
     trainer = names["trainer"]
     try:
         assert isinstance(trainer, RayPPOTrainer)
@@ -388,6 +391,7 @@ def test_the_docs_v0_lines_run_as_written(monkeypatch, caplog) -> None:
         assert trainer.monitor.config.advantage_norm == "none"  # Dr. GRPO: norm_adv_by_std_in_grpo=False
         assert trainer.monitor.config.run == "exp-42"  # the run the lines name, over the config's
         assert trainer.monitor.url is not None
+        assert (tmp_path / "grpo-exp-42.json").exists()  # the target announced where the lines say
     finally:
         trainer.monitor.close()
     said = [r.getMessage() for r in caplog.records if "v0 trainer" in r.getMessage()]
@@ -805,13 +809,16 @@ def test_the_fully_async_trainer_steps_in_parameter_versions(monkeypatch) -> Non
     assert_never_as_documented(m, "verl fully-async (`monitored_fully_async_task_runner`)")
 
 
-def test_the_fully_async_task_runner_creates_the_monitored_trainer(monkeypatch) -> None:
+def test_the_fully_async_task_runner_creates_the_monitored_trainer(monkeypatch, tmp_path) -> None:
     """monitored_fully_async_task_runner is verl's FullyAsyncTaskRunner actor class (its options kept) whose
-    _create_trainer, verl's own, creates the monitored trainer: the FullyAsyncTrainer name fully_async_main
-    creates it by is the monitored actor class there (installed once). (Ray is not started: the actor creation
-    builds the class in this process.)"""
+    _create_trainer, verl's own, creates the monitored trainer. The task runner class goes to its actor's process
+    as Ray ships it (cloudpickle, by value: verl's _create_trainer then reads FullyAsyncTrainer from a copy of
+    fully_async_main's globals): the name is rebound in that copy, the module's left as it is; install_fully_async
+    in this process rebinds the module's (once). ``targets_dir`` travels with the classes: the trainer's monitor
+    announces its target there. (Ray is not started: the actor creation builds the class in this process.)"""
     import ray
     import verl.experimental.fully_async_policy.fully_async_main as main
+    from ray import cloudpickle
 
     from grpo_exporter.integrations.verl_fully_async import install_fully_async, monitored_fully_async_task_runner
 
@@ -824,11 +831,11 @@ def test_the_fully_async_task_runner_creates_the_monitored_trainer(monkeypatch) 
 
     monkeypatch.setattr(ray.actor.ActorClass, "remote", remote)
     monkeypatch.setattr(ray, "get", lambda ref: ref)
-    runner_class = monitored_fully_async_task_runner(port=None, close_linger_s=0, run="fa-run")
+    runner_class = monitored_fully_async_task_runner(port=0, close_linger_s=0, run="fa-run", targets_dir=tmp_path)
     try:
         assert isinstance(runner_class, ray.actor.ActorClass)
         assert runner_class._default_options == main.FullyAsyncTaskRunner._default_options
-        runner = runner_class.__ray_actor_class__()
+        runner = cloudpickle.loads(cloudpickle.dumps(runner_class.__ray_actor_class__))()
         runner.components.update(tokenizer=None, role_worker_mapping={}, ray_worker_group_cls=None)
         monkeypatch.setattr(main, "create_resource_pool_manager", lambda config, roles: None)
         runner._create_trainer(fully_async_config())
@@ -836,8 +843,11 @@ def test_the_fully_async_task_runner_creates_the_monitored_trainer(monkeypatch) 
         assert type(trainer).__name__ == "MonitoredFullyAsyncTrainer"
         assert trainer.monitor.config.run == "fa-run"
         assert trainer.monitor.config.group_size == G
+        assert (tmp_path / "grpo-fa-run.json").exists()
         trainer.monitor.close()
-        assert main.FullyAsyncTrainer is not original
-        assert install_fully_async() is main.FullyAsyncTrainer  # idempotent
+        assert main.FullyAsyncTrainer is original
+        monitored = install_fully_async()
+        assert main.FullyAsyncTrainer is monitored is not original
+        assert install_fully_async() is monitored  # idempotent
     finally:
         main.FullyAsyncTrainer = original

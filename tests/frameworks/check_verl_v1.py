@@ -315,12 +315,25 @@ def test_the_task_runner_installs_the_monitored_trainer_in_its_process() -> None
         TRAINER_REGISTRY["sync"] = PPOTrainerSync
 
 
-def test_the_docs_v1_lines_run_as_written(monkeypatch) -> None:
-    """docs/integrations.md's v1 lines, as written but for a free port: run_ppo gets the monitored task runner,
-    and in the runner's run (verl's own TaskRunnerV1.run, with TransferQueue's init and the training stood in)
-    verl's registry lookup builds the monitored trainer with its monitor. (run_ppo itself starts Ray and the
-    actor: stood in by one that calls the runner's class directly.)"""
+def stand_in_verls_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's own TaskRunnerV1.run, with TransferQueue's init, the worker groups and the training stood in."""
     import transfer_queue
+    import verl.trainer.main_ppo as main_ppo
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    monkeypatch.setattr(transfer_queue, "init", lambda conf: None)
+    monkeypatch.setattr(transfer_queue, "close", lambda: None)
+    monkeypatch.setattr(PPOTrainerSync, "init", lambda self: None)  # worker groups, checkpoint engine
+    monkeypatch.setattr(PPOTrainerSync, "fit", lambda self, manager: None)
+    monkeypatch.setattr(main_ppo.TaskRunnerV1.__ray_actor_class__, "init_agent_loop_manager", lambda self: None)
+
+
+def test_the_docs_v1_lines_run_as_written(monkeypatch, tmp_path) -> None:
+    """docs/integrations.md's v1 lines, as written but for a free port and a targets directory of this test's
+    own: run_ppo gets the monitored task runner, and in the runner's run (verl's own TaskRunnerV1.run, with
+    TransferQueue's init and the training stood in) verl's registry lookup builds the monitored trainer with its
+    monitor, which announces its target. (run_ppo itself starts Ray and the actor: stood in by one that calls
+    the runner's class directly.)"""
     import verl.trainer.main_ppo as main_ppo
     from doc_snippets import snippet
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
@@ -334,19 +347,57 @@ def test_the_docs_v1_lines_run_as_written(monkeypatch) -> None:
         built.append(runner.trainer)
 
     monkeypatch.setattr(main_ppo, "run_ppo", run_ppo)
-    monkeypatch.setattr(transfer_queue, "init", lambda conf: None)
-    monkeypatch.setattr(transfer_queue, "close", lambda: None)
-    monkeypatch.setattr(PPOTrainerSync, "init", lambda self: None)  # worker groups, checkpoint engine
-    monkeypatch.setattr(PPOTrainerSync, "fit", lambda self, manager: None)
-    monkeypatch.setattr(main_ppo.TaskRunnerV1.__ray_actor_class__, "init_agent_loop_manager", lambda self: None)
+    stand_in_verls_run(monkeypatch)
+    code, shared = snippet("monitored_task_runner"), 'targets_dir="/shared/prometheus/targets"'
+    assert shared in code
     try:
-        exec(snippet("monitored_task_runner").replace("port=9400", "port=0"), {"config": config()})
+        exec(code.replace(shared, f"targets_dir={str(tmp_path)!r}, port=0"), {"config": config()})
         (trainer,) = built
         assert isinstance(trainer, PPOTrainerSync)
         assert type(trainer).__name__ == "MonitoredPPOTrainerSync"
         assert trainer.monitor.config.group_size == G
         assert trainer.monitor.url is not None
+        assert (tmp_path / "grpo-verl-v1.json").exists()
         trainer.monitor.close()
+    finally:
+        TRAINER_REGISTRY["sync"] = PPOTrainerSync
+
+
+def test_the_task_runners_monitor_announces_its_target_on_the_node_ray_picks(monkeypatch, tmp_path) -> None:
+    """run_ppo creates the task runner with ``task_runner_class.remote()``: Ray ships the class by value (its
+    cloudpickle) to a node of its choice, whose environment is not the driver's. GRPO_EXPORTER_TARGETS_DIR and
+    GRPO_EXPORTER_PORT, set where the class is made and unset where it runs, travel with it: the trainer verl's
+    run builds there announces ``<its address>:<the port it bound>`` in ``grpo-<run>.json`` with the job and run
+    labels, and close() withdraws it. The variables were set for the monitor's construction only."""
+    import json
+    import os
+
+    from ray import cloudpickle
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    stand_in_verls_run(monkeypatch)
+    monkeypatch.setenv("GRPO_EXPORTER_TARGETS_DIR", str(tmp_path))
+    monkeypatch.setenv("GRPO_EXPORTER_PORT", "0")
+    runner_class = monitored_task_runner(close_linger_s=0)
+    shipped = cloudpickle.loads(cloudpickle.dumps(runner_class.__ray_actor_class__))
+    monkeypatch.delenv("GRPO_EXPORTER_TARGETS_DIR")  # the actor's node has none of the driver's variables
+    monkeypatch.delenv("GRPO_EXPORTER_PORT")
+    try:
+        runner = shipped()
+        runner.run(config())
+        monitor = runner.trainer.monitor
+        assert "GRPO_EXPORTER_TARGETS_DIR" not in os.environ
+        assert "GRPO_EXPORTER_PORT" not in os.environ
+        (path,) = tmp_path.glob("grpo-*.json")
+        (group,) = json.loads(path.read_text())
+        assert path.name == "grpo-verl-v1.json"
+        assert monitor.port not in (None, 0, 9887)  # the free port port=0 bound, not the default
+        assert group["targets"] == [monitor.target]
+        assert monitor.target.rsplit(":", 1)[1] == str(monitor.port)
+        assert (group["labels"]["job"], group["labels"]["run"]) == ("grpo", "verl-v1")
+        monitor.close()
+        assert not path.exists()
     finally:
         TRAINER_REGISTRY["sync"] = PPOTrainerSync
 

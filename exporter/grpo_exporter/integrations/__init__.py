@@ -7,6 +7,7 @@ What each can and cannot give is in docs/integrations.md.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -14,7 +15,7 @@ import os
 import re
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -163,3 +164,33 @@ def observe_reported_update(
     if values:
         monitor.observe_update(step, **values)
     monitor.end_step()
+
+
+#: ``GRPO_EXPORTER_*`` variables that name the node they are set on: never carried to an actor's process, which may
+#: run on another node (there the monitor binds and announces that node's own address)
+NODE_VARIABLES = frozenset({"GRPO_EXPORTER_HOST", "GRPO_EXPORTER_ADVERTISE_HOST"})
+
+
+def carried_variables() -> dict[str, str]:
+    """This process's ``GRPO_EXPORTER_*`` variables but :data:`NODE_VARIABLES`: what an adapter's actor class
+    takes along when it is made (in the driver), to apply with :func:`carrying` where its monitor is built. A Ray
+    actor on another node does not inherit the driver's environment (only a ``runtime_env``'s ``env_vars``), while
+    the class, and whatever it holds, is shipped to it: ``GRPO_EXPORTER_TARGETS_DIR`` set where the training is
+    launched reaches the monitor wherever Ray places it."""
+    return {name: value for name, value in os.environ.items()
+            if name.startswith("GRPO_EXPORTER_") and name not in NODE_VARIABLES}
+
+
+@contextlib.contextmanager
+def carrying(variables: Mapping[str, str]) -> Iterator[None]:
+    """``variables`` (:func:`carried_variables` of the process that made the class) set for the duration where
+    this process has none of its own: the actor's own environment (a ``runtime_env``'s ``env_vars``) wins, and
+    keywords win over both, as everywhere. Removed again on exit: only the monitor's construction (and the
+    classes made in it, which carry them on) sees them."""
+    added = {name: value for name, value in variables.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)

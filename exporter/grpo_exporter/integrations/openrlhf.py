@@ -30,6 +30,8 @@ from grpo_exporter.config import AdvantageNorm
 from grpo_exporter.ids import id_tensor
 from grpo_exporter.integrations import (
     IntegrationError,
+    carried_variables,
+    carrying,
     observe_reported_update,
     observe_rollout_time_update,
     require,
@@ -275,8 +277,10 @@ def _launches_training_actor(cls: Any) -> bool:
     return code is not None and "TrainingActor" in code.co_names and "TrainingActor" in getattr(init, "__globals__", {})
 
 
-def _monitored_trainer(cls: Any, max_grad_norm: float | None, monitor_settings: Mapping[str, Any]) -> Any:
-    """``cls`` (a ``BasePPOTrainer``) making and attaching a monitor after its own ``__init__``."""
+def _monitored_trainer(cls: Any, max_grad_norm: float | None, monitor_settings: Mapping[str, Any],
+                       carried: Mapping[str, str]) -> Any:
+    """``cls`` (a ``BasePPOTrainer``) making and attaching a monitor after its own ``__init__``, with the
+    ``carried`` variables where its process has none of its own."""
 
     class MonitoredPPOTrainer(cls):
         monitor: GRPOMonitor
@@ -294,7 +298,8 @@ def _monitored_trainer(cls: Any, max_grad_norm: float | None, monitor_settings: 
                                         "kl_coef": _kl_coef(self.args)}
             if "advantage_norm" not in monitor_settings:
                 settings["advantage_norm"] = advantage_form(self.args)
-            self.monitor = GRPOMonitor(**{**settings, **monitor_settings})
+            with carrying(carried):
+                self.monitor = GRPOMonitor(**{**settings, **monitor_settings})
             clip = max_grad_norm if max_grad_norm is not None else float(self.args.actor.max_norm)
             attach(self, self.monitor, max_grad_norm=clip if clip > 0 else None)
 
@@ -336,15 +341,26 @@ def monitored_ppo_trainer(base: Any = None, *, max_grad_norm: float | None = Non
     launches the monitored ``TrainingActor`` in its place, so the monitor lives in the training actor's process.
     OpenRLHF tags no rollout with the policy version that generated it: in async mode no staleness is read, and
     no engine gap (:func:`attach`). A class that has no trainer state after its ``__init__`` raises
-    :class:`IntegrationError` there."""
+    :class:`IntegrationError` there.
+
+    Ray places the trainer (or the training actor) on a node of its choice: ``targets_dir=`` (a directory
+    Prometheus reads with ``file_sd_configs``) has its monitor announce the address and port it serves there.
+    ``monitor_settings`` travel with the class (Ray ships it by value, and the coordinator the training actor's),
+    and so do the ``GRPO_EXPORTER_*`` variables of the process that calls this (but ``GRPO_EXPORTER_HOST`` and
+    ``GRPO_EXPORTER_ADVERTISE_HOST``, which name this node), under the actor's own
+    (:func:`~grpo_exporter.integrations.carrying`)."""
     if base is None:
         base = require("openrlhf.trainer.ppo_trainer", "openrlhf", TESTED).PPOTrainer
     cls = getattr(base, "__ray_actor_class__", base)
+    carried = carried_variables()
     if _launches_training_actor(cls):
-        monitored = _monitored_coordinator(
-            cls, lambda inner: monitored_ppo_trainer(inner, max_grad_norm=max_grad_norm, **monitor_settings))
+        def training_actor(inner: Any) -> Any:  # in the coordinator's process: the variables go on with the class
+            with carrying(carried):
+                return monitored_ppo_trainer(inner, max_grad_norm=max_grad_norm, **monitor_settings)
+
+        monitored = _monitored_coordinator(cls, training_actor)
     else:
-        monitored = _monitored_trainer(cls, max_grad_norm, monitor_settings)
+        monitored = _monitored_trainer(cls, max_grad_norm, monitor_settings, carried)
     monitored.__name__ = monitored.__qualname__ = f"Monitored{cls.__name__}"
     return monitored if cls is base else _actor_class(base, monitored)
 

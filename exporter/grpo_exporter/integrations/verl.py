@@ -413,7 +413,9 @@ def _mean(value: Any) -> float | None:
 
 def monitored_ray_trainer(base: type | None = None) -> type:
     """A subclass of verl's v0 ``RayPPOTrainer`` (or ``base``) that reports every step to ``self.monitor``
-    (set it after construction: ``trainer.monitor = GRPOMonitor(**monitor_settings(config, port=9400))``).
+    (set it after construction: ``trainer.monitor = GRPOMonitor(**monitor_settings(config, targets_dir=d))``;
+    the trainer is built in verl's task runner, a Ray actor on a node Ray picks: with ``targets_dir`` the monitor
+    announces the address and port it serves in ``d`` for Prometheus' ``file_sd_configs``).
 
     The policy version is ``global_steps - 1``: v0 syncs the weights to the rollout servers as ``global_steps``
     after each update, so a fresh rollout is tagged one below the step that trains on it. verl's fully-async

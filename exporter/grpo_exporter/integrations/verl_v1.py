@@ -22,9 +22,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from grpo_exporter.integrations import check_signature, require, say_once
+from grpo_exporter.integrations import carried_variables, carrying, check_signature, require, say_once
 from grpo_exporter.integrations.verl import DataProto, observe_actor_metrics, observe_dataproto
-from grpo_exporter.integrations.verl_settings import TESTED, _bypass, _grad_clip, _select, monitor_settings
+from grpo_exporter.integrations.verl_settings import (
+    TESTED,
+    _bypass,
+    _grad_clip,
+    _select,
+    monitor_settings,
+)
 from grpo_exporter.runtime.monitor import GRPOMonitor
 
 #: the TransferQueue fields read once per global step (absent ones are skipped by the TransferQueue)
@@ -150,7 +156,10 @@ def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = 
     (``parameter_sync_step == 1``), or ``separate_async``, whose ``_compute_old_log_prob`` restores the weights
     of the step's first local update (pi_old) for every later one. ``sync`` and ``colocate_async`` with
     ``parameter_sync_step > 1`` compute them on weights the engine never had: the gap would be the policy lag,
-    and is absent (said once)."""
+    and is absent (said once).
+
+    The ``GRPO_EXPORTER_*`` variables of the process that calls this go with the class and apply where the
+    monitor is built, under that process's own (:func:`~grpo_exporter.integrations.carrying`)."""
     trainer_base = require("verl.trainer.ppo.v1.trainer_base", "verl", TESTED)
     if base is None:
         base = trainer_base.get_trainer_cls("sync")
@@ -158,6 +167,7 @@ def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = 
     check_signature(base, "_compute_advantage", ("self", "batch", "metrics"), "verl", TESTED)
 
     restores = _restores_pi_old(base)
+    carried = carried_variables()
 
     class MonitoredV1Trainer(base):  # type: ignore[misc, valid-type]
         monitor: GRPOMonitor
@@ -165,7 +175,8 @@ def monitored_v1_trainer(base: type | None = None, *, correct_key: str | None = 
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, *args, **kwargs)
-            self.monitor = GRPOMonitor(**monitor_settings(config, **settings))
+            with carrying(carried):
+                self.monitor = GRPOMonitor(**monitor_settings(config, **settings))
             self._grpo_masks = {}
 
         def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
@@ -237,14 +248,22 @@ def install(mode: str, **settings: Any) -> type:
 def monitored_task_runner(**settings: Any) -> Any:
     """A Ray actor class to pass as ``run_ppo(config, task_runner_class=...)`` in place of verl's
     ``TaskRunnerV1``: before verl's ``run`` builds the trainer (in the task runner's own process), the trainer
-    registered for ``config.trainer.v1.trainer_mode`` is replaced by its monitored subclass (:func:`install`)."""
+    registered for ``config.trainer.v1.trainer_mode`` is replaced by its monitored subclass (:func:`install`).
+
+    Ray places the task runner on a node of its choice: ``targets_dir=`` (a directory Prometheus reads with
+    ``file_sd_configs``) has its monitor announce the address and port it serves there. ``settings`` travel with
+    the class (Ray ships it to the actor by value), and so do the ``GRPO_EXPORTER_*`` variables of the process
+    that calls this (but ``GRPO_EXPORTER_HOST`` and ``GRPO_EXPORTER_ADVERTISE_HOST``, which name this node): the
+    actor does not inherit this environment on another node. The actor's own variables win over them."""
     main_ppo = require("verl.trainer.main_ppo", "verl", TESTED)
     base = main_ppo.TaskRunnerV1
     cls = getattr(base, "__ray_actor_class__", base)
+    carried = carried_variables()
 
     class MonitoredTaskRunner(cls):  # type: ignore[misc, valid-type]
         def run(self, config: Any) -> Any:
-            install(str(config.trainer.v1.trainer_mode), **settings)
+            with carrying(carried):  # the monitored trainer class takes them along
+                install(str(config.trainer.v1.trainer_mode), **settings)
             return super().run(config)
 
     if cls is base:

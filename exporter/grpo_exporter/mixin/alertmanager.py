@@ -1,7 +1,9 @@
 """Alertmanager routing and inhibition, from the same config as the rules.
 
-Routes: critical to the pager receiver, everything else to the default one, grouped by alert and run; info
-notices (a state of the run, such as its clean engine gap above the seed's line) are sent once per run.
+Routes: the always-firing GRPOWatchdog to the dead man's switch (the watchdog receiver) every
+``watchdog_repeat_interval_s``; critical to the pager receiver, everything else to the default one, grouped by
+alert and run; info notices (a state of the run, such as its clean engine gap above the seed's line) are sent once
+per run.
 Inhibitions encode the signal chain: while a layer-1 *critical* fires for a run (the 0/1 gates: non-finite
 values, a wrong loss mask, a ratio clipped before any update, the engine gap at its stop line: "the gradient
 is not what you think"), the pages of layers 2-4 and of the optimizer family for that run are muted (their
@@ -24,6 +26,7 @@ import re
 from typing import Any
 
 from grpo_exporter.catalog import Layer
+from grpo_exporter.mixin.alerts.liveness import WATCHDOG
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.promql import OPTIMIZER
 
@@ -39,13 +42,18 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
             "group_interval": c.duration(c.group_interval_s),
             "repeat_interval": c.duration(c.repeat_interval_s),
             "routes": [
+                # the dead man's switch: always firing, sent to its own receiver on its own beat, to nobody else
+                {"receiver": "watchdog", "matchers": [f'alertname="{WATCHDOG}"'], "group_wait": "0s",
+                 "group_interval": f"{c.watchdog_repeat_interval_s}s",
+                 "repeat_interval": f"{c.watchdog_repeat_interval_s}s"},
                 {"receiver": "pager", "matchers": ['severity="critical"']},
                 # a notice holds for a run (the clean gap above the seed's line): said once, never re-sent
                 {"receiver": "default", "matchers": ['severity="info"'],
                  "repeat_interval": c.duration(c.notice_repeat_interval_s)},
             ],
         },
-        "receivers": [_receiver("pager", c.pager_webhook_url), _receiver("default", c.default_webhook_url)],
+        "receivers": [_receiver("pager", c.pager_webhook_url), _receiver("default", c.default_webhook_url),
+                      _receiver("watchdog", c.watchdog_webhook_url)],
         "inhibit_rules": [
             {
                 "source_matchers": [f'layer="{Layer.GRADIENT.value}"', 'severity="critical"'],

@@ -12,7 +12,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from grpo_exporter.runtime.monitor_config import DEFAULT_PORT
+from grpo_exporter.serving.settings import DEFAULT_PORT
 
 #: a Kubernetes namespace: an RFC 1123 DNS label
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
@@ -74,6 +74,16 @@ class DeploySettings(BaseModel):
     default_webhook_url: str | None = Field(
         None, description="Alertmanager: the webhook every other alert goes to (a chat channel's). Unset, as "
         "`pager_webhook_url`",
+    )
+
+    watchdog_webhook_url: str | None = Field(
+        None, description="Alertmanager: the dead man's switch GRPOWatchdog (always firing) is sent to, every "
+        "`watchdog_repeat_interval_s` (healthchecks.io, Dead Man's Snitch, PagerDuty's heartbeat...): when the pings "
+        "stop, the alerting path itself is broken. Unset, the `watchdog` receiver has no integration"
+    )
+    watchdog_repeat_interval_s: int = Field(
+        300, ge=60, le=3600, description="Alertmanager: how often GRPOWatchdog is re-sent (not scaled by "
+        "time_scale): give the dead man's switch a grace of about three times this"
     )
 
     @field_validator("pod_labels", "prometheus_selector_labels")

@@ -5,7 +5,7 @@ anchors, sampling errors)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from grpo_exporter.catalog import Layer
 from grpo_exporter.mixin.config import MixinConfig, Severity
@@ -21,7 +21,7 @@ class Alert:
     name: str
     layer: Layer | str
     family: str
-    severity: Severity
+    severity: Severity | Literal["none"]  # "none": GRPOWatchdog, routed by name to the dead man's switch
     expr: str
     for_s: int
     summary: str

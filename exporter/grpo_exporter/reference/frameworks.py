@@ -35,7 +35,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 #: alert -> the input groups it needs (all of them) to fire
 NEEDS: dict[str, tuple[str, ...]] = {
-    "GRPOExporterDown": (), "GRPOTrainingStalled": (), "GRPOStepCadenceSlowerThanConfigured": (),
+    "GRPOExporterDown": (), "GRPOExporterNeverAnswered": (), "GRPOTargetServesNoGRPOMetrics": (), "GRPOWatchdog": (),
+    "GRPOTrainingStalled": (), "GRPOStepCadenceSlowerThanConfigured": (),
     "GRPOEngineLogprobGapCritical": ("engine",), "GRPOEngineLogprobGapWarning": ("engine",),
     "GRPOEngineLogprobGapCleanLevelHigh": ("engine",),
     "GRPORatioClippedBeforeUpdate": ("ratios",), "GRPOOnPolicyRatioDrift": ("ratios",),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -23,6 +24,7 @@ from grpo_exporter.runtime.stages import STAGE_BLOCKS, Stages
 from grpo_exporter.serving.endpoint import Endpoint, Listen
 from grpo_exporter.serving.publication import Publication
 from grpo_exporter.serving.server import PortInUseError
+from grpo_exporter.serving.targets import Announcement, advertised_host
 from grpo_exporter.step import families_of
 from grpo_exporter.stitching import StepStitcher
 
@@ -57,10 +59,20 @@ def _reducer(config: MonitorConfig, world: int, report: Reporter) -> distributed
 
 
 def _listen(config: MonitorConfig) -> Listen | None:
+    """Where the serving rank listens (None: ``port=None``). An unset ``host`` binds 127.0.0.1, or with
+    ``targets_dir`` the advertised address: other machines reach it there, and only there."""
     if config.port is None:
         return None
-    return Listen(config.host, config.port, config.tls_cert, config.tls_key, config.basic_auth_user,
-                  config.basic_auth_password_hash)
+    announce = None
+    host = config.host or "127.0.0.1"
+    if config.targets_dir is not None:
+        announce = Announcement(config.targets_dir, config.targets_job, config.advertise_host, config.targets_labels,
+                                config.targets_stale_after_s)
+        if config.host is None:
+            host = advertised_host("0.0.0.0", config.advertise_host)
+            announce = replace(announce, host=host)
+    return Listen(host, config.port, config.tls_cert, config.tls_key, config.basic_auth_user,
+                  config.basic_auth_password_hash, announce)
 
 
 def assemble(config: MonitorConfig, registry: CollectorRegistry,
@@ -86,19 +98,22 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
     try:
         endpoint = Endpoint(publication, config.run, registry, lambda exc: report.error("scrape", exc),
                             _listen(config) if rank == 0 else None,
-                            None if config.strict else lambda exc, port: _busy_port(report, exc, port))
+                            None if config.strict else lambda exc, port: _busy_port(report, exc, port, config),
+                            None if config.strict else lambda exc: report.error("targets", exc, "target file"))
     except BaseException:  # a failed construction leaves no thread running and the registry as it was
         stages.stop_workers()
         raise
     return stages, endpoint
 
 
-def _busy_port(report: Reporter, exc: PortInUseError, port: int) -> None:
+def _busy_port(report: Reporter, exc: PortInUseError, port: int, config: MonitorConfig) -> None:
     """A taken port never stops training: the endpoint serves on a free one, said here and counted."""
     report.count("scrape", publish=True)  # seen by the first scrape, on the port actually served
-    log.warning("grpo-exporter: %s; serving on the free port %d instead (GRPOMonitor.port; Prometheus will not "
-                "find it there: give each job on a node its own port, or port=0 with service discovery). "
-                "Training continues; strict=True raises PortInUseError instead.", exc.strerror or exc, port)
+    where = (f"the target file in {config.targets_dir} names it" if config.targets_dir is not None else
+             "Prometheus will not find it there: set targets_dir (file_sd discovery) or give each job on a node its "
+             "own port")
+    log.warning("grpo-exporter: %s; serving on the free port %d instead (GRPOMonitor.port; %s). "
+                "Training continues; strict=True raises PortInUseError instead.", exc.strerror or exc, port, where)
 
 
 __all__ = ["assemble"]

@@ -104,6 +104,11 @@ class GRPOMonitor:
     def url(self) -> str | None:
         return self._endpoint.url
 
+    @property
+    def target(self) -> str | None:
+        """The ``host:port`` announced in ``targets_dir`` for Prometheus to discover (None when not announced)."""
+        return self._endpoint.target
+
     def observe_rollout(
         self, step: int, *, prompt_ids: Tensor | Sequence[Any] | None = None, prompt_tokens: Tensor | None = None,
         dropped_stale_total: int | None = None, **fields: Unpack[RolloutFields],

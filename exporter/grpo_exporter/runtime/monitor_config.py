@@ -1,4 +1,6 @@
-"""The monitor's configuration: the metric math plus run identity, HTTP endpoint, guard and baselines.
+"""The monitor's configuration: the metric math plus run identity, guard and baselines; the HTTP endpoint's and the
+flight recorder's fields come from their own modules (:mod:`grpo_exporter.serving.settings`,
+:mod:`grpo_exporter.recorder.settings`).
 
 One pydantic model, validated once at construction. Sources, later ones winning: defaults, a YAML file
 (read within limits: :mod:`grpo_exporter.config_files`), ``GRPO_EXPORTER_*`` environment variables (each parsed
@@ -7,15 +9,8 @@ at construction with a message naming the field (and the variable, for a value f
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import hmac
-import ipaddress
 import math
 import os
-import re
-import secrets
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -28,99 +23,17 @@ from grpo_exporter.config import MetricsConfig
 from grpo_exporter.config_files import Oversized, check_value_size, load_yaml_mapping, short_repr
 from grpo_exporter.recorder.settings import RecorderSettings
 from grpo_exporter.runtime.config_environment import environment_settings, naming_variables
+from grpo_exporter.serving.settings import ServingSettings
 from grpo_exporter.thresholds import EventLines, StopLines
 
-DEFAULT_PORT = 9887  # in the exporters' range 9100-9999 of Prometheus' default port allocations
-PASSWORD_SCHEME = "pbkdf2_sha256"
 #: the longest a duration setting may ask the process to wait, in seconds (see each field)
 HOUR_S, DAY_S = 3600.0, 86400.0
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 
-def check_host(value: str) -> str:
-    """``value`` if it is an address to bind: an IPv4 or IPv6 literal (an IPv6 one may come in URL brackets,
-    ``[::1]``, which are removed) or a hostname (letters, digits, ``-`` and ``_`` in dot-separated labels, as
-    container and service names are). ``ValueError`` saying why otherwise: an empty host would bind every
-    interface, and whitespace or a malformed address fails only later, in the server, far from the setting."""
-    if not value:
-        raise ValueError("expected an address to bind (127.0.0.1; 0.0.0.0 or :: for every interface), got ''")
-    if any(ch.isspace() or not ch.isprintable() for ch in value):
-        raise ValueError(f"expected an address without whitespace or control characters, got {short_repr(value)}")
-    if value.startswith("[") and value.endswith("]"):
-        if ":" not in value or not _is_ip(value[1:-1]):
-            raise ValueError(f"expected an IPv6 address inside the brackets, got {short_repr(value)}")
-        return value[1:-1]
-    if _is_ip(value):
-        return value
-    with contextlib.suppress(OSError):  # inet_aton's forms ("0x0", "127.1"): the resolver would bind them
-        read = socket.inet_ntoa(socket.inet_aton(value))
-        raise ValueError(f"expected an IPv4 address in dotted-decimal form, got {short_repr(value)} (which the "
-                         f"resolver reads as {read})")
-    if ":" in value:
-        raise ValueError(f"expected an IPv6 address (or an IPv4 address or hostname), got {short_repr(value)}")
-    labels = value.removesuffix(".").split(".")
-    if len(value) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit():
-        raise ValueError(f"expected an IPv4 or IPv6 address or a hostname, got {short_repr(value)}")
-    return value
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
-def hash_password(password: str, iterations: int = 200_000) -> str:
-    """A salted PBKDF2-SHA256 hash for ``basic_auth_password_hash``: ``pbkdf2_sha256$iterations$salt$hex``."""
-    salt = secrets.token_hex(16)
-    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations).hex()
-    return f"{PASSWORD_SCHEME}${iterations}${salt}${digest}"
-
-
-def parse_password_hash(encoded: str) -> tuple[int, str, str]:
-    """(iterations, salt, hex digest) of a :func:`hash_password` string; ``ValueError`` saying what is wrong."""
-    parts = encoded.split("$")
-    if len(parts) != 4 or parts[0] != PASSWORD_SCHEME:
-        raise ValueError(
-            f"basic_auth_password_hash: expected '{PASSWORD_SCHEME}$ITERATIONS$SALT$HEX' from "
-            f"`grpo-exporter hash-password`, got {len(parts)} '$'-separated parts starting {parts[0][:20]!r}"
-        )
-    _, iterations, salt, digest = parts
-    if not iterations.isdigit() or not 1_000 <= int(iterations) <= 10_000_000:
-        raise ValueError(f"basic_auth_password_hash: expected iterations 1000..10000000, got {iterations!r}")
-    if not salt or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        raise ValueError("basic_auth_password_hash: expected a non-empty salt and a 64-digit lowercase hex digest")
-    return int(iterations), salt, digest
-
-
-def verify_password(password: str, encoded: str) -> bool:
-    """Check ``password`` against a :func:`hash_password` string (constant-time comparison of the digests)."""
-    iterations, salt, digest = parse_password_hash(encoded)
-    candidate = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations).hex()
-    return hmac.compare_digest(candidate, digest)
-
-
-class MonitorConfig(MetricsConfig, StopLines, EventLines, RecorderSettings):
+class MonitorConfig(MetricsConfig, StopLines, EventLines, RecorderSettings, ServingSettings):
     """Everything :class:`~grpo_exporter.runtime.monitor.GRPOMonitor` needs; the metric knobs are inherited."""
 
     run: str = Field(min_length=1, max_length=128, description="run id: the `run` label of every series")
-    host: str = Field(
-        "127.0.0.1", description="bind address: an IPv4 or IPv6 address (brackets, [::1], are removed) or a "
-        "hostname, checked at construction; 0.0.0.0 (or :: for IPv6 too) is an explicit choice for containers. An "
-        "address this machine cannot bind raises AddressUnavailableError naming it when serving starts",
-    )
-    port: int | None = Field(
-        DEFAULT_PORT, ge=0, le=65535, description="HTTP port; 0 picks a free one; None serves nothing (a bool is "
-        "an error, not port 1)"
-    )
-    tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS when given with tls_key")
-    tls_key: Path | None = None
-    basic_auth_user: str | None = Field(None, min_length=1, max_length=256)
-    basic_auth_password_hash: str | None = Field(
-        None, max_length=1024, description="from grpo_exporter.hash_password()"
-    )
     strict: bool = Field(False, description="raise instead of counting and logging exporter errors (tests)")
     guard: Literal["warn", "raise", "off"] = Field(
         "warn", description="what a layer-1 stop criterion does inside training: log, raise, or nothing"
@@ -197,11 +110,6 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines, RecorderSettings):
         0.02, gt=0, le=10, description="wall time one rollout's edit-distance job may take on its worker thread; "
         "its pairs are also capped at the work this buys (fewer as T grows, ~1/T^2), drawn in random order",
     )
-    @field_validator("host")
-    @classmethod
-    def _host_is_an_address(cls, value: str) -> str:
-        return check_host(value)
-
     @model_validator(mode="before")
     @classmethod
     def _split_clip_eps(cls, data: Any) -> Any:
@@ -241,16 +149,6 @@ class MonitorConfig(MetricsConfig, StopLines, EventLines, RecorderSettings):
             if not math.isfinite(number):
                 raise ValueError(f"expected a finite baseline for {key!r}, got {number}")
         return value
-
-    @model_validator(mode="after")
-    def _pairs(self) -> MonitorConfig:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key: expected both or neither")
-        if (self.basic_auth_user is None) != (self.basic_auth_password_hash is None):
-            raise ValueError("basic_auth_user and basic_auth_password_hash: expected both or neither")
-        if self.basic_auth_password_hash:
-            parse_password_hash(self.basic_auth_password_hash)
-        return self
 
     @field_validator("run")
     @classmethod

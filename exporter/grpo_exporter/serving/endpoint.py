@@ -1,9 +1,11 @@
 """The run's scrape endpoint: the catalogue collector registered on the registry, and, where this rank serves,
-the process collector and the HTTP server; at the end it lingers for one more scrape."""
+the process collector, the HTTP server (``/metrics``, ``/healthz``) and the run's announced target file; at the end
+it lingers for one more scrape, then withdraws the target and stops serving."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import weakref
 from collections.abc import Callable
@@ -14,13 +16,18 @@ from prometheus_client import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from grpo_exporter.serving.collector import CatalogCollector
+from grpo_exporter.serving.health import health
 from grpo_exporter.serving.publication import Publication
 from grpo_exporter.serving.server import MetricsServer, PortInUseError
+from grpo_exporter.serving.targets import Announcement, TargetFile, advertised_host
+
+log = logging.getLogger("grpo_exporter")
 
 
 @dataclass(frozen=True)
 class Listen:
-    """Where and how to serve: ``port`` 0 picks a free one; TLS with both files, basic auth with both fields."""
+    """Where and how to serve: ``port`` 0 picks a free one; TLS with both files, basic auth with both fields;
+    ``announce``: write the served target for Prometheus' ``file_sd_configs``."""
 
     host: str
     port: int
@@ -28,6 +35,7 @@ class Listen:
     tls_key: Path | None = None
     auth_user: str | None = None
     auth_password_hash: str | None = None
+    announce: Announcement | None = None
 
 
 class Endpoint:
@@ -37,12 +45,16 @@ class Endpoint:
 
     def __init__(self, publication: Publication, run: str, registry: CollectorRegistry,
                  on_error: Callable[[Exception], None], listen: Listen | None,
-                 on_busy: Callable[[PortInUseError, int], None] | None = None) -> None:
+                 on_busy: Callable[[PortInUseError, int], None] | None = None,
+                 on_announce_error: Callable[[Exception], None] | None = None) -> None:
         """``on_busy``: when the port is taken, serve on a free one and say so to it (with the error and the
-        chosen port); None raises PortInUseError (strict mode)."""
+        chosen port); None raises PortInUseError (strict mode). ``on_announce_error``: the target file could not be
+        written (or touched later): told to it, and serving goes on; None raises (strict mode)."""
         self._registry = registry
         self._owned: list[Collector] = []
         self._server: MetricsServer | None = None
+        self._target: TargetFile | None = None
+        self._publication, self._run = publication, run
         self._collector = CatalogCollector(publication, run, on_error=on_error)
         closing = _take(registry, run)
         try:
@@ -58,7 +70,12 @@ class Endpoint:
                         raise
                     self._server = self._serve(registry, listen, 0)
                     on_busy(exc, self._server.port)
+                if listen.announce is not None:
+                    self._announce(listen, listen.announce, on_announce_error)
         except BaseException:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
             self._release()
             _give_back(registry, closing)
             raise
@@ -78,10 +95,29 @@ class Endpoint:
         if _OPEN.get(self._registry, (None, None))[1] is self._collector:
             del _OPEN[self._registry]
 
-    @staticmethod
-    def _serve(registry: CollectorRegistry, listen: Listen, port: int) -> MetricsServer:
+    def _serve(self, registry: CollectorRegistry, listen: Listen, port: int) -> MetricsServer:
+        publication, run = self._publication, self._run
         return MetricsServer(registry, listen.host, port, listen.tls_cert, listen.tls_key, listen.auth_user,
-                             listen.auth_password_hash)
+                             listen.auth_password_hash, health=lambda: health(run, publication.snapshot()))
+
+    def _announce(self, listen: Listen, announce: Announcement,
+                  on_error: Callable[[Exception], None] | None) -> None:
+        """Write the served target (the port actually bound) for Prometheus to discover."""
+        assert self._server is not None
+        host = advertised_host(listen.host, announce.host)
+        target = f"[{host}]:{self._server.port}" if ":" in host else f"{host}:{self._server.port}"
+        try:
+            self._target = TargetFile(announce, self._run, target, self._server.scheme,
+                                      on_error if on_error is not None else _log_only)
+        except Exception as exc:
+            if on_error is None:
+                raise
+            on_error(exc)
+
+    @property
+    def target(self) -> str | None:
+        """The announced ``host:port`` (None when nothing is announced)."""
+        return self._target.target if self._target else None
 
     @property
     def port(self) -> int | None:
@@ -104,6 +140,9 @@ class Endpoint:
             deadline = time.monotonic() + linger_s
             while seen and self._collector.scrapes == seen and time.monotonic() < deadline:
                 time.sleep(0.05)
+            if self._target is not None:  # the end was scraped (or nothing ever scraped): withdraw the target
+                self._target.remove()
+                self._target = None
             self._server.close()
             self._server = None
         elif self._collector.scrapes and self._collector in self._owned:
@@ -111,6 +150,11 @@ class Endpoint:
             self._owned.remove(self._collector)  # it unregisters itself; the rest leave now
             _CLOSING[self._registry] = self._collector
         self._release()
+
+
+def _log_only(exc: Exception) -> None:
+    """A heartbeat failure in strict mode: there is no caller to raise to on the heartbeat thread."""
+    log.warning("grpo-exporter: the target file's heartbeat failed: %s", exc)
 
 
 #: the open run's collector on each registry (one at a time: two would print every family twice)

@@ -50,7 +50,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 
-from grpo_exporter.runtime.monitor_config import hash_password, parse_password_hash, verify_password
+from grpo_exporter.serving.health import WithHealth
+from grpo_exporter.serving.settings import hash_password, parse_password_hash, verify_password
 
 WORKERS = 8
 BACKLOG = 128
@@ -332,8 +333,12 @@ class MetricsServer:
         tls_key: Path | None = None,
         auth_user: str | None = None,
         auth_password_hash: str | None = None,
+        health: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        app = make_wsgi_app(registry)
+        """``health``: the document of ``/healthz`` (:mod:`grpo_exporter.serving.health`); None: no such path."""
+        app: Callable[..., Iterable[bytes]] = make_wsgi_app(registry)
+        if health is not None:
+            app = WithHealth(app, health)
         auth = None
         if auth_user and auth_password_hash:
             app = auth = BasicAuth(app, auth_user, auth_password_hash)

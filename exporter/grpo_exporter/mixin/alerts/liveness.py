@@ -1,4 +1,5 @@
-"""Liveness: the exporter is scraped, the run reports steps, at the pace the rules were sized for."""
+"""Liveness: the exporter is scraped, the run reports steps, at the pace the rules were sized for; a target that
+was announced answers, and answers as the exporter; the alerting path itself is alive (GRPOWatchdog)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,26 @@ from grpo_exporter.mixin.promql import (
     template_value,
 )
 
+WATCHDOG = "GRPOWatchdog"
+
 
 def alerts(c: MixinConfig) -> list[Alert]:
     """This part's alerts, in the order they are written to the rule file."""
+    return [*_target_alerts(c), *_run_alerts(c), Alert(
+        WATCHDOG, Layer.LIVENESS, "watchdog", "none", "vector(1)", 0,
+        "Always firing: the alerting pipeline (Prometheus, its rules, Alertmanager) is alive.",
+        "This alert fires all the time on purpose. Alertmanager sends it to the watchdog receiver, a dead man's "
+        "switch that calls a person when it stops arriving: then Prometheus, its rules or Alertmanager are down "
+        "and no other alert could page.",
+    )]
+
+
+def _target_alerts(c: MixinConfig) -> list[Alert]:
+    """Is the run's exporter scraped: down after serving, announced and never reached, or another program."""
     lookback = c.duration(c.lifecycle_lookback_s)
-    finished = f"(max by ({BY}) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}])) == 1)"
+    announced = c.matchers('run!=""')  # a target that carries its run: written by the exporter (targets_dir)
     pod_targets = c.matchers('pod!=""')
-    last_finished = f"max by (job, instance) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}]))"
+    last_finished = _latest_run_finished(c, lookback)
     return [
         Alert(
             "GRPOExporterDown", Layer.LIVENESS, "exporter", "critical",
@@ -29,6 +43,48 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "Prometheus cannot scrape {{ $labels.job }} {{ $labels.instance }} (up = " + template_value("%g") + ") and the "
             "run there never reported a normal end (grpo_run_finished).",
         ),
+        Alert(
+            "GRPOExporterNeverAnswered", Layer.LIVENESS, "exporter", "critical",
+            # announced by the exporter, still a target, and down since (never up in the lookback), while the
+            # announcement is younger than the lookback: a run that answered once and died is GRPOExporterDown's,
+            # a withdrawn target is silent at once, a file left behind for longer than the lookback pages no more
+            f"up{announced} == 0 and on(job, instance) max_over_time(up{announced}[{lookback}]) == 0 "
+            f"unless on(job, instance) (up{announced} offset {lookback})",
+            120,
+            "A run announced its target, and Prometheus has never reached it: the run is not monitored.",
+            "Prometheus has never scraped {{ $labels.job }} {{ $labels.instance }} (up = " + template_value("%g")
+            + " since), which run {{ $labels.run }} announced in its targets file: the advertised address or port is not reachable from Prometheus "
+            "(advertise_host, a firewall, a port only bound on loopback, http against https).",
+        ),
+        Alert(
+            "GRPOTargetServesNoGRPOMetrics", Layer.LIVENESS, "exporter", "critical",
+            f"up{c.matchers()} == 1 unless on(job, instance) group by (job, instance) (grpo_run_info{c.matchers()})",
+            300,
+            "Prometheus scrapes a target of the grpo job that is not a grpo-exporter: no run is monitored there.",
+            "{{ $labels.job }} {{ $labels.instance }} answers (up = " + template_value("%g") + "), without any grpo_ "
+            "series: another program holds "
+            "the port (a GPU node's DCGM exporter on 9400, a node exporter) or the target points at the wrong port. "
+            "The run's exporter moved to a free port if its own was taken: announce it (targets_dir) or give it a "
+            "port of its own.",
+        ),
+    ]
+
+
+def _latest_run_finished(c: MixinConfig, lookback: str) -> str:
+    """Per (job, instance): ``grpo_run_finished`` of the run the target served last (the run whose series was
+    scraped last, within ``lookback``). An earlier run's clean end on the same address (the same node and port
+    the next job) must not hide the next run's crash, as a max over the target's runs would."""
+    seen = f"max_over_time(timestamp(grpo_run_finished{c.matchers()})[{lookback}:{c.duration(60)}])"
+    latest = f"{seen} == on(job, instance) group_left() max by (job, instance) ({seen})"
+    return (f"max by (job, instance) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}]) "
+            f"and on(job, instance, run) ({latest}))")
+
+
+def _run_alerts(c: MixinConfig) -> list[Alert]:
+    """Does the run report steps, at the pace the rules were sized for."""
+    lookback = c.duration(c.lifecycle_lookback_s)
+    finished = f"(max by ({BY}) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}])) == 1)"
+    return [
         Alert(
             "GRPOTrainingStalled", Layer.LIVENESS, "stalled", "critical",
             f"time() - max by ({BY}) (last_over_time(grpo_last_step_timestamp_seconds{c.matchers()}[{lookback}])) "
