@@ -164,7 +164,7 @@ class Job:
 
     @property
     def file(self) -> str:
-        return file_name(self.run)
+        return file_name(self.run, self.instance)
 
 
 @dataclass

@@ -305,6 +305,19 @@ def _add_hash_password(commands: Subparsers) -> None:
     hashing.set_defaults(run=_hash_password)
 
 
+def _stale_after(text: str) -> float:
+    """``--stale-after-s``: at least 300 s, as ``targets_stale_after_s`` (a live exporter touches its file every
+    minute: a shorter line would remove live targets)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not seconds >= 300:
+        raise argparse.ArgumentTypeError(f"expected at least 300 (a live exporter touches its file every minute), "
+                                         f"got {text}")
+    return seconds
+
+
 def _add_targets(commands: Subparsers) -> None:
     targets = commands.add_parser("targets", help="the target files that exporters write for Prometheus' "
                                   "file_sd_configs (targets_dir)")
@@ -312,7 +325,7 @@ def _add_targets(commands: Subparsers) -> None:
     prune = actions.add_parser("prune", help="remove target files whose exporter stopped touching them (a crashed "
                                "run's): for a SLURM epilog or a timer")
     prune.add_argument("--dir", required=True, help="the targets directory (the exporters' targets_dir)")
-    prune.add_argument("--stale-after-s", type=float, default=3600.0,
+    prune.add_argument("--stale-after-s", type=_stale_after, default=3600.0,
                        help="remove files not touched for this many seconds (default 3600, the exporters' "
                        "targets_stale_after_s; a serving exporter touches its file every minute)")
     prune.set_defaults(run=_targets_prune)

@@ -334,7 +334,7 @@ def test_the_trainer_actors_monitor_announces_its_target_on_the_node_ray_picks(m
     cloudpickle) to a node of its choice, whose environment is not the driver's. GRPO_EXPORTER_TARGETS_DIR and
     GRPO_EXPORTER_PORT, set where monitored_ppo_trainer is called and unset where the actor runs, travel with the
     class: the monitor built in the trainer's ``__init__`` announces ``<its address>:<the port it bound>`` in
-    ``grpo-<run>.json`` with the job and run labels, and close() withdraws it. The variables were set for the
+    its target file with the job and run labels, and close() withdraws it. The variables were set for the
     monitor's construction only."""
     import json
     import os
@@ -356,7 +356,7 @@ def test_the_trainer_actors_monitor_announces_its_target_on_the_node_ray_picks(m
         assert "GRPO_EXPORTER_PORT" not in os.environ
         (path,) = tmp_path.glob("grpo-*.json")
         (group,) = json.loads(path.read_text())
-        assert path.name == "grpo-openrlhf-targets.json"
+        assert path.name == f"grpo-openrlhf-targets@{monitor.target.replace(':', '_')}.json"
         assert monitor.port not in (None, 0, 9887)  # the free port port=0 bound, not the default
         assert group["targets"] == [monitor.target]
         assert monitor.target.rsplit(":", 1)[1] == str(monitor.port)

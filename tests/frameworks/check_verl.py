@@ -391,7 +391,8 @@ def test_the_docs_v0_lines_run_as_written(monkeypatch, caplog, tmp_path) -> None
         assert trainer.monitor.config.advantage_norm == "none"  # Dr. GRPO: norm_adv_by_std_in_grpo=False
         assert trainer.monitor.config.run == "exp-42"  # the run the lines name, over the config's
         assert trainer.monitor.url is not None
-        assert (tmp_path / "grpo-exp-42.json").exists()  # the target announced where the lines say
+        announced = f"grpo-exp-42@{trainer.monitor.target.replace(':', '_')}.json"
+        assert (tmp_path / announced).exists()  # the target announced where the lines say
     finally:
         trainer.monitor.close()
     said = [r.getMessage() for r in caplog.records if "v0 trainer" in r.getMessage()]
@@ -843,7 +844,7 @@ def test_the_fully_async_task_runner_creates_the_monitored_trainer(monkeypatch, 
         assert type(trainer).__name__ == "MonitoredFullyAsyncTrainer"
         assert trainer.monitor.config.run == "fa-run"
         assert trainer.monitor.config.group_size == G
-        assert (tmp_path / "grpo-fa-run.json").exists()
+        assert (tmp_path / f"grpo-fa-run@{trainer.monitor.target.replace(':', '_')}.json").exists()
         trainer.monitor.close()
         assert main.FullyAsyncTrainer is original
         monitored = install_fully_async()

@@ -357,7 +357,7 @@ def test_the_docs_v1_lines_run_as_written(monkeypatch, tmp_path) -> None:
         assert type(trainer).__name__ == "MonitoredPPOTrainerSync"
         assert trainer.monitor.config.group_size == G
         assert trainer.monitor.url is not None
-        assert (tmp_path / "grpo-verl-v1.json").exists()
+        assert (tmp_path / f"grpo-verl-v1@{trainer.monitor.target.replace(':', '_')}.json").exists()
         trainer.monitor.close()
     finally:
         TRAINER_REGISTRY["sync"] = PPOTrainerSync
@@ -367,7 +367,7 @@ def test_the_task_runners_monitor_announces_its_target_on_the_node_ray_picks(mon
     """run_ppo creates the task runner with ``task_runner_class.remote()``: Ray ships the class by value (its
     cloudpickle) to a node of its choice, whose environment is not the driver's. GRPO_EXPORTER_TARGETS_DIR and
     GRPO_EXPORTER_PORT, set where the class is made and unset where it runs, travel with it: the trainer verl's
-    run builds there announces ``<its address>:<the port it bound>`` in ``grpo-<run>.json`` with the job and run
+    run builds there announces ``<its address>:<the port it bound>`` in its target file with the job and run
     labels, and close() withdraws it. The variables were set for the monitor's construction only."""
     import json
     import os
@@ -391,7 +391,7 @@ def test_the_task_runners_monitor_announces_its_target_on_the_node_ray_picks(mon
         assert "GRPO_EXPORTER_PORT" not in os.environ
         (path,) = tmp_path.glob("grpo-*.json")
         (group,) = json.loads(path.read_text())
-        assert path.name == "grpo-verl-v1.json"
+        assert path.name == f"grpo-verl-v1@{monitor.target.replace(':', '_')}.json"
         assert monitor.port not in (None, 0, 9887)  # the free port port=0 bound, not the default
         assert group["targets"] == [monitor.target]
         assert monitor.target.rsplit(":", 1)[1] == str(monitor.port)

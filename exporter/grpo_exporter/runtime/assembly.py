@@ -4,6 +4,7 @@ recorder (``recorder_dir``), the stages that drive them, and the scrape endpoint
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -24,7 +25,7 @@ from grpo_exporter.runtime.stages import STAGE_BLOCKS, Stages
 from grpo_exporter.serving.endpoint import Endpoint, Listen
 from grpo_exporter.serving.publication import Publication
 from grpo_exporter.serving.server import PortInUseError
-from grpo_exporter.serving.targets import Announcement, advertised_host
+from grpo_exporter.serving.targets import Announcement, advertised_host, bind_host
 from grpo_exporter.step import families_of
 from grpo_exporter.stitching import StepStitcher
 
@@ -60,7 +61,9 @@ def _reducer(config: MonitorConfig, world: int, report: Reporter) -> distributed
 
 def _listen(config: MonitorConfig) -> Listen | None:
     """Where the serving rank listens (None: ``port=None``). An unset ``host`` binds 127.0.0.1, or with
-    ``targets_dir`` the advertised address: other machines reach it there, and only there."""
+    ``targets_dir`` the advertised address: other machines reach it there, and only there (an ``advertise_host``
+    that is no address of this node, a NAT's or a name for loopback here, binds every interface:
+    :func:`~grpo_exporter.serving.targets.bind_host`)."""
     if config.port is None:
         return None
     announce = None
@@ -69,8 +72,12 @@ def _listen(config: MonitorConfig) -> Listen | None:
         announce = Announcement(config.targets_dir, config.targets_job, config.advertise_host, config.targets_labels,
                                 config.targets_stale_after_s)
         if config.host is None:
-            host = advertised_host("0.0.0.0", config.advertise_host)
-            announce = replace(announce, host=host)
+            advertised = advertised_host("0.0.0.0", config.advertise_host)
+            host = advertised if config.advertise_host is None else bind_host(advertised)
+            announce = replace(announce, host=advertised)
+            if config.advertise_host is None and ipaddress.ip_address(advertised).is_loopback:
+                log.warning("grpo-exporter: this node has no address but loopback (%s): Prometheus on another "
+                            "machine cannot reach the announced target; set advertise_host", advertised)
     return Listen(host, config.port, config.tls_cert, config.tls_key, config.basic_auth_user,
                   config.basic_auth_password_hash, announce)
 
@@ -99,11 +106,18 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
         endpoint = Endpoint(publication, config.run, registry, lambda exc: report.error("scrape", exc),
                             _listen(config) if rank == 0 else None,
                             None if config.strict else lambda exc, port: _busy_port(report, exc, port, config),
-                            None if config.strict else lambda exc: report.error("targets", exc, "target file"))
+                            None if config.strict else lambda exc: _target_error(report, publication, exc))
     except BaseException:  # a failed construction leaves no thread running and the registry as it was
         stages.stop_workers()
         raise
     return stages, endpoint
+
+
+def _target_error(report: Reporter, publication: Publication, exc: Exception) -> None:
+    """A target file's failure, from its own thread: counted, logged and published (no step publishes it)."""
+    with publication.writing:
+        report.error("targets", exc, "target file")
+        publication.publish()
 
 
 def _busy_port(report: Reporter, exc: PortInUseError, port: int, config: MonitorConfig) -> None:

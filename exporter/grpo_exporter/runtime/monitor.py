@@ -106,7 +106,8 @@ class GRPOMonitor:
 
     @property
     def target(self) -> str | None:
-        """The ``host:port`` announced in ``targets_dir`` for Prometheus to discover (None when not announced)."""
+        """The ``host:port`` this run announces in ``targets_dir`` for Prometheus to discover (a failed write is
+        counted and tried again every minute); None without ``targets_dir`` or on a rank that does not serve."""
         return self._endpoint.target
 
     def observe_rollout(

@@ -102,17 +102,12 @@ class Endpoint:
 
     def _announce(self, listen: Listen, announce: Announcement,
                   on_error: Callable[[Exception], None] | None) -> None:
-        """Write the served target (the port actually bound) for Prometheus to discover."""
+        """Write the served target (the port actually bound) for Prometheus to discover: on a thread of its own
+        (:class:`TargetFile`); None ``on_error`` (strict) raises a failed first write here."""
         assert self._server is not None
         host = advertised_host(listen.host, announce.host)
         target = f"[{host}]:{self._server.port}" if ":" in host else f"{host}:{self._server.port}"
-        try:
-            self._target = TargetFile(announce, self._run, target, self._server.scheme,
-                                      on_error if on_error is not None else _log_only)
-        except Exception as exc:
-            if on_error is None:
-                raise
-            on_error(exc)
+        self._target = TargetFile(announce, self._run, target, self._server.scheme, on_error)
 
     @property
     def target(self) -> str | None:
@@ -140,21 +135,18 @@ class Endpoint:
             deadline = time.monotonic() + linger_s
             while seen and self._collector.scrapes == seen and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if self._target is not None:  # the end was scraped (or nothing ever scraped): withdraw the target
-                self._target.remove()
-                self._target = None
-            self._server.close()
-            self._server = None
+            try:
+                if self._target is not None:  # the end was scraped (or nothing ever scraped): withdraw the target
+                    self._target.remove()
+                    self._target = None
+            finally:
+                self._server.close()
+                self._server = None
         elif self._collector.scrapes and self._collector in self._owned:
             self._collector.retire_after_next_scrape(self._registry)
             self._owned.remove(self._collector)  # it unregisters itself; the rest leave now
             _CLOSING[self._registry] = self._collector
         self._release()
-
-
-def _log_only(exc: Exception) -> None:
-    """A heartbeat failure in strict mode: there is no caller to raise to on the heartbeat thread."""
-    log.warning("grpo-exporter: the target file's heartbeat failed: %s", exc)
 
 
 #: the open run's collector on each registry (one at a time: two would print every family twice)

@@ -38,10 +38,10 @@ def check_host(value: str) -> str:
     if any(ch.isspace() or not ch.isprintable() for ch in value):
         raise ValueError(f"expected an address without whitespace or control characters, got {short_repr(value)}")
     if value.startswith("[") and value.endswith("]"):
-        if ":" not in value or not _is_ip(value[1:-1]):
+        if ":" not in value or not is_ip(value[1:-1]):
             raise ValueError(f"expected an IPv6 address inside the brackets, got {short_repr(value)}")
         return value[1:-1]
-    if _is_ip(value):
+    if is_ip(value):
         return value
     with contextlib.suppress(OSError):  # inet_aton's forms ("0x0", "127.1"): the resolver would bind them
         read = socket.inet_ntoa(socket.inet_aton(value))
@@ -55,7 +55,8 @@ def check_host(value: str) -> str:
     return value
 
 
-def _is_ip(text: str) -> bool:
+def is_ip(text: str) -> bool:
+    """Whether ``text`` is an IPv4 or IPv6 address literal."""
     try:
         ipaddress.ip_address(text)
     except ValueError:
@@ -114,7 +115,7 @@ class ServingSettings(Settings):
     )
     targets_dir: Path | None = Field(
         None, description="a directory Prometheus reads with file_sd_configs (on a filesystem both see): the "
-        "serving rank writes grpo-<run>.json there, naming the host and port it serves (after any port "
+        "serving rank writes grpo-<run>@<host>_<port>.json there, naming the host and port it serves (after any port "
         "fallback) with the job, run and targets_labels labels, and removes it once the run's end was scraped; "
         "a crashed run's file stays (GRPOExporterDown pages) until it is older than targets_stale_after_s"
     )

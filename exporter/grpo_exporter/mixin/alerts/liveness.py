@@ -48,8 +48,8 @@ def _target_alerts(c: MixinConfig) -> list[Alert]:
             # announced by the exporter, still a target, and down since (never up in the lookback), while the
             # announcement is younger than the lookback: a run that answered once and died is GRPOExporterDown's,
             # a withdrawn target is silent at once, a file left behind for longer than the lookback pages no more
-            f"up{announced} == 0 and on(job, instance) max_over_time(up{announced}[{lookback}]) == 0 "
-            f"unless on(job, instance) (up{announced} offset {lookback})",
+            f"up{announced} == 0 and on(job, instance, run) max_over_time(up{announced}[{lookback}]) == 0 "
+            f"unless on(job, instance, run) (up{announced} offset {lookback})",
             120,
             "A run announced its target, and Prometheus has never reached it: the run is not monitored.",
             "Prometheus has never scraped {{ $labels.job }} {{ $labels.instance }} (up = " + template_value("%g")
@@ -58,26 +58,31 @@ def _target_alerts(c: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "GRPOTargetServesNoGRPOMetrics", Layer.LIVENESS, "exporter", "critical",
-            f"up{c.matchers()} == 1 unless on(job, instance) group by (job, instance) (grpo_run_info{c.matchers()})",
+            # a target that served no run within the lookback (a static target of your own server between runs
+            # has), or an announced one that serves another run than its own (a dead run's file at a new address)
+            f"(up{c.matchers()} == 1 unless on(job, instance) group by (job, instance) "
+            f"(last_over_time(grpo_run_info{c.matchers()}[{lookback}]))) or (up{announced} == 1 unless "
+            f"on(job, instance, run) group by (job, instance, run) (grpo_run_info{c.matchers()}))",
             300,
-            "Prometheus scrapes a target of the grpo job that is not a grpo-exporter: no run is monitored there.",
-            "{{ $labels.job }} {{ $labels.instance }} answers (up = " + template_value("%g") + "), without any grpo_ "
-            "series: another program holds "
-            "the port (a GPU node's DCGM exporter on 9400, a node exporter) or the target points at the wrong port. "
-            "The run's exporter moved to a free port if its own was taken: announce it (targets_dir) or give it a "
-            "port of its own.",
+            "Prometheus scrapes a target of the grpo job that does not serve its run: no run is monitored there.",
+            "{{ $labels.job }} {{ $labels.instance }} answers (up = " + template_value("%g") + ") without the grpo_ "
+            "series it should carry{{ with $labels.run }} for run {{ . }}{{ end }}: another program holds the port (a "
+            "GPU node's DCGM exporter on 9400, a node exporter), the target points at the wrong port, or a run that "
+            "is gone left its announcement where another run now serves. The run's exporter moved to a free port if "
+            "its own was taken: announce it (targets_dir) or give it a port of its own.",
         ),
     ]
 
 
 def _latest_run_finished(c: MixinConfig, lookback: str) -> str:
-    """Per (job, instance): ``grpo_run_finished`` of the run the target served last (the run whose series was
-    scraped last, within ``lookback``). An earlier run's clean end on the same address (the same node and port
-    the next job) must not hide the next run's crash, as a max over the target's runs would."""
+    """Per (job, instance): ``grpo_run_finished`` of the run the target served last (the series scraped last,
+    within ``lookback``, matched on all its labels). An earlier run's clean end on the same address (the same node
+    and port the next job), or under the same run name with other target labels (a run started again), must not
+    hide the next crash, as a max over the target's runs would."""
     seen = f"max_over_time(timestamp(grpo_run_finished{c.matchers()})[{lookback}:{c.duration(60)}])"
     latest = f"{seen} == on(job, instance) group_left() max by (job, instance) ({seen})"
     return (f"max by (job, instance) (last_over_time(grpo_run_finished{c.matchers()}[{lookback}]) "
-            f"and on(job, instance, run) ({latest}))")
+            f"and ({latest}))")
 
 
 def _run_alerts(c: MixinConfig) -> list[Alert]:
