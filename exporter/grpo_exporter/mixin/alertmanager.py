@@ -44,8 +44,9 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
             "routes": [
                 # the dead man's switch: always firing, sent to its own receiver on its own beat, to nobody else
                 {"receiver": "watchdog", "matchers": [f'alertname="{WATCHDOG}"'], "group_wait": "0s",
-                 "group_interval": f"{c.watchdog_repeat_interval_s}s",
-                 "repeat_interval": f"{c.watchdog_repeat_interval_s}s"},
+                 # checked every minute, re-sent once the repeat interval has passed (a group interval equal to it
+                 # would let a tick land a moment early and skip a whole interval)
+                 "group_interval": "1m", "repeat_interval": f"{c.watchdog_repeat_interval_s}s"},
                 {"receiver": "pager", "matchers": ['severity="critical"']},
                 # a notice holds for a run (the clean gap above the seed's line): said once, never re-sent
                 {"receiver": "default", "matchers": ['severity="info"'],
