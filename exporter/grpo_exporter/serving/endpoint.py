@@ -5,7 +5,6 @@ it lingers for one more scrape, then withdraws the target and stops serving."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import weakref
 from collections.abc import Callable
@@ -20,8 +19,6 @@ from grpo_exporter.serving.health import health
 from grpo_exporter.serving.publication import Publication
 from grpo_exporter.serving.server import MetricsServer, PortInUseError
 from grpo_exporter.serving.targets import Announcement, TargetFile, advertised_host
-
-log = logging.getLogger("grpo_exporter")
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,8 @@ class Endpoint:
                  on_announce_error: Callable[[Exception], None] | None = None) -> None:
         """``on_busy``: when the port is taken, serve on a free one and say so to it (with the error and the
         chosen port); None raises PortInUseError (strict mode). ``on_announce_error``: the target file could not be
-        written (or touched later): told to it, and serving goes on; None raises (strict mode)."""
+        written (or touched, or removed): told to it, from the file's own thread, and serving goes on; None (strict
+        mode) raises a failed first write here and logs later failures."""
         self._registry = registry
         self._owned: list[Collector] = []
         self._server: MetricsServer | None = None

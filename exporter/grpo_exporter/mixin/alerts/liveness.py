@@ -36,7 +36,8 @@ def _target_alerts(c: MixinConfig) -> list[Alert]:
         Alert(
             "GRPOExporterDown", Layer.LIVENESS, "exporter", "critical",
             # a static target (local, compose) is down between runs: it pages only after serving a run that did
-            # not report its normal end; a discovered pod (the `pod` label) exists only while its training does
+            # not report its normal end (an announced target, targets_dir, the same: its file outlives a crash); a
+            # discovered pod (the `pod` label) exists only while its training does
             f"(up{c.matchers()} == 0 and on(job, instance) ({last_finished} == 0)) or "
             f"(up{pod_targets} == 0 unless on(job, instance) ({last_finished} == 1))", 120,
             "The grpo-exporter target is down and its run did not end normally: nothing below can be judged.",
@@ -53,8 +54,9 @@ def _target_alerts(c: MixinConfig) -> list[Alert]:
             120,
             "A run announced its target, and Prometheus has never reached it: the run is not monitored.",
             "Prometheus has never scraped {{ $labels.job }} {{ $labels.instance }} (up = " + template_value("%g")
-            + " since), which run {{ $labels.run }} announced in its targets file: the advertised address or port is not reachable from Prometheus "
-            "(advertise_host, a firewall, a port only bound on loopback, http against https).",
+            + " since), which run {{ $labels.run }} announced in its targets file: the advertised address or port is "
+            "not reachable from Prometheus (advertise_host, a firewall, a port only bound on loopback, http against "
+            "https).",
         ),
         Alert(
             "GRPOTargetServesNoGRPOMetrics", Layer.LIVENESS, "exporter", "critical",
