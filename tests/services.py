@@ -122,28 +122,41 @@ def query(base: str, expr: str) -> list[dict[str, Any]]:
     return list(answer["data"]["result"])
 
 
-class PageClock:
+class Poller:
+    """Calls :meth:`poll` every ``every`` seconds on a daemon thread, from construction until :meth:`close`."""
+
+    def __init__(self, every: float) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self.thread.start()
+
+    def _run(self, every: float) -> None:
+        while not self.stop.wait(every):
+            self.poll()
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+class PageClock(Poller):
     """When each alert (by fingerprint) first reached ``webhook``, firing: polled every 0.1 s until close()."""
 
     def __init__(self, webhook: Webhook) -> None:
         self.webhook = webhook
         self.first: dict[str, float] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        super().__init__(0.1)
 
-    def _run(self) -> None:
-        while not self.stop.wait(0.1):
-            now = time.monotonic()
-            for _, alert in self.webhook.alerts():
-                if alert["status"] == "firing":
-                    self.first.setdefault(alert["fingerprint"], now)
+    def poll(self) -> None:
+        now = time.monotonic()
+        for _, alert in self.webhook.alerts():
+            if alert["status"] == "firing":
+                self.first.setdefault(alert["fingerprint"], now)
 
     def pages(self, **labels: str) -> list[tuple[float, str, dict[str, Any]]]:
         """(first seen, receiver path, alert) of every firing alert delivered whose labels include ``labels``."""
         return [(self.first.get(a["fingerprint"], time.monotonic()), path, a) for path, a in self.webhook.alerts()
                 if a["status"] == "firing" and labels.items() <= a["labels"].items()]
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)

@@ -22,7 +22,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ from grpo_exporter.demo.stack import start_service, stop_services
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.render import alertmanager_output, rules_outputs
 from grpo_exporter.serving.targets import file_name
-from services import PageClock, Webhook, binary, query, wait_for
+from services import PageClock, Poller, Webhook, binary, query, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "deploy" / "slurm"
@@ -113,7 +112,7 @@ def shared_free_port(hosts: tuple[str, ...]) -> int:
     raise AssertionError(f"no port free on all of {hosts}")
 
 
-class FileWatch:
+class FileWatch(Poller):
     """When each target file in ``directory`` first appeared and last vanished: polled every 20 ms."""
 
     def __init__(self, directory: Path) -> None:
@@ -121,23 +120,16 @@ class FileWatch:
         self.appeared: dict[str, float] = {}
         self.vanished: dict[str, float] = {}
         self.vanished_wall: dict[str, float] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        super().__init__(0.02)
 
-    def _run(self) -> None:
-        while not self.stop.wait(0.02):
-            now, wall = time.monotonic(), time.time()
-            present = {p.name for p in self.directory.glob("grpo-*.json")}
-            for name in present:
-                self.appeared.setdefault(name, now)
-            for name in set(self.appeared) - present:
-                if name not in self.vanished:
-                    self.vanished[name], self.vanished_wall[name] = now, wall
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
+    def poll(self) -> None:
+        now, wall = time.monotonic(), time.time()
+        present = {p.name for p in self.directory.glob("grpo-*.json")}
+        for name in present:
+            self.appeared.setdefault(name, now)
+        for name in set(self.appeared) - present:
+            if name not in self.vanished:
+                self.vanished[name], self.vanished_wall[name] = now, wall
 
 
 @dataclass

@@ -306,15 +306,17 @@ def _add_hash_password(commands: Subparsers) -> None:
 
 
 def _stale_after(text: str) -> float:
-    """``--stale-after-s``: at least 300 s, as ``targets_stale_after_s`` (a live exporter touches its file every
+    """``--stale-after-s``: at least the floor of ``targets_stale_after_s`` (a live exporter touches its file every
     minute: a shorter line would remove live targets)."""
+    from grpo_exporter.serving.settings import MIN_STALE_AFTER_S
+
     try:
         seconds = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not seconds >= 300:
-        raise argparse.ArgumentTypeError(f"expected at least 300 (a live exporter touches its file every minute), "
-                                         f"got {text}")
+    if not seconds >= MIN_STALE_AFTER_S:
+        raise argparse.ArgumentTypeError(f"expected at least {MIN_STALE_AFTER_S:g} (a live exporter touches its file "
+                                         f"every minute), got {text}")
     return seconds
 
 
@@ -325,7 +327,7 @@ def _add_targets(commands: Subparsers) -> None:
     prune = actions.add_parser("prune", help="remove target files whose exporter stopped touching them (a crashed "
                                "run's): for a SLURM epilog or a timer")
     prune.add_argument("--dir", required=True, help="the targets directory (the exporters' targets_dir)")
-    prune.add_argument("--stale-after-s", type=_stale_after, default=3600.0,
+    prune.add_argument("--stale-after-s", type=_stale_after, default="3600",
                        help="remove files not touched for this many seconds (default 3600, the exporters' "
                        "targets_stale_after_s; a serving exporter touches its file every minute)")
     prune.set_defaults(run=_targets_prune)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -69,15 +68,14 @@ def _listen(config: MonitorConfig) -> Listen | None:
     announce = None
     host = config.host or "127.0.0.1"
     if config.targets_dir is not None:
-        announce = Announcement(config.targets_dir, config.targets_job, config.advertise_host, config.targets_labels,
-                                config.targets_stale_after_s)
+        advertised = advertised_host(config.host or "0.0.0.0", config.advertise_host)
         if config.host is None:
-            advertised = advertised_host("0.0.0.0", config.advertise_host)
             host = advertised if config.advertise_host is None else bind_host(advertised)
-            announce = replace(announce, host=advertised)
             if config.advertise_host is None and ipaddress.ip_address(advertised).is_loopback:
                 log.warning("grpo-exporter: this node has no address but loopback (%s): Prometheus on another "
                             "machine cannot reach the announced target; set advertise_host", advertised)
+        announce = Announcement(config.targets_dir, config.targets_job, advertised, config.targets_labels,
+                                config.targets_stale_after_s)
     return Listen(host, config.port, config.tls_cert, config.tls_key, config.basic_auth_user,
                   config.basic_auth_password_hash, announce)
 

@@ -18,7 +18,7 @@ from grpo_exporter.serving.collector import CatalogCollector
 from grpo_exporter.serving.health import health
 from grpo_exporter.serving.publication import Publication
 from grpo_exporter.serving.server import MetricsServer, PortInUseError
-from grpo_exporter.serving.targets import Announcement, TargetFile, advertised_host
+from grpo_exporter.serving.targets import Announcement, TargetFile
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Endpoint:
         """Write the served target (the port actually bound) for Prometheus to discover: on a thread of its own
         (:class:`TargetFile`); None ``on_error`` (strict) raises a failed first write here."""
         assert self._server is not None
-        host = advertised_host(listen.host, announce.host)
+        host = announce.host or listen.host  # the assembly decides the advertised host; a bare Listen: the bound one
         target = f"[{host}]:{self._server.port}" if ":" in host else f"{host}:{self._server.port}"
         self._target = TargetFile(announce, self._run, target, self._server.scheme, on_error)
 

@@ -26,6 +26,9 @@ _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 MAX_TARGET_LABELS = 16  # each is on every series of the run
 _LABEL_NAME = re.compile(r"[a-zA-Z][a-zA-Z0-9_]{0,127}")  # no leading _: Prometheus reserves __ names
 DAY_S = 86400.0  # the longest targets_stale_after_s is 30 of them
+#: targets_stale_after_s: its default, and its floor (a live exporter touches its file every minute: a shorter
+#: line would remove live targets); `grpo-exporter targets prune` takes the same
+STALE_AFTER_S, MIN_STALE_AFTER_S = 3600.0, 300.0
 
 
 def check_host(value: str) -> str:
@@ -128,10 +131,10 @@ class ServingSettings(Settings):
         "every series of the run carries them; job and run are set by the exporter"
     )
     targets_stale_after_s: float = Field(
-        3600.0, ge=300, le=30 * DAY_S, description="a target file not touched for this long is removed by the "
-        "next exporter that starts in targets_dir and by `grpo-exporter targets prune` (a serving exporter touches "
-        "its file every minute): how long a crashed run's target keeps GRPOExporterDown firing at most, unless "
-        "the lifecycle lookback of the rules (6 h by default) ends it first"
+        STALE_AFTER_S, ge=MIN_STALE_AFTER_S, le=30 * DAY_S, description="a target file not touched for this long "
+        "is removed by the next exporter that starts in targets_dir and by `grpo-exporter targets prune` (a serving "
+        "exporter touches its file every minute): how long a crashed run's target keeps GRPOExporterDown firing at "
+        "most, unless the lifecycle lookback of the rules (6 h by default) ends it first"
     )
     tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS when given with tls_key")
     tls_key: Path | None = None

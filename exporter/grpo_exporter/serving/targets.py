@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from grpo_exporter.serving.settings import is_ip
+from grpo_exporter.serving.settings import STALE_AFTER_S, is_ip
 
 log = logging.getLogger("grpo_exporter")
 
@@ -56,14 +56,15 @@ _PROBE = ("198.51.100.1", 9)
 @dataclass(frozen=True)
 class Announcement:
     """Where and how to announce the run: ``directory`` read by Prometheus' ``file_sd_configs``; ``host`` the
-    address other machines reach this one at (None: :func:`node_address`); ``labels`` besides ``job`` and
+    address other machines reach this one at (decided by the assembly, :func:`advertised_host`; None: the bound
+    address); ``labels`` besides ``job`` and
     ``run``; files older than ``stale_after_s`` are pruned at start."""
 
     directory: Path
     job: str = "grpo"
     host: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
-    stale_after_s: float = 3600.0
+    stale_after_s: float = STALE_AFTER_S
 
 
 def node_address() -> str:
