@@ -20,5 +20,6 @@ generate: setup
 	.venv/bin/grpo-exporter catalog --out docs/metrics.md
 	.venv/bin/grpo-exporter rules
 	.venv/bin/grpo-exporter dashboards
+	.venv/bin/grpo-exporter dashboards --out exporter/grpo_exporter/mixin/packaged_dashboards
 	.venv/bin/grpo-exporter kubernetes
 	.venv/bin/grpo-exporter reference

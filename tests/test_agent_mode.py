@@ -35,6 +35,7 @@ import yaml
 
 from grpo_exporter.demo.stack import start_service, stop_services
 from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.receivers import webhooks
 from grpo_exporter.mixin.render import alertmanager_output, rules_outputs
 from services import PageClock, Webhook, binary, query, wait_for
 
@@ -117,8 +118,8 @@ class Cluster:
 def central_stack(workdir: Path, webhook: Webhook) -> Iterator[str]:
     """Alertmanager, and the central Prometheus of deploy/agent/prometheus-central.yml with the rules generated at
     MIXIN's time scale; yields the central URL."""
-    mixin = MIXIN.model_copy(update={"pager_webhook_url": f"{webhook.url}/pager",
-                                     "default_webhook_url": f"{webhook.url}/default"})
+    mixin = MIXIN.model_copy(update={"receivers": webhooks(pager=f"{webhook.url}/pager",
+                                                           default=f"{webhook.url}/default")})
     for name, text in rules_outputs(mixin).items():
         (workdir / name).write_text(text)
     (workdir / "alertmanager.yml").write_text(alertmanager_output(mixin))

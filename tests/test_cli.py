@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from grpo_exporter.cli import main
+from grpo_exporter.mixin.config import RUNBOOKS
 from grpo_exporter.serving.settings import verify_password
 
 
@@ -46,15 +47,37 @@ def test_rules_out_writes_everything_under_the_named_folder(tmp_path, monkeypatc
     assert main(["rules", "--out", "mine"]) == 0
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert written == ["mine/alertmanager.yml", "mine/grpo-alerts.rules.yml", "mine/grpo-recording.rules.yml"]
-    assert "runbook_url is the local fallback" in capsys.readouterr().out
     alerts = (tmp_path / "mine" / "grpo-alerts.rules.yml").read_text()
-    assert alerts.splitlines()[1].startswith("# runbook_url base: docs/runbooks.md (the local fallback")
+    assert alerts.splitlines()[1] == f"# runbook_url base: {RUNBOOKS}"
     config = tmp_path / "mixin.yml"
     config.write_text("runbook_url: https://runbooks.example.org/grpo.md\n")
     assert main(["rules", "--out", "hosted", "--config", str(config)]) == 0
-    assert "local fallback" not in capsys.readouterr().out
     hosted = (tmp_path / "hosted" / "grpo-alerts.rules.yml").read_text()
     assert "# runbook_url base: https://runbooks.example.org/grpo.md\n" in hosted
+    assert "runbook_url: https://runbooks.example.org/grpo.md#grpolossmaskmismatch" in hosted
+
+
+def test_a_runbook_a_phone_cannot_open_and_a_moved_setting_are_named(tmp_path, capsys):
+    """A page carries absolute links: a relative runbook_url is refused, naming the setting, what it expects and
+    what came; so is a setting of an earlier version, with where it went; no traceback."""
+    config = tmp_path / "mixin.yml"
+    config.write_text("runbook_url: docs/runbooks.md\nslack_api_url: https://hooks.slack.com/x\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["rules", "--out", str(tmp_path / "out"), "--config", str(config)])
+    lines = str(exit_.value.code).splitlines()
+    assert lines == [
+        f"grpo-exporter: error: --config {config}: runbook_url: String should match pattern '^https?://\\S+$', "
+        "got 'docs/runbooks.md'",
+        f"grpo-exporter: error: --config {config}: slack_api_url: Extra inputs are not permitted, got "
+        "'https://hooks.slack.com/x' (not a setting: docs/config-rules.md lists them)",
+    ]
+    config.write_text("pager_webhook_url: http://pager.internal/hook\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["rules", "--out", str(tmp_path / "out"), "--config", str(config)])
+    assert str(exit_.value.code) == (f"grpo-exporter: error: --config {config}: pager_webhook_url: this setting "
+                                     "moved to receivers.pager.webhook.url (receivers: docs/receivers.md), got "
+                                     "pager_webhook_url set")
+    assert not (tmp_path / "out").exists()
 
 
 def test_rules_for_ten_minute_steps_size_every_window_in_steps(tmp_path, monkeypatch):

@@ -423,7 +423,7 @@ def test_a_moved_private_method_fails_at_import_naming_it() -> None:
 
 
 def test_a_missing_framework_names_the_extra_to_install() -> None:
-    with pytest.raises(IntegrationError, match=r"pip install 'grpo-exporter\[verl\]'"):
+    with pytest.raises(IntegrationError, match=r"pip install 'verl>=0.9,<0.10' \(or '\.\[verl\]' in grpo-exporter"):
         require("verl_is_not_installed_here", "verl", "verl>=0.9,<0.10")
 
 

@@ -29,9 +29,8 @@ from grpo_exporter.cli import main
 from grpo_exporter.demo.scenarios import SCENARIOS
 from grpo_exporter.demo.task import Task, decode
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
-from grpo_exporter.recorder import RecorderError
 from grpo_exporter.recorder.inspect import InspectError, load, render
-from grpo_exporter.recorder.store import UNLOCKED_GRACE_S, incidents, size_of, sweep_partials
+from grpo_exporter.recorder.store import UNLOCKED_GRACE_S, RecorderError, incidents, size_of, sweep_partials
 from grpo_exporter.runtime.guard import TrainingSignalError
 
 INJECT = 5

@@ -14,7 +14,8 @@ import yaml
 
 from grpo_exporter.catalog import Layer, family_of
 from grpo_exporter.mixin.alerts.liveness import WATCHDOG
-from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.config import RUNBOOKS, MixinConfig
+from grpo_exporter.mixin.receivers import webhooks
 from grpo_exporter.mixin.render import alertmanager_output, rules_outputs
 from grpo_exporter.mixin.rules import OPTIMIZER, alerts, recording_rules
 from services import Webhook, alertmanager, binary, post_json
@@ -105,7 +106,7 @@ def test_alert_conventions():
         assert "{{" not in annotations["summary"], name
         if name not in ALWAYS_FIRING:
             assert "$value" in annotations["description"], f"{name}: the description must state the current value"
-        assert annotations["runbook_url"] == f"docs/runbooks.md#{name.lower()}", name
+        assert annotations["runbook_url"] == f"{RUNBOOKS}#{name.lower()}", name
         assert name.lower() in anchors, f"{name}: no runbook section"
     assert len(anchors) == len(rules)
     assert f"| {len(rules)} `GRPO...` alerts" in (RULES / "README.md").read_text(), "rules/README.md: alert count"
@@ -168,7 +169,7 @@ def test_alertmanager_routes_and_inhibits_along_the_signal_chain(tmp_path):
     hook = Webhook()
     try:
         config = MixinConfig(
-            time_scale=0.02, pager_webhook_url=f"{hook.url}/pager", default_webhook_url=f"{hook.url}/default"
+            time_scale=0.02, receivers=webhooks(pager=f"{hook.url}/pager", default=f"{hook.url}/default")
         )
         path = tmp_path / "alertmanager.yml"
         path.write_text(alertmanager_output(config))

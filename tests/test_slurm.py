@@ -35,6 +35,7 @@ import yaml
 
 from grpo_exporter.demo.stack import start_service, stop_services
 from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.receivers import webhooks
 from grpo_exporter.mixin.render import alertmanager_output, rules_outputs
 from grpo_exporter.serving.targets import file_name
 from services import PageClock, Poller, Webhook, binary, query, wait_for
@@ -247,9 +248,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # the jobs of nodes a and b start while Prometheus starts
         for job in (jobs["a"], jobs["b"]):
             start_job(job, targets_dir)
-        mixin = MIXIN.model_copy(update={"pager_webhook_url": f"{webhook.url}/pager",
-                                         "default_webhook_url": f"{webhook.url}/default",
-                                         "watchdog_webhook_url": f"{webhook.url}/watchdog"})
+        mixin = MIXIN.model_copy(update={"receivers": webhooks(pager=f"{webhook.url}/pager",
+                                                               default=f"{webhook.url}/default",
+                                                               watchdog=f"{webhook.url}/watchdog")})
         for name, text in rules_outputs(mixin).items():
             (workdir / name).write_text(text)
         (workdir / "alertmanager.yml").write_text(alertmanager_output(mixin))

@@ -32,26 +32,35 @@ def _catalog(args: argparse.Namespace) -> int:
 
 
 def _mixin_config(args: argparse.Namespace) -> MixinConfig:
-    """The config file's MixinConfig, with --step-seconds over its step_seconds."""
+    """The config file's MixinConfig, with --step-seconds over its step_seconds; a file that does not load or
+    validate exits with one line per problem, each naming the setting, what it expects and what came."""
+    from pydantic import ValidationError
+
+    from grpo_exporter.config_files import ConfigFileError, short_repr
     from grpo_exporter.mixin.config import MixinConfig
 
-    config = MixinConfig.load(args.config)
-    if args.step_seconds is not None:
-        config = MixinConfig.model_validate(config.model_dump() | {"step_seconds": args.step_seconds})
+    try:
+        config = MixinConfig.load(args.config)
+        if args.step_seconds is not None:
+            config = MixinConfig.model_validate(config.model_dump() | {"step_seconds": args.step_seconds})
+    except ConfigFileError as exc:
+        raise SystemExit(f"grpo-exporter: error: {exc}") from None
+    except ValidationError as exc:
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}, got {short_repr(e['input'])}"
+                    + (" (not a setting: docs/config-rules.md lists them)" if e["type"] == "extra_forbidden" else "")
+                    if e["loc"] else e["msg"].removeprefix("Value error, ") for e in exc.errors()]
+        raise SystemExit("\n".join(f"grpo-exporter: error: --config {args.config}: {p}" for p in problems)) from None
     return config
 
 
-def _warn_unset_receivers(config: MixinConfig) -> None:
-    unset = config.unset_receivers
-    if unset:
-        names = " and ".join(f"{name}_webhook_url" for name in unset)
-        print(f"WARNING: {names} not set: the receivers {', '.join(unset)} have no integration, so those alerts are "
-              "shown in Alertmanager's UI and API only and page nobody. Set them in a --config file.",
-              file=sys.stderr)
+def _receiver_notes(config: MixinConfig, kubernetes: bool) -> None:
+    from grpo_exporter.mixin.receiver_configs import notes
+
+    for line in notes(config, kubernetes):
+        print(line, file=sys.stderr)
 
 
 def _rules(args: argparse.Namespace) -> int:
-    from grpo_exporter.mixin.config import RUNBOOK_FALLBACK
     from grpo_exporter.mixin.render import alertmanager_output, rules_outputs, write
 
     config = _mixin_config(args)
@@ -62,41 +71,46 @@ def _rules(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     for path in write({"alertmanager.yml": alertmanager_output(config)}, alertmanager_dir):
         print(f"wrote {path}")
-    _warn_unset_receivers(config)
-    if config.runbook_url == RUNBOOK_FALLBACK:
-        print(f"note: runbook_url is the local fallback {RUNBOOK_FALLBACK!r}; set runbook_url in a --config file to "
-              "a URL your pager can open (e.g. where you host docs/runbooks.md)")
+    _receiver_notes(config, kubernetes=False)
     return 0
 
 
 def _dashboards(args: argparse.Namespace) -> int:
-    try:
-        from grpo_exporter.mixin.dashboards import dashboard_files
-    except ImportError as exc:  # the SDK is an optional extra
-        print(f"grpo-exporter dashboards needs the dashboards extra: pip install 'grpo-exporter[dashboards]' ({exc})")
-        return 2
     from grpo_exporter.mixin.config import MixinConfig
+    from grpo_exporter.mixin.dashboard_sources import SDKMissingError, rendered
     from grpo_exporter.mixin.render import write
 
-    for path in write(dashboard_files(MixinConfig.load(args.config)), Path(args.out)):
+    try:
+        files = rendered(MixinConfig.load(args.config))
+    except SDKMissingError as exc:  # the SDK is an optional extra
+        print(f"grpo-exporter dashboards: {exc}", file=sys.stderr)
+        return 2
+    for path in write(files, Path(args.out)):
         print(f"wrote {path}")
     return 0
 
 
 def _kubernetes(args: argparse.Namespace) -> int:
-    from grpo_exporter.mixin.dashboards import dashboard_files
-    from grpo_exporter.mixin.kubernetes import manifest_files
+    from grpo_exporter.mixin.dashboard_sources import dashboards_for
+    from grpo_exporter.mixin.kubernetes import info_inhibitor_note, manifest_files, retire_old_files
     from grpo_exporter.mixin.render import write
 
     config = _mixin_config(args)
+    dashboards, note = dashboards_for(config)
+    if note:
+        print(note, file=sys.stderr)
     try:
-        files = manifest_files(config, dashboard_files(config))
+        files = manifest_files(config, dashboards)
     except ValueError as exc:
         print(f"grpo-exporter kubernetes: {exc}", file=sys.stderr)
         return 2
     for path in write(files, Path(args.out)):
         print(f"wrote {path}")
-    _warn_unset_receivers(config)
+    for path, why in retire_old_files(Path(args.out), config):
+        print(f"removed {path}: {why}", file=sys.stderr)
+    if note := info_inhibitor_note(config):
+        print(note, file=sys.stderr)
+    _receiver_notes(config, kubernetes=True)
     return 0
 
 

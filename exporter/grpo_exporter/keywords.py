@@ -1,6 +1,6 @@
 """The step-field keywords of GRPOMonitor's two observe calls, typed once for the type checker.
 
-Which call takes which field is said by the input field table (:data:`grpo_exporter.inputs.FIELDS`, its
+Which call takes which field is said by the input field table (:data:`grpo_exporter.input_fields.FIELDS`, its
 ``rollout`` and ``update`` columns); the run-time check of a call's keywords reads the table, and a test holds
 these TypedDicts to it (same names, the :class:`~grpo_exporter.inputs.StepInputs` types).
 """
@@ -8,11 +8,12 @@ these TypedDicts to it (same names, the :class:`~grpo_exporter.inputs.StepInputs
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
-from torch import Tensor
+from grpo_exporter.input_fields import fields_where
 
-from grpo_exporter.inputs import fields_where
+if TYPE_CHECKING:
+    from torch import Tensor
 
 ROLLOUT_FIELDS = frozenset(fields_where(rollout=True))
 UPDATE_FIELDS = frozenset(fields_where(update=True))

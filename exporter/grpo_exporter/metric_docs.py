@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 from grpo_exporter.catalog import CATALOG, ONE_PER_RUN, Layer, Metric, MetricType
 from grpo_exporter.runtime.anchors import ANCHORED_FAMILIES
 from grpo_exporter.runtime.monitor_config import MonitorConfig
@@ -65,18 +68,25 @@ def series_per_run(cfg: MonitorConfig) -> dict[str, int]:
     return counts
 
 
+def _signatures() -> dict[str, ast.arguments]:
+    """GRPOMonitor's method signatures, read from its source: importing the monitor would import torch, which
+    ``grpo-exporter catalog`` does not need."""
+    tree = ast.parse((Path(__file__).parent / "runtime" / "monitor.py").read_text(encoding="utf-8"))
+    monitor = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOMonitor")
+    return {n.name: n.args for n in monitor.body if isinstance(n, ast.FunctionDef)}
+
+
 def _calls() -> list[str]:
     """Which GRPOMonitor call takes which input, read from the signatures themselves."""
-    import inspect
-
     from grpo_exporter.keywords import TYPED
-    from grpo_exporter.runtime.monitor import GRPOMonitor
 
+    signatures = _signatures()
     lines = ["## Which call takes which input", "", "| call | inputs |", "|---|---|"]
     for name in ("observe_rollout", "observe_update", "clip_grad_norm_", "observe_retrieval", "observe_regression"):
-        params = inspect.signature(getattr(GRPOMonitor, name)).parameters.values()
-        shown = [p.name for p in params if p.name not in ("self", "step") and p.kind is not p.VAR_KEYWORD]
-        if any(p.kind is p.VAR_KEYWORD for p in params):
+        args = signatures[name]
+        params = [*args.posonlyargs, *args.args, *([args.vararg] if args.vararg else []), *args.kwonlyargs]
+        shown = [p.arg for p in params if p.arg not in ("self", "step")]
+        if args.kwarg is not None:
             shown = list(TYPED[name].__annotations__) + shown  # the step fields (a TypedDict) come first
         lines.append(f"| `{name}` | {', '.join(f'`{p}`' for p in shown)} |")
     lines += [

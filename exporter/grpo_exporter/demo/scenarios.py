@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from grpo_exporter.demo.task import TOOL_LENGTH, Task
-from grpo_exporter.demo.trainer import DemoConfig, Trainer
+if TYPE_CHECKING:
+    from grpo_exporter.demo.trainer import DemoConfig, Trainer
 
 STEPS_PER_SECOND = 2.0
 EARLY_STEPS = 16  # 8 s: the exporter is scraped and the run's first samples are in
@@ -51,7 +52,12 @@ class Scenario:
     # the 12-step mean falls below 0.7x baseline after 50 steps, against 20 from seed 0).
 
     def config(self, seed: int | None = None) -> DemoConfig:
-        """The demo's training config for this scenario's task (and ``seed``, default the scenario's)."""
+        """The demo's training config for this scenario's task (and ``seed``, default the scenario's).
+
+        torch is imported here, not with the module: the CLI reads the scenarios' names to build its parser."""
+        from grpo_exporter.demo.task import TOOL_LENGTH, Task
+        from grpo_exporter.demo.trainer import DemoConfig
+
         default = DemoConfig()
         return DemoConfig(seed=self.seed if seed is None else seed,
                           max_new=default.max_new + (TOOL_LENGTH if self.tool_at else 0),

@@ -23,6 +23,7 @@ from typing import Any
 
 from grpo_exporter.demo.scenarios import STEPS_PER_SECOND
 from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.receivers import webhooks
 from grpo_exporter.mixin.render import alertmanager_output, rules_outputs
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -162,8 +163,8 @@ class Stack:
         self.workdir = workdir
         self.receiver = _Receiver(on_page)
         self.mixin = (mixin or demo_mixin()).model_copy(
-            update={"pager_webhook_url": f"{self.receiver.url}/pager",
-                    "default_webhook_url": f"{self.receiver.url}/default"}
+            update={"receivers": webhooks(pager=f"{self.receiver.url}/pager",
+                                          default=f"{self.receiver.url}/default")}
         )
         self.processes: list[subprocess.Popen[bytes]] = []
         self.targets = self.workdir / "targets.json"

@@ -79,7 +79,8 @@ def check_version(distribution: str, version: str, extra: str, tested: str) -> N
     raise IntegrationError(
         f"grpo_exporter.integrations.{extra}: {distribution} {version} is installed, outside the tested range "
         f"{distribution}{spec} ({tested}). The adapter wraps private methods that move between releases. Install "
-        f"a tested version (pip install 'grpo-exporter[{extra}]'), or set {ALLOW_UNTESTED_ENV}={distribution} to "
+        f"a tested version (pip install '{distribution}{spec}', or '.[{extra}]' in grpo-exporter's folder: "
+        f"docs/install.md), or set {ALLOW_UNTESTED_ENV}={distribution} to "
         "try this one (the signatures it wraps are still checked at import)."
     )
 
@@ -92,7 +93,8 @@ def require(module: str, extra: str, tested: str) -> ModuleType:
     except ImportError as exc:
         raise IntegrationError(
             f"grpo_exporter.integrations.{extra} needs {module!r} ({tested} is the tested range), which is not "
-            f"importable here: {exc}. Install it with: pip install 'grpo-exporter[{extra}]'"
+            f"importable here: {exc}. Install it with: pip install '{tested}' (or '.[{extra}]' in grpo-exporter's "
+            "folder: docs/install.md)"
         ) from exc
     distribution = module.split(".")[0]
     try:

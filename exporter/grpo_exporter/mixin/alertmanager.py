@@ -15,9 +15,11 @@ alert mutes the warning of the same family for the same run. GRPOAdvantageAboveB
 GRPOAdvantageInconsistent of its run: one advantage bug (a group normalised wrongly both leaves its bound and
 stops summing to 0) pages once.
 
-A receiver whose webhook is not configured has no integration: its alerts are shown in Alertmanager's UI and
-API and go nowhere else (never to a placeholder URL that swallows them); the generators say so on stderr.
-``operator_config`` is the same routing as the Prometheus Operator's ``AlertmanagerConfig`` resource.
+Receivers (``receivers``: Slack, PagerDuty, email, Opsgenie, webhook) say what :mod:`~grpo_exporter.mixin.messages`
+writes, and read every secret from a file (:mod:`~grpo_exporter.mixin.receivers`). A receiver with no integration
+shows its alerts in Alertmanager's UI and API and sends them nowhere else (never to a placeholder URL that
+swallows them); the generators say so on stderr. ``operator_config`` is the same routing as the Prometheus
+Operator's ``AlertmanagerConfig`` resource, its secrets read from Kubernetes Secrets.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from grpo_exporter.catalog import Layer
 from grpo_exporter.mixin.alerts.liveness import WATCHDOG
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.promql import OPTIMIZER
+from grpo_exporter.mixin.receiver_configs import integrations, operator_integrations
 
 DOWNSTREAM = (Layer.REWARD.value, Layer.SAMPLES.value, Layer.DIVERSITY.value, OPTIMIZER)
 
@@ -53,8 +56,8 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
                  "repeat_interval": c.duration(c.notice_repeat_interval_s)},
             ],
         },
-        "receivers": [_receiver("pager", c.pager_webhook_url), _receiver("default", c.default_webhook_url),
-                      _receiver("watchdog", c.watchdog_webhook_url)],
+        "receivers": [{"name": name, **integrations(c, name, receiver)}
+                      for name, receiver in c.receivers.by_name().items()],
         "inhibit_rules": [
             {
                 "source_matchers": [f'layer="{Layer.GRADIENT.value}"', 'severity="critical"'],
@@ -75,14 +78,10 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
     }
 
 
-def _receiver(name: str, url: str | None) -> dict[str, Any]:
-    return {"name": name, "webhook_configs": [{"url": url, "send_resolved": True}]} if url else {"name": name}
-
-
 MATCHER = re.compile(r'^(?P<name>[a-zA-Z_][a-zA-Z0-9_]*)(?P<op>=~|!~|!=|=)"(?P<value>.*)"$')
 CAMEL = {"group_by": "groupBy", "group_wait": "groupWait", "group_interval": "groupInterval",
-         "repeat_interval": "repeatInterval", "send_resolved": "sendResolved", "webhook_configs": "webhookConfigs",
-         "inhibit_rules": "inhibitRules", "source_matchers": "sourceMatch", "target_matchers": "targetMatch"}
+         "repeat_interval": "repeatInterval", "inhibit_rules": "inhibitRules", "source_matchers": "sourceMatch",
+         "target_matchers": "targetMatch"}
 
 
 def _matcher(text: str) -> dict[str, str]:
@@ -108,5 +107,7 @@ def operator_config(c: MixinConfig) -> dict[str, Any]:
     alerts whose ``namespace`` label is the resource's own (its default matcher strategy), which is why the
     Kubernetes PrometheusRule labels every alert with ``namespace`` (our alerts aggregate it away)."""
     plain = alertmanager_config(c)
-    return {"route": _operator_form(plain["route"]), "receivers": _operator_form(plain["receivers"]),
+    receivers = [{"name": name, **operator_integrations(c, name, receiver)}
+                 for name, receiver in c.receivers.by_name().items()]
+    return {"route": _operator_form(plain["route"]), "receivers": receivers,
             "inhibitRules": _operator_form(plain["inhibit_rules"])}

@@ -10,16 +10,24 @@ Thresholds are the seed's where it gives one; the others are stated as such.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from grpo_exporter.config_files import load_yaml_mapping
 from grpo_exporter.mixin.deploy_config import DeploySettings
 from grpo_exporter.thresholds import EventLines, StopLines
 
 Severity = Literal["critical", "warning", "info"]
-RUNBOOK_FALLBACK = "docs/runbooks.md"
+#: the project's home; runbook links default to this version's docs there
+PROJECT_URL = "https://github.com/grpo-exporter/grpo-exporter"
+RUNBOOKS = f"{PROJECT_URL}/blob/main/docs/runbooks.md"
+#: settings an earlier version had, and where each went
+MOVED = {
+    "pager_webhook_url": "receivers.pager.webhook.url",
+    "default_webhook_url": "receivers.default.webhook.url",
+    "watchdog_webhook_url": "receivers.watchdog.webhook.url",
+}
 
 
 class MixinConfig(StopLines, EventLines, DeploySettings):
@@ -325,8 +333,14 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
 
     # ---- paging ----
     runbook_url: str = Field(
-        RUNBOOK_FALLBACK, description="base of every alert's runbook_url: set it to a URL your pager can open (where "
-        "you host docs/runbooks.md); the default is the repository-relative fallback, named in every generated file",
+        RUNBOOKS, pattern=r"^https?://\S+$", description="base of every alert's runbook_url, an absolute URL a "
+        "phone opens: where your docs/runbooks.md is served (an internal wiki, a fork); the default is this "
+        "version's on the project's home",
+    )
+    grafana_url: str | None = Field(
+        None, pattern=r"^https?://\S+$", description="Grafana's URL as a person on call opens it: every page then "
+        "links the run's dashboard over the hour before the alert (its layer's: crash triage for layer 1, training "
+        "health for the rest). Unset, pages carry no dashboard link and the generators say so",
     )
     for_seconds: dict[str, int] = Field(
         default_factory=dict, description="per-alert `for` overrides in seconds (scaled by time_scale), e.g. "
@@ -335,7 +349,7 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
     severities: dict[str, Severity] = Field(
         default_factory=dict, description="per-alert severity overrides, e.g. {GRPORolloutsStale: info}"
     )
-    # pager_webhook_url, default_webhook_url and the Kubernetes settings: DeploySettings
+    # receivers, secrets_dir and the Kubernetes settings: DeploySettings
     group_wait_s: int = Field(30, ge=0, description="Alertmanager group_wait (scaled by time_scale)")
     group_interval_s: int = Field(300, ge=1, description="Alertmanager group_interval (scaled)")
     repeat_interval_s: int = Field(4 * 3600, ge=1, description="Alertmanager repeat_interval (scaled)")
@@ -343,6 +357,16 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         30 * 24 * 3600, ge=1, description="Alertmanager repeat_interval of info notices (scaled): a notice such as "
         "GRPOEngineLogprobGapCleanLevelHigh holds for the whole run and is said once, not every repeat_interval",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in MOVED.items():
+                if old in data:
+                    raise ValueError(f"{old}: this setting moved to {new} (receivers: docs/receivers.md), got "
+                                     f"{old} set")
+        return data
 
     def steps_s(self, steps: float, floor_s: float = 0.0) -> float:
         """Seconds of ``steps`` typical steps, at least ``floor_s`` (production time, before time_scale)."""

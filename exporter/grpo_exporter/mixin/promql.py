@@ -64,13 +64,13 @@ class Alert:
             },
             "annotations": {
                 "summary": self.summary,
-                "description": self.description + (INCIDENT if self.layer in (Layer.GRADIENT, OPTIMIZER) else ""),
+                "description": self.description + (INCIDENT if self.severity != "none" else ""),
                 "runbook_url": f"{c.runbook_url}#{self.name.lower()}",
             },
         }
 
 
-# Layer-1 descriptions end with where the flight recorder's latest incident of the run lies, when it wrote one
+# Every page's description ends with where the flight recorder's latest incident of the run lies, when it wrote one
 INCIDENT = (
     '{{ with printf "grpo_recorder_latest_incident_step{run=%q}" $labels.run | query }}{{ with first . }} Flight '
     'recorder: incident {{ label "incident" . }} (first anomalous step {{ value . | printf "%.0f" }}) in '

@@ -43,6 +43,8 @@ from grpo_exporter.inputs import StepInputs
 from grpo_exporter.recorder.rows import Decode, describe_rows, json_number, row_bytes, select_rows, take_rows
 from grpo_exporter.recorder.store import (
     INCIDENT_PREFIX,
+    KEY_FAMILIES,
+    ROLES,
     FreeFloor,
     RecorderError,
     ensure_root,
@@ -59,20 +61,7 @@ from grpo_exporter.thresholds import StopLines
 log = logging.getLogger("grpo_exporter")
 
 FORMAT = 1
-ROLES = ("last_normal", "first_anomalous", "next")
 MAX_QUEUED = 4  # incidents waiting for the writer; more are dropped and counted (a disk that cannot keep up)
-# the metrics an incident summarises per step and `inspect` tabulates (every sample of these families,
-# quantiles and buckets left out)
-KEY_FAMILIES = (
-    "grpo_reward_mean", "grpo_completions_total", "grpo_truncated_completions_total", "grpo_nonfinite_values_total",
-    "grpo_loss_mask_length_mismatch_sequences_total", "grpo_loss_mask_outside_completion_tokens_total",
-    "grpo_loss_mask_tool_tokens_total", "grpo_engine_logprob_gap_mean_nats", "grpo_onpolicy_outside_clip_ratio",
-    "grpo_onpolicy_log_ratio_abs_max_nats",
-    "grpo_log_ratio_clamp_hit_ratio", "grpo_clipped_tokens_ratio", "grpo_grad_norm_pre_clip",
-    "grpo_grad_norm_post_clip", "grpo_advantage_abs_max", "grpo_advantage_bound",
-    "grpo_advantage_over_bound_sequences_total", "grpo_entropy_mean_nats", "grpo_ess_ratio", "grpo_kl_ref_nats",
-    "grpo_rollout_staleness_versions", "grpo_zero_variance_groups_ratio",
-)
 _KEY = frozenset(KEY_FAMILIES)
 _INCIDENTS = catalog.metric("grpo_recorder_incidents_total")
 _LATEST = catalog.metric("grpo_recorder_latest_incident_step")

@@ -13,8 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from grpo_exporter.recorder.flight import KEY_FAMILIES, ROLES
-from grpo_exporter.recorder.store import MANIFEST, incidents
+from grpo_exporter.recorder.store import KEY_FAMILIES, MANIFEST, ROLES, incidents
 
 ROLE_TITLES = {"last_normal": "last normal", "first_anomalous": "first anomalous", "next": "next"}
 TEXT_WIDTH = 40

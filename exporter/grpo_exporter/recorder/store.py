@@ -28,6 +28,20 @@ INCIDENT_PREFIX = "incident-"
 PARTIAL_PREFIX = ".partial-"
 REMOVING_PREFIX = ".removing-"
 MANIFEST = "incident.json"
+# an incident's three states, in step order (``inspect`` reads them without torch, so they are defined here)
+ROLES = ("last_normal", "first_anomalous", "next")
+# the metrics an incident summarises per step and `inspect` tabulates (every sample of these families,
+# quantiles and buckets left out)
+KEY_FAMILIES = (
+    "grpo_reward_mean", "grpo_completions_total", "grpo_truncated_completions_total", "grpo_nonfinite_values_total",
+    "grpo_loss_mask_length_mismatch_sequences_total", "grpo_loss_mask_outside_completion_tokens_total",
+    "grpo_loss_mask_tool_tokens_total", "grpo_engine_logprob_gap_mean_nats", "grpo_onpolicy_outside_clip_ratio",
+    "grpo_onpolicy_log_ratio_abs_max_nats",
+    "grpo_log_ratio_clamp_hit_ratio", "grpo_clipped_tokens_ratio", "grpo_grad_norm_pre_clip",
+    "grpo_grad_norm_post_clip", "grpo_advantage_abs_max", "grpo_advantage_bound",
+    "grpo_advantage_over_bound_sequences_total", "grpo_entropy_mean_nats", "grpo_ess_ratio", "grpo_kl_ref_nats",
+    "grpo_rollout_staleness_versions", "grpo_zero_variance_groups_ratio",
+)
 # an unlocked partial directory this young may be one whose writer has made it and not locked it yet
 UNLOCKED_GRACE_S = 600.0
 

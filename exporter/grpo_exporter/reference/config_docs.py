@@ -3,7 +3,8 @@ description, so the page cannot fall behind the code (``docs/config-exporter.md`
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, get_args
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -11,6 +12,7 @@ from pydantic_core import PydanticUndefined
 
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.deploy_config import DeploySettings
+from grpo_exporter.mixin.receivers import Receiver
 from grpo_exporter.recorder.settings import RecorderSettings
 from grpo_exporter.runtime.config_environment import ENV_PREFIX
 from grpo_exporter.runtime.monitor_config import MonitorConfig
@@ -24,14 +26,16 @@ def _cell(text: str) -> str:
 
 
 def _type(info: FieldInfo) -> str:
-    text = str(info.annotation).replace("typing.", "").replace("pathlib.", "").replace("NoneType", "None")
-    return _cell(text.replace("<class '", "").replace("'>", ""))
+    text = str(info.annotation).replace("NoneType", "None").replace("<class '", "").replace("'>", "")
+    return _cell(re.sub(r"\b(?:[a-z_][a-z0-9_]*\.)+(\w+)", r"\1", text))  # typing.Literal -> Literal
 
 
 def _default(info: FieldInfo) -> str:
     if info.default is PydanticUndefined and info.default_factory is None:
         return "required"
     value: Any = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
+    if isinstance(value, BaseModel):
+        value = value.model_dump(exclude_defaults=True)
     return "none" if value is None else _cell(f"`{value!r}`" if not isinstance(value, str) else f"`{value}`")
 
 
@@ -40,7 +44,7 @@ def _table(model: type[BaseModel], fields: list[str], env: bool = False) -> list
     lines = [head, "|---|---|---|---|" + ("---|" if env else "")]
     for name in fields:
         info = model.model_fields[name]
-        row = f"| `{name}` | {_type(info)} | {_default(info)} | {_cell(info.description or '')} |"
+        row = f"| `{info.alias or name}` | {_type(info)} | {_default(info)} | {_cell(info.description or '')} |"
         lines.append(row + (f" `{ENV_PREFIX}{name.upper()}` |" if env else ""))
     return lines
 
@@ -90,4 +94,12 @@ def rules_reference() -> str:
     ]
     for title, intro, fields in parts:
         lines += [f"## {title}", "", intro, "", *_table(MixinConfig, fields), ""]
+    lines += ["## Receivers' integrations", "", "Each of `receivers.pager`, `receivers.default` and "
+              "`receivers.watchdog` takes any of these keys, one integration each ([receivers.md](receivers.md)). "
+              "A secret is read from a file (`*_file`, default `<secrets_dir>/<receiver>-<integration>-<field>`) "
+              "or, in Kubernetes, a Secret key (`*_secret`: `{name, key}`, default key of the same name in "
+              "`kubernetes_secret`).", ""]
+    for key, info in Receiver.model_fields.items():
+        kind: type[BaseModel] = get_args(info.annotation)[0]  # Slack | None -> Slack
+        lines += [f"### `{key}`", "", *_table(kind, list(kind.model_fields)), ""]
     return "\n".join(lines)

@@ -12,7 +12,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from grpo_exporter.ranks import distributed
 from grpo_exporter.ranks.layout import Layout
-from grpo_exporter.recorder import FlightRecorder
+from grpo_exporter.recorder.flight import FlightRecorder
 from grpo_exporter.recorder.store import FreeFloor
 from grpo_exporter.runtime.anchors import RunAnchors
 from grpo_exporter.runtime.background import EditDistanceWorker

@@ -21,7 +21,7 @@ from grpo_exporter import catalog
 from grpo_exporter.ids import id_tensor
 from grpo_exporter.inputs import InputError, StepInputs, check_count, check_step, describe
 from grpo_exporter.ranks import distributed
-from grpo_exporter.recorder import FlightRecorder
+from grpo_exporter.recorder.flight import FlightRecorder
 from grpo_exporter.runtime import guard
 from grpo_exporter.runtime.background import EditDistanceWorker, edit_distance_carry
 from grpo_exporter.runtime.compilation import CompiledStages

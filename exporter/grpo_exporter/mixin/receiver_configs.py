@@ -1,0 +1,136 @@
+"""A receiver's integrations as Alertmanager configures them: ``alertmanager.yml``'s ``*_configs`` (secrets read from
+files) and the Prometheus Operator's ``*Configs`` (secrets read from Kubernetes Secrets), each saying what
+:mod:`~grpo_exporter.mixin.messages` writes in the form its service shows best: Slack a titled message linked to
+the runbook, PagerDuty an Events v2 event with the runbook and dashboard as links, email a subject and a plain
+body, Opsgenie an alert whose priority follows the severity. Every one is told when the alert resolves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.messages import body_template, first_dashboard_template, first_runbook_template, title_template
+from grpo_exporter.mixin.receivers import Email, Opsgenie, PagerDuty, Receiver, Slack, Webhook
+
+SOURCE = "grpo-exporter"
+PAGERDUTY_SEVERITY = ('{{ if eq .CommonLabels.severity "critical" }}critical{{ else if eq .CommonLabels.severity '
+                      '"warning" }}warning{{ else }}info{{ end }}')
+OPSGENIE_PRIORITY = ('{{ if eq .CommonLabels.severity "critical" }}P1{{ else if eq .CommonLabels.severity '
+                     '"warning" }}P3{{ else }}P5{{ end }}')
+SLACK_COLOR = '{{ if eq .Status "firing" }}danger{{ else }}good{{ end }}'
+
+
+def _details(c: MixinConfig) -> dict[str, str]:
+    details = {"run": "{{ .CommonLabels.run }}", "layer": "{{ .CommonLabels.layer }}",
+               "firing": "{{ .Alerts.Firing | len }}", "runbook": first_runbook_template()}
+    if c.grafana_url:
+        details["dashboard"] = first_dashboard_template(c)
+    return details
+
+
+def _links(c: MixinConfig) -> list[tuple[str, str]]:
+    """(href, text) of the links a service shows beside the message."""
+    links = [(first_runbook_template(), "Runbook")]
+    if c.grafana_url:
+        links.append((first_dashboard_template(c), "Dashboard"))
+    return links
+
+
+def _message(c: MixinConfig, one: Slack | PagerDuty | Email | Opsgenie) -> dict[str, Any]:
+    """The fields that carry the message, in alertmanager.yml's names."""
+    title, body = title_template(), body_template(c)
+    if isinstance(one, Slack):
+        return {"title": title, "title_link": first_runbook_template(), "text": body, "color": SLACK_COLOR}
+    if isinstance(one, PagerDuty):
+        return {"description": title, "severity": PAGERDUTY_SEVERITY, "client": SOURCE,
+                "client_url": _links(c)[-1][0], "details": {**_details(c), "summary": body},
+                "links": [{"href": href, "text": text} for href, text in _links(c)]}
+    if isinstance(one, Opsgenie):
+        return {"message": title, "description": body, "priority": OPSGENIE_PRIORITY, "source": SOURCE,
+                "tags": "grpo,{{ .CommonLabels.layer }}", "details": _details(c)}
+    return {"headers": {"Subject": title}, "text": body, "html": ""}
+
+
+def _plain_settings(one: Slack | PagerDuty | Email | Opsgenie) -> dict[str, Any]:
+    """The integration's own settings other than its secret, in alertmanager.yml's names."""
+    if isinstance(one, Email):
+        return {"to": one.to, "from": one.from_, "smarthost": one.smarthost, "require_tls": one.require_tls,
+                **({"auth_username": one.auth_username} if one.auth_username else {})}
+    if isinstance(one, Slack):
+        return {"channel": one.channel} if one.channel else {}
+    if isinstance(one, PagerDuty):
+        return {"url": one.url} if one.url else {}
+    return {"api_url": one.api_url} if one.api_url else {}
+
+
+def integrations(c: MixinConfig, name: str, receiver: Receiver) -> dict[str, list[dict[str, Any]]]:
+    """``{"slack_configs": [...], ...}`` of receiver ``name`` for alertmanager.yml. A webhook without ``url`` (set
+    for Kubernetes only) is left out: :func:`skipped` names it."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for one in receiver.integrations:
+        if isinstance(one, Webhook):
+            if one.url:
+                out["webhook_configs"] = [{"url": one.url, "send_resolved": one.send_resolved}]
+            continue
+        secret = {f"{one.SECRET}_file": one.secret_file(name, c.secrets_dir)} if one.has_secret() else {}
+        out[f"{one.KIND}_configs"] = [{"send_resolved": one.send_resolved, **_plain_settings(one), **secret,
+                                       **_message(c, one)}]
+    return out
+
+
+def notes(c: MixinConfig, kubernetes: bool) -> list[str]:
+    """What a generator says on stderr about the receivers it wrote (``kubernetes``: the AlertmanagerConfig, else
+    alertmanager.yml): receivers that page nobody, integrations left out, where each secret must be, links a
+    page will lack."""
+    said = []
+    if c.receivers.unset:
+        said.append(f"WARNING: {' and '.join(f'receivers.{name}' for name in c.receivers.unset)} have no "
+                    "integration: those alerts are shown in Alertmanager's UI and API only and page nobody. Set "
+                    "them in a --config file (docs/receivers.md).")
+    named = [(name, one) for name, receiver in c.receivers.by_name().items() for one in receiver.integrations]
+    if kubernetes:
+        keys = [(one.secret_ref(name, c.kubernetes_secret)) for name, one in named if one.has_secret()]
+        said += [f"note: the AlertmanagerConfig reads secret key {ref.key} of Secret {ref.name} (namespace "
+                 f"{c.namespace}): create it before applying" for ref in keys]
+    else:
+        said += [f"note: receivers.{name}.webhook has no url (url_secret is for Kubernetes): alertmanager.yml "
+                 "leaves it out" for name, one in named if isinstance(one, Webhook) and not one.url]
+        said += [f"note: Alertmanager reads {one.secret_file(name, c.secrets_dir)} (receivers.{name}.{one.KIND}): "
+                 "create it, readable by Alertmanager only" for name, one in named
+                 if not isinstance(one, Webhook) and one.has_secret()]
+    if named and not c.grafana_url:
+        said.append("note: grafana_url is not set: pages carry no dashboard link")
+    return said
+
+
+def _pairs(mapping: dict[str, str]) -> list[dict[str, str]]:
+    return [{"key": key, "value": value} for key, value in mapping.items()]
+
+
+CAMEL = {"send_resolved": "sendResolved", "title_link": "titleLink", "client_url": "clientURL",
+         "api_url": "apiURL", "require_tls": "requireTLS", "auth_username": "authUsername"}
+SECRET_KEYS = {"slack": "apiURL", "pagerduty": "routingKey", "opsgenie": "apiKey", "email": "authPassword",
+               "webhook": "urlSecret"}
+
+
+def _operator_one(c: MixinConfig, name: str, one: Slack | PagerDuty | Email | Opsgenie | Webhook) -> dict[str, Any]:
+    ref = one.secret_ref(name, c.kubernetes_secret)
+    secret = {SECRET_KEYS[one.KIND]: ref.model_dump()} if one.has_secret() else {}
+    if isinstance(one, Webhook):
+        return {"sendResolved": one.send_resolved, **secret}
+    plain = {"send_resolved": one.send_resolved, **_plain_settings(one), **_message(c, one)}
+    if "details" in plain:
+        plain["details"] = _pairs(plain["details"])
+    if "headers" in plain:
+        plain["headers"] = _pairs(plain["headers"])
+    if "links" in plain:
+        plain["pagerDutyLinkConfigs"] = [{"href": link["href"], "alt": link["text"]} for link in plain.pop("links")]
+    plain.pop("html", None)  # the operator drops an empty html (Alertmanager's default HTML part is sent too)
+    return {CAMEL.get(key, key): value for key, value in plain.items()} | secret
+
+
+def operator_integrations(c: MixinConfig, name: str, receiver: Receiver) -> dict[str, list[dict[str, Any]]]:
+    """``{"slackConfigs": [...], ...}`` of receiver ``name`` for the AlertmanagerConfig: every secret a
+    Kubernetes Secret key (``kubernetes_secret`` unless the integration's ``*_secret`` names another)."""
+    return {f"{one.KIND}Configs": [_operator_one(c, name, one)] for one in receiver.integrations}

@@ -1,0 +1,256 @@
+"""The receivers deliver, through a real Alertmanager, to local stand-ins of Slack, PagerDuty (Events v2), Opsgenie,
+an SMTP server and a webhook: each gets the payload its service accepts, one notification per alert group, the
+resolved message, and a page a person can act on from a phone (alert, run and layer in the title; the value
+against its baseline, whether to stop training, the incident, an absolute runbook link and a dashboard link with
+the run and the hour before the alert selected). Secrets are read from files and never written into the
+generated file."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import time
+import tomllib
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import k8s_schemas
+from grpo_exporter.mixin.config import PROJECT_URL, RUNBOOKS, MixinConfig
+from grpo_exporter.mixin.kubernetes import manifests
+from grpo_exporter.mixin.messages import STOP, stop_advice, stop_kind
+from grpo_exporter.mixin.receiver_configs import notes
+from grpo_exporter.mixin.render import alertmanager_output
+from grpo_exporter.mixin.rules import alerts
+from services import alertmanager, binary, post_json, wait_for
+from stand_ins import HTTPStandIn, SMTPStandIn
+
+GRAFANA = "https://grafana.example.org"
+SECRETS = {"pager-slack-api-url": None, "pager-pagerduty-routing-key": "R0UT1NGKEY0000000000000000000000",
+           "default-opsgenie-api-key": "0pS-K3Y", "default-email-auth-password": "smtp-s3cret"}
+INCIDENT = ("Flight recorder: incident incident-s000000005-20261130T170348Z-r0 (first anomalous step 5) in "
+            "/data/grpo-incidents; read it with `grpo-exporter inspect`.")
+
+
+def _config(api: HTTPStandIn, smtp: SMTPStandIn, secrets: Path) -> MixinConfig:
+    return MixinConfig.model_validate({
+        "time_scale": 0.02, "grafana_url": GRAFANA, "secrets_dir": str(secrets),
+        "receivers": {
+            "pager": {"slack": {"channel": "#grpo-pages"}, "pagerduty": {"url": f"{api.url}/v2/enqueue"}},
+            "default": {"opsgenie": {"api_url": f"{api.url}/opsgenie/"},
+                        "email": {"to": "oncall@example.org", "from": "grpo@example.org",
+                                  "smarthost": smtp.smarthost, "auth_username": "grpo", "require_tls": False}},
+            "watchdog": {"webhook": {"url": f"{api.url}/watchdog"}},
+        },
+    })
+
+
+def _alert(name: str, run: str, starts: dt.datetime, ends: dt.datetime, **labels: str) -> dict[str, Any]:
+    """An alert as Prometheus sends it: the generated rule's labels and annotations, its description as the rule
+    renders it for run ``run`` (a value against its baseline, then the incident)."""
+    rule = next(a.rule(MixinConfig()) for a in alerts(MixinConfig()) if a.name == name)
+    return {"labels": {"alertname": name, "job": "grpo", "run": run, **rule["labels"], **labels},
+            "annotations": {"summary": rule["annotations"]["summary"],
+                            "description": f"Run {run}: 0.31 of loss tokens masked against 0 expected. {INCIDENT}",
+                            "runbook_url": rule["annotations"]["runbook_url"]},
+            "startsAt": starts.isoformat(), "endsAt": ends.isoformat()}
+
+
+def _dashboard(uid: str, run: str, starts: dt.datetime) -> str:
+    start_ms = int((starts - dt.timedelta(hours=1)).timestamp()) * 1000
+    return f"{GRAFANA}/d/{uid}?var-job=grpo&var-run={urllib.parse.quote_plus(run)}&from={start_ms}&to=now"
+
+
+@pytest.fixture(scope="module")
+def delivered(tmp_path_factory):
+    """Alertmanager with every integration, sent four critical groups (one alert of run a on two ranks, the same
+    alert of run b, a stall of run d, a reward cliff of run f), a warning of run c and a notice of run e, which
+    later resolve; yields the stand-ins and what was sent."""
+    api, smtp = HTTPStandIn(), SMTPStandIn()
+    tmp_path = tmp_path_factory.mktemp("receivers")
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    values = {**SECRETS, "pager-slack-api-url": f"{api.url}/slack/T000/B000/XXXX"}
+    for key, value in values.items():
+        (secrets / key).write_text(value)  # as docs/receivers.md says: no newline (0.25 sends it to Opsgenie)
+    config = _config(api, smtp, secrets)
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(alertmanager_output(config))
+    starts = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(minutes=3)
+    later = starts + dt.timedelta(hours=2)
+    firing = [_alert("GRPOLossMaskMismatch", "a", starts, later, rank="0"),
+              _alert("GRPOLossMaskMismatch", "a", starts, later, rank="1"),
+              _alert("GRPOLossMaskMismatch", "run b/2", starts, later),
+              _alert("GRPOTrainingStalled", "d", starts, later),
+              _alert("GRPORewardCliff", "f", starts, later),
+              _alert("GRPOESSDrop", "c", starts, later),  # run a's would be muted by its layer-1 gate
+              _alert("GRPOKLToReferenceZero", "e", starts, later)]
+    try:
+        with alertmanager(path, tmp_path) as url:
+            post_json(f"{url}/api/v2/alerts", firing)
+            wait_for("a first notification from every integration", lambda: (len(api.under("/slack")) >= 4
+                     and len(api.under("/v2/enqueue")) >= 4 and len(api.under("/opsgenie")) >= 2
+                     and len(smtp.received()) >= 2) or None, timeout=30)
+            time.sleep(2)  # a second notification of a group would come now: it must not
+            first = {"slack": api.under("/slack"), "pagerduty": api.under("/v2/enqueue"),
+                     "opsgenie": api.under("/opsgenie"), "email": smtp.received()}
+            now = dt.datetime.now(dt.UTC)
+            post_json(f"{url}/api/v2/alerts", [a | {"endsAt": now.isoformat()} for a in firing])
+            wait_for("the resolved messages", lambda: (len(api.under("/slack")) >= 8
+                     and len(api.under("/v2/enqueue")) >= 8 and len(api.under("/opsgenie")) >= 4
+                     and len(smtp.received()) >= 4) or None, timeout=30)
+            yield {"first": first, "api": api, "smtp": smtp, "starts": starts, "file": path.read_text(),
+                   "values": values, "config": config}
+    finally:
+        api.close()
+        smtp.close()
+
+
+def test_the_generated_file_passes_amtool_and_carries_no_secret(delivered):
+    text = delivered["file"]
+    for value in delivered["values"].values():
+        assert value not in text
+    assert "api_url_file:" in text
+    assert "routing_key_file:" in text
+    assert "api_key_file:" in text
+    assert "auth_password_file:" in text
+    path = Path(delivered["config"].secrets_dir).parent / "check.yml"
+    path.write_text(text)
+    done = subprocess.run([binary("amtool"), "check-config", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_slack_gets_one_message_per_group_that_a_phone_can_act_on(delivered):
+    slack = delivered["first"]["slack"]
+    assert len(slack) == 4  # run a's two ranks are one group, run b's alert another, d and f one each
+    by_run = {m.body["attachments"][0]["title"].split(" · run ")[1].split(" · ")[0]: m.body for m in slack}
+    page = by_run["a"]
+    assert page["channel"] == "#grpo-pages"
+    attachment = page["attachments"][0]
+    assert attachment["title"] == "[FIRING:2] GRPOLossMaskMismatch · run a · layer 1-gradient"
+    assert attachment["title_link"] == f"{RUNBOOKS}#grpolossmaskmismatch"
+    assert attachment["color"] == "danger"
+    text = attachment["text"]
+    assert text.count("Run a: 0.31 of loss tokens masked against 0 expected.") == 2
+    assert INCIDENT in text
+    assert "Stop training? STOP: every step trains on a gradient that is not what you think" in text
+    assert f"Runbook: {RUNBOOKS}#grpolossmaskmismatch" in text
+    assert f"Dashboard: {_dashboard('grpo-crash-triage', 'a', delivered['starts'])}\n" in text
+    other = by_run["run b/2"]["attachments"][0]["text"]
+    assert _dashboard("grpo-crash-triage", "run b/2", delivered["starts"]) in other
+    resolved = [m.body["attachments"][0] for m in delivered["api"].under("/slack")[4:]]
+    assert {a["title"].split("]")[0] for a in resolved} == {"[RESOLVED"}
+    assert {a["color"] for a in resolved} == {"good"}
+    assert all("RESOLVED: " in a["text"] for a in resolved)
+
+
+def test_pagerduty_gets_events_v2_with_the_routing_key_from_its_file(delivered):
+    events = delivered["first"]["pagerduty"]
+    assert len(events) == 4
+    event = next(e.body for e in events if "run a " in e.body["payload"]["summary"])
+    assert event["routing_key"] == SECRETS["pager-pagerduty-routing-key"]
+    assert event["event_action"] == "trigger"
+    assert event["payload"]["summary"] == "[FIRING:2] GRPOLossMaskMismatch · run a · layer 1-gradient"
+    assert event["payload"]["severity"] == "critical"
+    details = event["payload"]["custom_details"]
+    assert details["run"] == "a"
+    assert details["layer"] == "1-gradient"
+    assert details["firing"] == "2"
+    assert "Stop training? STOP" in details["summary"]
+    dashboard = _dashboard("grpo-crash-triage", "a", delivered["starts"])
+    assert event["links"] == [{"href": f"{RUNBOOKS}#grpolossmaskmismatch", "text": "Runbook"},
+                              {"href": dashboard, "text": "Dashboard"}]
+    assert event["client_url"] == dashboard
+    later = [e.body for e in delivered["api"].under("/v2/enqueue")[4:]]
+    assert {e["event_action"] for e in later} == {"resolve"}
+    assert {e["dedup_key"] for e in later} == {e.body["dedup_key"] for e in events}
+
+
+def test_warnings_go_to_opsgenie_and_email_not_to_the_pager(delivered):
+    first = delivered["first"]
+    assert {m.body["attachments"][0]["title"].split("] ")[1].split(" ·")[0] for m in first["slack"]} == {
+        "GRPOLossMaskMismatch", "GRPOTrainingStalled", "GRPORewardCliff"}
+    [created] = [r for r in first["opsgenie"] if "run c" in r.body["message"]]
+    assert created.path == "/opsgenie/v2/alerts"
+    assert created.headers["Authorization"] == f"GenieKey {SECRETS['default-opsgenie-api-key']}"
+    assert created.body["message"] == "[FIRING:1] GRPOESSDrop · run c · layer 3-samples"
+    assert created.body["priority"] == "P3"
+    assert "Stop training? no: look before you keep the next checkpoint" in created.body["description"]
+    assert _dashboard("grpo-training-health", "c", delivered["starts"]) in created.body["description"]
+    closed = [r.path for r in delivered["api"].under("/opsgenie") if r.path.endswith("/close?identifierType=alias")]
+    assert len(closed) == 2
+
+    [mail] = [m for m in first["email"] if "run c" in m.message["Subject"]]
+    assert mail.sender == "grpo@example.org"
+    assert mail.recipients == ["oncall@example.org"]
+    assert mail.credentials == f"grpo\0{SECRETS['default-email-auth-password']}"
+    assert mail.message["Subject"] == "[FIRING:1] GRPOESSDrop · run c · layer 3-samples"
+    body = mail.message.get_body(("plain",)).get_content()
+    assert f"Runbook: {RUNBOOKS}#grpoessdrop" in body
+    assert mail.message.get_body(("html",)) is None
+    resolved = [m.message["Subject"] for m in delivered["smtp"].received()[2:]]
+    assert sorted(resolved) == ["[RESOLVED] GRPOESSDrop · run c · layer 3-samples",
+                                "[RESOLVED] GRPOKLToReferenceZero · run e · layer 2-reward"]
+
+
+def test_every_page_says_whether_to_stop_as_the_alert_table_does(delivered):
+    """The template's choice among the five answers, read off each delivered alert's labels, is the table's."""
+    first = delivered["first"]
+    said = {m.body["attachments"][0]["title"]: m.body["attachments"][0]["text"] for m in first["slack"]}
+    said |= {r.body["message"]: r.body["description"] for r in first["opsgenie"]}
+    rules = {a.name: a.rule(MixinConfig()) for a in alerts(MixinConfig())}
+    assert len(said) == 6
+    kinds = set()
+    for title, text in said.items():
+        labels = rules[title.split("] ")[1].split(" ·")[0]]["labels"]
+        kinds.add(stop_kind(labels["layer"], labels["severity"]))
+        advice = stop_advice(labels["layer"], labels["severity"]).replace("**stop**", "STOP")
+        assert f"Stop training? {advice}\n" in text, title
+    assert kinds == set(STOP)
+
+
+def test_the_generators_name_every_secret_file_and_a_missing_dashboard_link(tmp_path):
+    config = MixinConfig.model_validate({"receivers": {
+        "pager": {"pagerduty": {}}, "default": {"webhook": {"url_secret": {"name": "hooks", "key": "chat"}}}}})
+    plain = notes(config, kubernetes=False)
+    assert "WARNING: receivers.watchdog have no integration" in plain[0]
+    assert ("note: Alertmanager reads /etc/alertmanager/secrets/pager-pagerduty-routing-key "
+            "(receivers.pager.pagerduty): create it, readable by Alertmanager only") in plain
+    assert any("receivers.default.webhook has no url" in line for line in plain)
+    assert "note: grafana_url is not set: pages carry no dashboard link" in plain
+    assert "webhook_configs" not in yaml.safe_load(alertmanager_output(config))["receivers"][1]
+    kubernetes = notes(config, kubernetes=True)
+    assert any("secret key pager-pagerduty-routing-key of Secret grpo-alertmanager" in line for line in kubernetes)
+    assert any("secret key chat of Secret hooks" in line for line in kubernetes)
+
+
+def test_the_default_runbooks_are_the_projects_home():
+    """Pages link the runbooks of the project's home unless told otherwise: the one URL pyproject.toml names."""
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["urls"]["Homepage"] == PROJECT_URL
+    assert f"{PROJECT_URL}/blob/main/docs/runbooks.md" == RUNBOOKS == MixinConfig().runbook_url
+    assert (Path(__file__).parents[1] / "docs" / "runbooks.md").is_file()
+
+
+def test_the_alertmanager_config_takes_every_integration_by_secret_reference():
+    """Every integration in the operator's schema, each secret a Secret key (default names, or one given), no value."""
+    config = MixinConfig.model_validate({"grafana_url": GRAFANA, "receivers": {
+        "pager": {"pagerduty": {"routing_key_secret": {"name": "pd", "key": "routing"}}, "slack": {}},
+        "default": {"opsgenie": {}, "email": {"to": "a@example.org", "from": "b@example.org",
+                                              "smarthost": "smtp.example.org:587", "auth_username": "b"}},
+        "watchdog": {"webhook": {"url": "https://hc-ping.com/not-in-the-manifest"}}}})
+    resource = manifests(config, {})["alertmanagerconfig.yaml"]
+    k8s_schemas.validate(resource)
+    receivers = {r["name"]: r for r in resource["spec"]["receivers"]}
+    assert receivers["pager"]["pagerdutyConfigs"][0]["routingKey"] == {"name": "pd", "key": "routing"}
+    assert receivers["pager"]["slackConfigs"][0]["apiURL"] == {"name": "grpo-alertmanager",
+                                                                "key": "pager-slack-api-url"}
+    assert receivers["default"]["opsgenieConfigs"][0]["apiKey"]["key"] == "default-opsgenie-api-key"
+    assert receivers["default"]["emailConfigs"][0]["authPassword"]["key"] == "default-email-auth-password"
+    assert receivers["default"]["emailConfigs"][0]["headers"][0]["key"] == "Subject"
+    assert receivers["watchdog"]["webhookConfigs"] == [{"sendResolved": True, "urlSecret": {
+        "name": "grpo-alertmanager", "key": "watchdog-webhook-url"}}]
+    assert "hc-ping" not in yaml.safe_dump(resource)
