@@ -94,3 +94,20 @@ def test_rules_for_ten_minute_steps_size_every_window_in_steps(tmp_path, monkeyp
     ess = next(r for r in alerts if r["alert"] == "GRPOESSDrop")
     assert ess["for"] == "1h"  # max(5 min, 6 steps of 10 min)
     assert ess["keep_firing_for"] == "200m"  # a trend window of 20 steps
+
+
+def test_a_secret_written_in_place_is_refused_without_being_echoed(tmp_path):
+    """The natural first try, a Slack URL under `slack:`, fails naming where secrets go; the URL stays out of the
+    terminal and the CI log, also when pasted into a `*_file` field."""
+    config = tmp_path / "mixin.yml"
+    secret = "https://hooks.slack.com/services/T0000/B0000/XXXXSECRETXXXX"
+    config.write_text(f"receivers: {{pager: {{slack: {{api_url: '{secret}'}}, pagerduty: {{routing_key_file: "
+                      f"'{secret}'}}}}}}\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["rules", "--out", str(tmp_path / "out"), "--config", str(config)])
+    text = str(exit_.value.code)
+    assert secret not in text
+    assert ("receivers.pager.slack.api_url: not a setting (the value is not shown); a secret is read from a file, "
+            "api_url_file, or in Kubernetes from a Secret key, api_url_secret: docs/receivers.md") in text
+    assert "receivers.pager.pagerduty.routing_key_file: expected the absolute path of a file holding the secret" in text
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from grpo_exporter.mixin.config import RUNBOOKS
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_WITHIN_S = 120.0
 
@@ -73,7 +75,7 @@ def test_readme_demo_command_prints_a_page_within_two_minutes_and_ctrl_c_stops_e
     assert page is not None, output[-3000:]
     assert elapsed < PAGE_WITHIN_S
     assert "FIRING GRPOEngineLogprobGapCritical layer=1-gradient" in page, page  # the default scenario's alert
-    assert "runbook: docs/runbooks.md#grpoenginelogprobgapcritical" in page
+    assert f"runbook: {RUNBOOKS}#grpoenginelogprobgapcritical" in page
     assert process.returncode == 130, output[-3000:]
     assert "stopped" in lines[-1]
     urls = re.findall(r"(?:exporter|prometheus|alertmanager): +(http://127\.0\.0\.1:\d+)", output)

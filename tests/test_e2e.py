@@ -35,6 +35,7 @@ from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.scenarios import SCENARIOS, STEPS_PER_SECOND
 from grpo_exporter.demo.stack import Page, Stack
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
+from grpo_exporter.mixin.config import RUNBOOKS
 from services import prometheus_query
 
 HEALTHY_SEEDS = {"healthy": (0, 1, 2), "healthy-reverse": (0, 1, 2), "healthy-tool": (0, 1)}
@@ -222,7 +223,7 @@ def test_fault_pages_its_alert_and_layer(fleet, name):
     page = hits[0]
     assert page.layer == scenario.layer
     assert page.receiver == ("pager" if page.severity == "critical" else "default"), page
-    assert page.runbook == f"docs/runbooks.md#{page.alert.lower()}"
+    assert page.runbook == f"{RUNBOOKS}#{page.alert.lower()}"
     assert f"FIRING {page.alert} layer={page.layer}" in page.line()
     late_s = page.received_at - run.injected_at
     late_steps = sum(t <= page.received_at for t in run.step_ends) - scenario.inject_at

@@ -351,7 +351,7 @@ def test_the_alertmanager_config_routes_our_alerts_through_the_operator(tmp_path
             assert got == {("/pager", "GRPOLossMaskMismatch", "A")}
             [message] = [m.body for m in slack.under("/slack")]
             assert message["channel"] == "#grpo"
-            assert message["attachments"][0]["title"] == "[FIRING:1] GRPOESSDrop · run B · layer 3-samples"
+            assert message["attachments"][0]["title"] == "[FIRING:1] GRPOESSDrop · layer 3-samples · run B"
     finally:
         hook.close()
         slack.close()

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, TypeAlias
 from grpo_exporter import __version__
 
 if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
+
     from grpo_exporter.mixin.config import MixinConfig
 
 # what add_subparsers returns (argparse has no public name for it)
@@ -36,21 +38,39 @@ def _mixin_config(args: argparse.Namespace) -> MixinConfig:
     validate exits with one line per problem, each naming the setting, what it expects and what came."""
     from pydantic import ValidationError
 
-    from grpo_exporter.config_files import ConfigFileError, short_repr
+    from grpo_exporter.config_files import ConfigFileError
     from grpo_exporter.mixin.config import MixinConfig
 
     try:
         config = MixinConfig.load(args.config)
-        if args.step_seconds is not None:
+        if getattr(args, "step_seconds", None) is not None:
             config = MixinConfig.model_validate(config.model_dump() | {"step_seconds": args.step_seconds})
     except ConfigFileError as exc:
         raise SystemExit(f"grpo-exporter: error: {exc}") from None
     except ValidationError as exc:
-        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}, got {short_repr(e['input'])}"
-                    + (" (not a setting: docs/config-rules.md lists them)" if e["type"] == "extra_forbidden" else "")
-                    if e["loc"] else e["msg"].removeprefix("Value error, ") for e in exc.errors()]
-        raise SystemExit("\n".join(f"grpo-exporter: error: --config {args.config}: {p}" for p in problems)) from None
+        problems = "\n".join(f"grpo-exporter: error: --config {args.config}: {_problem(e)}" for e in exc.errors())
+        raise SystemExit(problems) from None
     return config
+
+
+def _problem(error: ErrorDetails) -> str:
+    """One validation error as a line: the setting, what it expects, what came. What came is not echoed where it
+    may be a secret written in place (a receiver's unknown key such as ``api_url``, a ``*_file``, a webhook's
+    ``url``), and an unknown key of a receiver points to where secrets go."""
+    from grpo_exporter.config_files import short_repr
+
+    where = ".".join(map(str, error["loc"]))
+    message = error["msg"].removeprefix("Value error, ")
+    if not where:
+        return message
+    key = where.rsplit(".", 1)[-1]
+    if where.startswith("receivers.") and error["type"] == "extra_forbidden":
+        return (f"{where}: not a setting (the value is not shown); a secret is read from a file, {key}_file, or in "
+                f"Kubernetes from a Secret key, {key}_secret: docs/receivers.md")
+    if where.startswith("receivers.") and (key.endswith(("_file", "_secret")) or key == "url"):
+        return f"{where}: {message} (the value is not shown: it may be a secret)"
+    unknown = " (not a setting: docs/config-rules.md lists them)" if error["type"] == "extra_forbidden" else ""
+    return f"{where}: {message}, got {short_repr(error['input'])}{unknown}"
 
 
 def _receiver_notes(config: MixinConfig, kubernetes: bool) -> None:
@@ -76,12 +96,11 @@ def _rules(args: argparse.Namespace) -> int:
 
 
 def _dashboards(args: argparse.Namespace) -> int:
-    from grpo_exporter.mixin.config import MixinConfig
     from grpo_exporter.mixin.dashboard_sources import SDKMissingError, rendered
     from grpo_exporter.mixin.render import write
 
     try:
-        files = rendered(MixinConfig.load(args.config))
+        files = rendered(_mixin_config(args))
     except SDKMissingError as exc:  # the SDK is an optional extra
         print(f"grpo-exporter dashboards: {exc}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.promql import OPTIMIZER
 from grpo_exporter.mixin.receiver_configs import integrations, operator_integrations
 
+OURS = 'alertname=~"GRPO.+"'
 DOWNSTREAM = (Layer.REWARD.value, Layer.SAMPLES.value, Layer.DIVERSITY.value, OPTIMIZER)
 
 
@@ -64,9 +65,9 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
                 "target_matchers": [f'layer=~"{"|".join(DOWNSTREAM)}"'],
                 "equal": ["run"],
             },
-            {
-                "source_matchers": ['severity="critical"'],
-                "target_matchers": ['severity="warning"'],
+            {  # ours only: another tool's alerts carry neither family nor run, which would compare equal
+                "source_matchers": [OURS, 'severity="critical"'],
+                "target_matchers": [OURS, 'severity="warning"'],
                 "equal": ["family", "run"],
             },
             {  # one advantage bug, one page: sequences over their bound already name the broken advantages
@@ -105,8 +106,10 @@ def operator_config(c: MixinConfig) -> dict[str, Any]:
     """The ``spec`` of an ``AlertmanagerConfig`` (monitoring.coreos.com/v1alpha1) with the same routing and
     inhibitions: the operator's schema is camelCase with matchers as objects. The operator routes to it only
     alerts whose ``namespace`` label is the resource's own (its default matcher strategy), which is why the
-    Kubernetes PrometheusRule labels every alert with ``namespace`` (our alerts aggregate it away)."""
+    Kubernetes PrometheusRule labels every alert with ``namespace`` (our alerts aggregate it away). Its route takes
+    our alerts only: another alert of the namespace (a crash-looping trainer pod) keeps the routes it has."""
     plain = alertmanager_config(c)
+    plain["route"]["matchers"] = [OURS]
     receivers = [{"name": name, **operator_integrations(c, name, receiver)}
                  for name, receiver in c.receivers.by_name().items()]
     return {"route": _operator_form(plain["route"]), "receivers": receivers,

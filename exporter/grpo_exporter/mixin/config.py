@@ -355,7 +355,9 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
     repeat_interval_s: int = Field(4 * 3600, ge=1, description="Alertmanager repeat_interval (scaled)")
     notice_repeat_interval_s: int = Field(
         30 * 24 * 3600, ge=1, description="Alertmanager repeat_interval of info notices (scaled): a notice such as "
-        "GRPOEngineLogprobGapCleanLevelHigh holds for the whole run and is said once, not every repeat_interval",
+        "GRPOEngineLogprobGapCleanLevelHigh holds for the whole run and is said once, not every repeat_interval. "
+        "Alertmanager forgets what it sent after its `--data.retention` (120 h by default) and says it again then: "
+        "run it with a retention above this (the compose file's is 745h)",
     )
 
     @model_validator(mode="before")

@@ -10,11 +10,11 @@ manifests stay safe to commit.
 from __future__ import annotations
 
 import re
-from typing import Self
+from typing import Annotated, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from grpo_exporter.mixin.receivers import DNS_SUBDOMAIN, Receivers, SecretRef
+from grpo_exporter.mixin.receivers import DNS_SUBDOMAIN, Receivers, SecretRef, absolute_dir
 from grpo_exporter.serving.settings import DEFAULT_PORT
 
 #: a Kubernetes namespace: an RFC 1123 DNS label
@@ -105,8 +105,8 @@ class DeploySettings(BaseModel):
         "`email`, `opsgenie`, `webhook`, any number each (docs/receivers.md). A receiver with none shows its alerts "
         "in Alertmanager's UI and API only, and the generators say so on stderr",
     )
-    secrets_dir: str = Field(
-        "/etc/alertmanager/secrets", min_length=1, description="alertmanager.yml: the folder Alertmanager reads "
+    secrets_dir: Annotated[str, AfterValidator(absolute_dir)] = Field(
+        "/etc/alertmanager/secrets", description="alertmanager.yml: the folder Alertmanager reads "
         "each secret from, one file each, named `<receiver>-<integration>-<field>` (`pager-slack-api-url`) unless "
         "the integration's `*_file` names another",
     )

@@ -1,25 +1,31 @@
 """What a page says: the title and body every receiver sends, as Alertmanager templates (Go text/template over
 the notification of one alert group), generated here so that Slack, PagerDuty, email and Opsgenie say the same.
 
-The title names the alert, the run and the layer; the body, per alert, its summary and description (the value
-against its baseline, and where the flight recorder wrote the run's latest incident), whether to stop training
-(the alert table's column: :func:`stop_advice`), the runbook (absolute: ``runbook_url``) and, with ``grafana_url``
-set, the run's dashboard over the hour before the alert began. A person reads it on a phone: every link opens
-as it is.
+A group is one alert of one run. The title names the alert, its layer and the run; the body says the alert's
+summary, then each alert of the group (at most :data:`SHOWN`) by its description (the value against its
+baseline, and where the flight recorder wrote the run's latest incident), then once whether to stop training
+(the alert table's column for that alert under this config's severities: :func:`stop_advice`), the runbook
+(absolute: ``runbook_url``) and, with ``grafana_url`` set, the run's dashboard over the hour before the alert
+began. A person reads it on a phone: every link opens as it is. An alert that is not ours (another rule routed to
+the same receiver) gets no advice and no dashboard, only what it says of itself.
 """
 
 from __future__ import annotations
 
 from grpo_exporter.catalog import Layer
+from grpo_exporter.mixin.alerts import alerts
 from grpo_exporter.mixin.config import MixinConfig
 
 STOP = {
     "gate": "**stop**: every step trains on a gradient that is not what you think; fix, then resume from the "
             "last checkpoint before the first evidence",
     "bound": "**stop**: the advantage or reward is broken by construction; fix before the next step",
+    "escalated": "**stop** and look: your `severities` made this alert critical; keep no checkpoint from after it "
+                 "until you know why",
     "liveness": "no training to stop: the process is hung, gone, or unseen",
     "warning": "no: look before you keep the next checkpoint",
     "info": "no: a state of the run, said once",
+    "heartbeat": "no: the alerting path's heartbeat, always firing",
 }
 #: the dashboard that answers an alert's question: layer-1 faults on the crash triage, the rest on training health
 TRIAGE_LAYERS = (Layer.GRADIENT.value, "1-optimizer")
@@ -27,16 +33,21 @@ TRIAGE_DASHBOARD = "grpo-crash-triage"
 HEALTH_DASHBOARD = "grpo-training-health"
 #: how far before the alert's start the dashboard link opens (Go duration in nanoseconds: one hour)
 LOOKBACK_NS = 3600 * 10**9
+#: alerts of one group a message lists (a page of 50 identical lines is read as none; services cap the length)
+SHOWN = 5
 
 
 def stop_kind(layer: str, severity: str) -> str:
-    """The key of :data:`STOP` for an alert of ``layer`` and ``severity``: liveness pages have no training to
-    stop, a layer-1 critical is a gate (every step is wrong), another critical a broken advantage or reward."""
+    """The key of :data:`STOP` for an alert of ``layer`` at ``severity``: a liveness page has no training to stop;
+    a layer-1 critical is a gate (every step is wrong), a layer-2 critical a broken advantage or reward, another
+    critical one the config escalated."""
+    if severity == "none":
+        return "heartbeat"
     if layer == Layer.LIVENESS.value:
-        return "liveness" if severity == "critical" else "info"
+        return "info" if severity == "info" else "liveness"
     if severity == "critical":
-        return "gate" if layer == Layer.GRADIENT.value else "bound"
-    return severity if severity in STOP else "info"
+        return {Layer.GRADIENT.value: "gate", Layer.REWARD.value: "bound"}.get(layer, "escalated")
+    return "warning" if severity == "warning" else "info"
 
 
 def stop_advice(layer: str, severity: str) -> str:
@@ -44,25 +55,26 @@ def stop_advice(layer: str, severity: str) -> str:
     return STOP[stop_kind(layer, severity)]
 
 
-def _plain(text: str) -> str:
-    return text.replace("**stop**", "STOP")
+def plain(text: str) -> str:
+    """A :data:`STOP` text as a phone shows it: no Markdown."""
+    return text.replace("**stop**", "STOP").replace("`", "")
 
 
-def _stop_template() -> str:
-    """The stop advice of ``.`` (one alert), chosen from its labels exactly as :func:`stop_kind` does."""
-    said = {kind: _plain(text) for kind, text in STOP.items()}
-    liveness = f'{{{{ if eq .Labels.severity "critical" }}}}{said["liveness"]}{{{{ else }}}}{said["info"]}{{{{ end }}}}'
-    critical = (f'{{{{ if eq .Labels.layer "{Layer.GRADIENT.value}" }}}}{said["gate"]}'
-                f'{{{{ else }}}}{said["bound"]}{{{{ end }}}}')
-    return (f'{{{{ if eq .Labels.layer "{Layer.LIVENESS.value}" }}}}{liveness}'
-            f'{{{{ else if eq .Labels.severity "critical" }}}}{critical}'
-            f'{{{{ else if eq .Labels.severity "warning" }}}}{said["warning"]}'
-            f'{{{{ else }}}}{said["info"]}{{{{ end }}}}')
+def _stop_template(c: MixinConfig) -> str:
+    """``Stop training? ...`` for ``.`` (one alert), chosen by its name: each alert's kind under this config's
+    severities, as the alert table says; nothing for an alert that is not ours."""
+    names: dict[str, list[str]] = {}
+    for alert in alerts(c):
+        kind = stop_kind(str(alert.layer), c.severities.get(alert.name, alert.severity))
+        names.setdefault(kind, []).append(f'"{alert.name}"')
+    branches = [f"if eq .Labels.alertname {' '.join(listed)} }}}}Stop training? {plain(STOP[kind])}\n"
+                for kind, listed in names.items()]
+    return "{{ " + "{{ else ".join(branches) + "{{ end }}"
 
 
 def dashboard_template(c: MixinConfig) -> str:
-    """The Grafana link of ``.`` (one alert): its layer's dashboard with the alert's job and run selected, from an
-    hour before the alert began to now (to ten minutes after it ended, once resolved). Empty without
+    """The Grafana link of ``.`` (one alert of ours): its layer's dashboard with the alert's job and run selected,
+    from an hour before the alert began to now (to ten minutes after it ended, once resolved). Empty without
     ``grafana_url``."""
     if not c.grafana_url:
         return ""
@@ -74,24 +86,54 @@ def dashboard_template(c: MixinConfig) -> str:
             f"&from={{{{ (.StartsAt.Add -{LOOKBACK_NS}).Unix }}}}000&to={until}")
 
 
+def subject_template() -> str:
+    """``GRPOLossMaskMismatch · layer 1-gradient · run a``: what, which layer, which run (the layer before the
+    run: a service that cuts a long title keeps it)."""
+    return ("{{ .CommonLabels.alertname }}{{ with .CommonLabels.layer }} · layer {{ . }}{{ end }}"
+            "{{ with .CommonLabels.run }} · run {{ . }}{{ end }}")
+
+
 def title_template() -> str:
-    """``[FIRING:2] GRPOLossMaskMismatch · run a · layer 1-gradient``: what, which run, which layer."""
+    """The subject after the group's state, ``[FIRING:2] ...`` or ``[RESOLVED] ...``, for services where each
+    notification is a new message (Slack, email)."""
     return ('[{{ .Status | toUpper }}{{ if eq .Status "firing" }}:{{ .Alerts.Firing | len }}{{ end }}] '
-            "{{ .GroupLabels.alertname }}{{ with .CommonLabels.run }} · run {{ . }}{{ end }}"
-            "{{ with .CommonLabels.layer }} · layer {{ . }}{{ end }}")
+            + subject_template())
 
 
 def body_template(c: MixinConfig) -> str:
-    """Per alert of the group: summary, description, stop advice, runbook and dashboard links, one per line."""
+    """The summary; each alert's description (at most :data:`SHOWN`); then the stop advice, the runbook and the
+    dashboard of the group's first alert, one per line."""
     dashboard = dashboard_template(c)
     return (
-        "{{ range .Alerts }}"
-        '{{ if eq .Status "resolved" }}RESOLVED: {{ end }}{{ .Annotations.summary }}\n'
-        "{{ .Annotations.description }}\n"
-        f"Stop training? {_stop_template()}\n"
-        "Runbook: {{ .Annotations.runbook_url }}\n"
-        + (f"Dashboard: {dashboard}\n" if dashboard else "")
-        + "\n{{ end }}"
+        "{{ with .CommonAnnotations.summary }}{{ . }}{{ else }}{{ (index .Alerts 0).Annotations.summary }}{{ end }}\n"
+        f"{{{{ range $i, $alert := .Alerts }}}}{{{{ if lt $i {SHOWN} }}}}"
+        '- {{ if eq .Status "resolved" }}RESOLVED: {{ end }}'
+        "{{ or .Annotations.description .Annotations.summary .Labels.alertname }}\n{{ end }}{{ end }}"
+        f"{{{{ if gt (len .Alerts) {SHOWN} }}}}({SHOWN} of {{{{ len .Alerts }}}} alerts shown)\n{{{{ end }}}}"
+        "{{ with index .Alerts 0 }}"
+        + _stop_template(c)
+        + "{{ with .Annotations.runbook_url }}Runbook: {{ . }}\n{{ end }}"
+        + (f"{{{{ if .Labels.layer }}}}Dashboard: {dashboard}\n{{{{ end }}}}" if dashboard else "")
+        + "{{ end }}"
+    )
+
+
+def html_body_template(c: MixinConfig) -> str:
+    """:func:`body_template` for an HTML mail part (Alertmanager renders it with html/template, which escapes
+    every value): the same lines, the links as links."""
+    dashboard = dashboard_template(c)
+    return (
+        "<p><b>{{ with .CommonAnnotations.summary }}{{ . }}{{ else }}{{ (index .Alerts 0).Annotations.summary }}"
+        "{{ end }}</b></p>\n<ul>\n"
+        f"{{{{ range $i, $alert := .Alerts }}}}{{{{ if lt $i {SHOWN} }}}}"
+        '<li>{{ if eq .Status "resolved" }}RESOLVED: {{ end }}'
+        "{{ or .Annotations.description .Annotations.summary .Labels.alertname }}</li>\n{{ end }}{{ end }}</ul>\n"
+        f"{{{{ if gt (len .Alerts) {SHOWN} }}}}<p>({SHOWN} of {{{{ len .Alerts }}}} alerts shown)</p>\n{{{{ end }}}}"
+        "{{ with index .Alerts 0 }}<p>"
+        + _stop_template(c).replace("\n", "<br>\n")
+        + '{{ with .Annotations.runbook_url }}<a href="{{ . }}">Runbook</a><br>\n{{ end }}'
+        + (f'{{{{ if .Labels.layer }}}}<a href="{dashboard}">Dashboard</a><br>\n{{{{ end }}}}' if dashboard else "")
+        + "</p>{{ end }}"
     )
 
 
@@ -101,6 +143,7 @@ def first_runbook_template() -> str:
 
 
 def first_dashboard_template(c: MixinConfig) -> str:
-    """The dashboard link of the group's first alert, or empty without ``grafana_url``."""
+    """The dashboard link of the group's first alert, or empty without ``grafana_url`` or for an alert not ours."""
     dashboard = dashboard_template(c)
-    return f"{{{{ with index .Alerts 0 }}}}{dashboard}{{{{ end }}}}" if dashboard else ""
+    return f"{{{{ with index .Alerts 0 }}}}{{{{ if .Labels.layer }}}}{dashboard}{{{{ end }}}}{{{{ end }}}}" \
+        if dashboard else ""

@@ -8,9 +8,17 @@ body, Opsgenie an alert whose priority follows the severity. Every one is told w
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from grpo_exporter.mixin.config import MixinConfig
-from grpo_exporter.mixin.messages import body_template, first_dashboard_template, first_runbook_template, title_template
+from grpo_exporter.mixin.messages import (
+    body_template,
+    first_dashboard_template,
+    first_runbook_template,
+    html_body_template,
+    subject_template,
+    title_template,
+)
 from grpo_exporter.mixin.receivers import Email, Opsgenie, PagerDuty, Receiver, Slack, Webhook
 
 SOURCE = "grpo-exporter"
@@ -42,14 +50,14 @@ def _message(c: MixinConfig, one: Slack | PagerDuty | Email | Opsgenie) -> dict[
     title, body = title_template(), body_template(c)
     if isinstance(one, Slack):
         return {"title": title, "title_link": first_runbook_template(), "text": body, "color": SLACK_COLOR}
-    if isinstance(one, PagerDuty):
-        return {"description": title, "severity": PAGERDUTY_SEVERITY, "client": SOURCE,
+    if isinstance(one, PagerDuty):  # an incident's summary is set once: no firing/resolved state in it
+        return {"description": subject_template(), "severity": PAGERDUTY_SEVERITY, "client": SOURCE,
                 "client_url": _links(c)[-1][0], "details": {**_details(c), "summary": body},
                 "links": [{"href": href, "text": text} for href, text in _links(c)]}
     if isinstance(one, Opsgenie):
-        return {"message": title, "description": body, "priority": OPSGENIE_PRIORITY, "source": SOURCE,
+        return {"message": subject_template(), "description": body, "priority": OPSGENIE_PRIORITY, "source": SOURCE,
                 "tags": "grpo,{{ .CommonLabels.layer }}", "details": _details(c)}
-    return {"headers": {"Subject": title}, "text": body, "html": ""}
+    return {"headers": {"Subject": title}, "text": body, "html": html_body_template(c)}
 
 
 def _plain_settings(one: Slack | PagerDuty | Email | Opsgenie) -> dict[str, Any]:
@@ -79,27 +87,50 @@ def integrations(c: MixinConfig, name: str, receiver: Receiver) -> dict[str, lis
     return out
 
 
+def _delivers(one: Slack | PagerDuty | Email | Opsgenie | Webhook, kubernetes: bool) -> bool:
+    """Whether the integration is written for the target: a webhook without ``url`` only in Kubernetes."""
+    return kubernetes or not isinstance(one, Webhook) or bool(one.url)
+
+
+def _secret_notes(c: MixinConfig, kubernetes: bool) -> list[str]:
+    said = []
+    for name, receiver in c.receivers.by_name().items():
+        for one in receiver.integrations:
+            if kubernetes and one.has_secret():
+                ref = one.secret_ref(name, c.kubernetes_secret)
+                value = "the webhook's URL" if isinstance(one, Webhook) else f"the {one.SECRET.replace('_', ' ')}"
+                said.append(f"note: the AlertmanagerConfig reads {value} of receivers.{name}.{one.KIND} from key "
+                            f"{ref.key} of Secret {ref.name} (namespace {c.namespace}): create it before applying")
+            elif isinstance(one, Webhook) and not one.url:
+                said.append(f"note: receivers.{name}.webhook has no url (url_secret is for Kubernetes): "
+                            "alertmanager.yml leaves it out")
+            elif isinstance(one, Webhook) and one.url and (urlsplit(one.url).password or urlsplit(one.url).query):
+                said.append(f"note: receivers.{name}.webhook.url carries credentials (a password or a query), "
+                            "written into alertmanager.yml as it is: keep that file out of version control")
+            elif not isinstance(one, Webhook) and one.has_secret():
+                said.append(f"note: Alertmanager reads {one.secret_file(name, c.secrets_dir)} (receivers.{name}."
+                            f"{one.KIND}): create it, readable by Alertmanager only")
+    return said
+
+
 def notes(c: MixinConfig, kubernetes: bool) -> list[str]:
     """What a generator says on stderr about the receivers it wrote (``kubernetes``: the AlertmanagerConfig, else
-    alertmanager.yml): receivers that page nobody, integrations left out, where each secret must be, links a
-    page will lack."""
+    alertmanager.yml): receivers that page nobody, where each secret must be, integrations left out, links a page
+    will lack."""
     said = []
-    if c.receivers.unset:
-        said.append(f"WARNING: {' and '.join(f'receivers.{name}' for name in c.receivers.unset)} have no "
-                    "integration: those alerts are shown in Alertmanager's UI and API only and page nobody. Set "
-                    "them in a --config file (docs/receivers.md).")
-    named = [(name, one) for name, receiver in c.receivers.by_name().items() for one in receiver.integrations]
-    if kubernetes:
-        keys = [(one.secret_ref(name, c.kubernetes_secret)) for name, one in named if one.has_secret()]
-        said += [f"note: the AlertmanagerConfig reads secret key {ref.key} of Secret {ref.name} (namespace "
-                 f"{c.namespace}): create it before applying" for ref in keys]
-    else:
-        said += [f"note: receivers.{name}.webhook has no url (url_secret is for Kubernetes): alertmanager.yml "
-                 "leaves it out" for name, one in named if isinstance(one, Webhook) and not one.url]
-        said += [f"note: Alertmanager reads {one.secret_file(name, c.secrets_dir)} (receivers.{name}.{one.KIND}): "
-                 "create it, readable by Alertmanager only" for name, one in named
-                 if not isinstance(one, Webhook) and one.has_secret()]
-    if named and not c.grafana_url:
+    silent = [name for name, receiver in c.receivers.by_name().items()
+              if not any(_delivers(one, kubernetes) for one in receiver.integrations)]
+    if silent:
+        said.append(f"WARNING: {' and '.join(f'receivers.{name}' for name in silent)} have no integration: those "
+                    "alerts are shown in Alertmanager's UI and API only and page nobody. Set them in a --config "
+                    "file (docs/receivers.md).")
+    chatty = [one.KIND for one in c.receivers.watchdog.integrations if not isinstance(one, Webhook)]
+    if chatty:
+        said.append(f"note: receivers.watchdog has {', '.join(chatty)}: GRPOWatchdog always fires, so it is sent "
+                    f"there every watchdog_repeat_interval_s ({c.watchdog_repeat_interval_s} s) for good; a dead "
+                    "man's switch is a webhook to a service that calls when the pings stop")
+    said += _secret_notes(c, kubernetes)
+    if any(receiver.integrations for receiver in c.receivers.by_name().values()) and not c.grafana_url:
         said.append("note: grafana_url is not set: pages carry no dashboard link")
     return said
 
@@ -126,7 +157,6 @@ def _operator_one(c: MixinConfig, name: str, one: Slack | PagerDuty | Email | Op
         plain["headers"] = _pairs(plain["headers"])
     if "links" in plain:
         plain["pagerDutyLinkConfigs"] = [{"href": link["href"], "alt": link["text"]} for link in plain.pop("links")]
-    plain.pop("html", None)  # the operator drops an empty html (Alertmanager's default HTML part is sent too)
     return {CAMEL.get(key, key): value for key, value in plain.items()} | secret
 
 

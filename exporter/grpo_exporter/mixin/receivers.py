@@ -15,14 +15,53 @@ Teams through a webhook meanwhile.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+import re
+from email.utils import getaddresses
+from typing import Annotated, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 #: a Kubernetes object name (RFC 1123 subdomain) and a Secret key
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]{1,253}$"
 ReceiverName = Literal["pager", "default", "watchdog"]
+
+
+def absolute_path(path: str) -> str:
+    """A path Alertmanager reads whatever its working directory; never a URL or key pasted in its place."""
+    if "://" in path or not path.startswith("/") or any(c.isspace() for c in path):
+        raise ValueError("expected the absolute path of a file holding the secret (the secret itself goes into "
+                         "that file, never into this config), got something else")
+    return path
+
+
+def absolute_dir(path: str) -> str:
+    """A folder Alertmanager reads whatever its working directory."""
+    if not path.startswith("/") or any(c.isspace() for c in path):
+        raise ValueError("expected an absolute folder path")
+    return path
+
+
+def addresses(text: str) -> str:
+    """One or more mail addresses, comma-separated (``Name <a@b>`` allowed)."""
+    found = getaddresses([text])
+    if not found or any("@" not in address or " " in address for _, address in found):
+        raise ValueError("expected mail addresses (a@example.org, comma-separated)")
+    return text
+
+
+HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
+
+
+def host_port(text: str) -> str:
+    """``host:port`` or ``[v6]:port``, port 1..65535."""
+    found = HOST_PORT.match(text)
+    if found is None or not 0 < int(found[2]) < 65536:
+        raise ValueError("expected host:port (an IPv6 address in brackets, port 1-65535)")
+    return text
+
+
+SecretFile = Annotated[str, AfterValidator(absolute_path)]
 
 
 class SecretRef(BaseModel):
@@ -60,16 +99,17 @@ class Integration(BaseModel):
 class Slack(Integration):
     KIND = "slack"
     SECRET = "api_url"
-    api_url_file: str | None = Field(None, min_length=1, description="file holding the incoming-webhook URL")
+    api_url_file: SecretFile | None = Field(None, description="file holding the incoming-webhook URL")
     api_url_secret: SecretRef | None = Field(None, description="Kubernetes: the Secret key holding it")
-    channel: str | None = Field(None, min_length=1, description="channel (the webhook's own when unset)")
+    channel: str | None = Field(None, pattern=r"^[#@]?[A-Za-z0-9][A-Za-z0-9._-]{0,79}$", description="channel "
+                                "(`#name`, `@user` or an ID; the webhook's own when unset)")
 
 
 class PagerDuty(Integration):
     KIND = "pagerduty"
     SECRET = "routing_key"
-    routing_key_file: str | None = Field(None, min_length=1, description="file holding the Events v2 routing "
-                                         "(integration) key")
+    routing_key_file: SecretFile | None = Field(None, description="file holding the Events v2 routing "
+                                                "(integration) key")
     routing_key_secret: SecretRef | None = Field(None, description="Kubernetes: the Secret key holding it")
     url: str | None = Field(None, pattern=r"^https?://", description="Events v2 API URL (Alertmanager's default "
                             "when unset; the EU service's, or a proxy's)")
@@ -78,7 +118,7 @@ class PagerDuty(Integration):
 class Opsgenie(Integration):
     KIND = "opsgenie"
     SECRET = "api_key"
-    api_key_file: str | None = Field(None, min_length=1, description="file holding the API (integration) key")
+    api_key_file: SecretFile | None = Field(None, description="file holding the API (integration) key")
     api_key_secret: SecretRef | None = Field(None, description="Kubernetes: the Secret key holding it")
     api_url: str | None = Field(None, pattern=r"^https?://", description="API URL (Alertmanager's default, "
                                 "api.opsgenie.com, when unset; the EU service's or a proxy's)")
@@ -87,16 +127,23 @@ class Opsgenie(Integration):
 class Email(Integration):
     KIND = "email"
     SECRET = "auth_password"
-    to: str = Field(min_length=3, description="recipient address(es), comma-separated")
-    from_: str = Field(alias="from", min_length=3, description="sender address")
-    smarthost: str = Field(pattern=r"^[^\s:]+:\d{1,5}$", description="SMTP server, host:port")
+    to: Annotated[str, AfterValidator(addresses)] = Field(description="recipient address(es), comma-separated")
+    from_: Annotated[str, AfterValidator(addresses)] = Field(alias="from", description="sender address")
+    smarthost: Annotated[str, AfterValidator(host_port)] = Field(description="SMTP server, host:port")
     auth_username: str | None = Field(None, min_length=1, description="SMTP user (no authentication when unset)")
-    auth_password_file: str | None = Field(None, min_length=1, description="file holding the SMTP password")
+    auth_password_file: SecretFile | None = Field(None, description="file holding the SMTP password")
     auth_password_secret: SecretRef | None = Field(None, description="Kubernetes: the Secret key holding it")
     require_tls: bool = Field(True, description="STARTTLS required (false only for a relay on a trusted network)")
 
     def has_secret(self) -> bool:
         return self.auth_username is not None
+
+    @model_validator(mode="after")
+    def _password_needs_user(self) -> Self:
+        if self.auth_username is None and (self.auth_password_file or self.auth_password_secret):
+            raise ValueError("auth_password_file/auth_password_secret: expected auth_username with them (without a "
+                             "user no authentication is attempted), got a password and no user")
+        return self
 
 
 class Webhook(Integration):
@@ -134,11 +181,6 @@ class Receivers(BaseModel):
 
     def by_name(self) -> dict[ReceiverName, Receiver]:
         return {"pager": self.pager, "default": self.default, "watchdog": self.watchdog}
-
-    @property
-    def unset(self) -> list[str]:
-        """The receivers with no integration, by name."""
-        return [name for name, receiver in self.by_name().items() if not receiver.integrations]
 
 
 def webhooks(**urls: str) -> Receivers:

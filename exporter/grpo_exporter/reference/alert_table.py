@@ -28,7 +28,8 @@ def _matches(matchers: list[str], labels: dict[str, str]) -> bool:
 
 def mutes(c: MixinConfig) -> dict[str, set[str]]:
     """Alert -> the alerts it mutes for the same run (per the generated inhibit rules)."""
-    labelled = {a.name: {"layer": str(a.layer), "severity": c.severities.get(a.name, a.severity), "family": a.family}
+    labelled = {a.name: {"alertname": a.name, "layer": str(a.layer), "severity": c.severities.get(a.name, a.severity),
+                         "family": a.family}
                 for a in alerts(c)}
     out: dict[str, set[str]] = {name: set() for name in labelled}
     rules: list[dict[str, Any]] = alertmanager_config(c)["inhibit_rules"]

@@ -3,8 +3,8 @@ description, so the page cannot fall behind the code (``docs/config-exporter.md`
 
 from __future__ import annotations
 
-import re
-from typing import Any, get_args
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -25,9 +25,25 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def _type_name(annotation: Any) -> str:
+    """A type as a reader writes it: ``str | None``, ``dict[str, int]``, ``Literal['a', 'b']``; a validated type
+    (``Annotated``) as the type it validates."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin in (Union, UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return f"Literal[{', '.join(repr(a) for a in args)}]"
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is Ellipsis:
+        return "..."
+    return "None" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
 def _type(info: FieldInfo) -> str:
-    text = str(info.annotation).replace("NoneType", "None").replace("<class '", "").replace("'>", "")
-    return _cell(re.sub(r"\b(?:[a-z_][a-z0-9_]*\.)+(\w+)", r"\1", text))  # typing.Literal -> Literal
+    return _cell(_type_name(info.annotation))
 
 
 def _default(info: FieldInfo) -> str:
