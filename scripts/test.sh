@@ -19,6 +19,6 @@ while [ ! -s .venv-frameworks.pending ] && [ ! -e .venv-frameworks.status ]; do 
 .venv/bin/ruff check .
 .venv/bin/python -m mypy   # the package's type hints ([tool.mypy] in pyproject.toml)
 status=0
-.venv/bin/python -m pytest -q "$@" || status=$?
+.venv/bin/python -m pytest -q --durations=20 "$@" || status=$?   # the slowest tests: where the suite's time goes
 wait "$setup" || true
 exit "$status"

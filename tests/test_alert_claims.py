@@ -199,13 +199,23 @@ def test_every_alert_has_its_silent_regimes_tested_or_says_why_not():
     assert set(SILENT_TESTS) | set(NOT_A_RULE_REGIME) <= names, "entries for alerts that no longer exist"
 
 
-def test_the_named_tests_exist_and_check_their_alert():
+def _series(check: dict) -> set[frozenset]:
+    """The alerts one promtool check expects, each as its set of labels."""
+    return {frozenset(a["exp_labels"].items()) for a in check.get("exp_alerts") or []}
+
+
+def test_the_named_tests_exist_and_check_their_alert_silent():
+    """Each named test checks its alert at some evaluation where it must not fire (not at all, or not for one of
+    the series it fires for elsewhere in the test): a test that only shows it firing holds no silent regime."""
     groups = _groups()
     for alert, tests in SILENT_TESTS.items():
         for name in tests:
             assert name in groups, f"{alert}: no promtool test named {name!r}"
             checks = [c for c in groups[name].get("alert_rule_test", []) if c["alertname"] == alert]
             assert checks, f"{alert}: {name!r} does not check it"
+            every = set().union(*(_series(c) for c in checks))
+            silent = [c for c in checks if _series(c) < every or not _series(c)]
+            assert silent, f"{alert}: {name!r} never checks it silent"
 
 
 def test_never_silent_in_the_runbook_is_never_silent_here():

@@ -68,8 +68,8 @@ def test_a_runbook_a_phone_cannot_open_and_a_moved_setting_are_named(tmp_path, c
     assert lines == [
         f"grpo-exporter: error: --config {config}: runbook_url: String should match pattern '^https?://\\S+$', "
         "got 'docs/runbooks.md'",
-        f"grpo-exporter: error: --config {config}: slack_api_url: Extra inputs are not permitted, got "
-        "'https://hooks.slack.com/x' (not a setting: docs/config-rules.md lists them)",
+        f"grpo-exporter: error: --config {config}: slack_api_url: not a setting (its value is not shown) "
+        "(docs/config-rules.md lists the settings)",
     ]
     config.write_text("pager_webhook_url: http://pager.internal/hook\n")
     with pytest.raises(SystemExit) as exit_:
@@ -101,13 +101,15 @@ def test_a_secret_written_in_place_is_refused_without_being_echoed(tmp_path):
     terminal and the CI log, also when pasted into a `*_file` field."""
     config = tmp_path / "mixin.yml"
     secret = "https://hooks.slack.com/services/T0000/B0000/XXXXSECRETXXXX"
-    config.write_text(f"receivers: {{pager: {{slack: {{api_url: '{secret}'}}, pagerduty: {{routing_key_file: "
-                      f"'{secret}'}}}}}}\n")
+    config.write_text(f"slack_api_url: '{secret}'\nreceivers: {{pager: {{slack: {{api_url: '{secret}', chanel: x}}, "
+                      f"pagerduty: {{routing_key_file: '{secret}'}}}}, default: {{webhook: '{secret}'}}}}\n")
     with pytest.raises(SystemExit) as exit_:
         main(["rules", "--out", str(tmp_path / "out"), "--config", str(config)])
     text = str(exit_.value.code)
     assert secret not in text
-    assert ("receivers.pager.slack.api_url: not a setting (the value is not shown); a secret is read from a file, "
-            "api_url_file, or in Kubernetes from a Secret key, api_url_secret: docs/receivers.md") in text
+    assert ("receivers.pager.slack.api_url: not a setting (its value is not shown); a secret is read from a file, "
+            "api_url_file, or in Kubernetes from a Secret key, api_url_secret (docs/receivers.md)") in text
     assert "receivers.pager.pagerduty.routing_key_file: expected the absolute path of a file holding the secret" in text
+    assert "receivers.pager.slack.chanel: not a setting (its value is not shown) (docs/receivers.md lists" in text
+    assert "receivers.default.webhook: Input should be a valid dictionary" in text
     assert not (tmp_path / "out").exists()

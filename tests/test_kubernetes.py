@@ -346,7 +346,7 @@ def test_the_alertmanager_config_routes_our_alerts_through_the_operator(tmp_path
                 _firing(rules, "GRPORewardCliff", "C", namespace=False),  # not this namespace's: not ours to route
             ])
             wait_for("the page and the Slack message", lambda: hook.alerts() and slack.under("/slack"), timeout=20)
-            time.sleep(3)  # past group_wait and group_interval: a muted or unrouted alert would have arrived
+            time.sleep(3)  # past group_wait (1 s): a muted or unrouted alert, posted with the rest, would have come
             got = {(p, a["labels"]["alertname"], a["labels"]["run"]) for p, a in hook.alerts()}
             assert got == {("/pager", "GRPOLossMaskMismatch", "A")}
             [message] = [m.body for m in slack.under("/slack")]
@@ -393,7 +393,7 @@ def test_the_chart_info_inhibitor_mutes_our_info_alerts_until_the_documented_mat
                     while time.monotonic() < deadline and wanted - {
                             a["labels"]["alertname"] for p, a in hook.alerts() if p == f"/{name}"}:
                         time.sleep(0.2)
-                time.sleep(3)  # past group_wait and group_interval: a muted alert would have arrived
+                time.sleep(3)  # past group_wait (1 s): a muted alert, posted with the rest, would have come
             got = {a["labels"]["alertname"] for p, a in hook.alerts() if p == f"/{name}"}
             assert got == {"InfoInhibitor", *want}, name
     finally:

@@ -100,7 +100,7 @@ def delivered(tmp_path_factory):
             wait_for("a first notification from every integration", lambda: (len(api.under("/slack")) >= 5
                      and len(api.under("/v2/enqueue")) >= 5 and len(api.under("/opsgenie")) >= 2
                      and len(smtp.received()) >= 2) or None, timeout=30)
-            time.sleep(2)  # a second notification of a group would come now: it must not
+            time.sleep(7)  # past group_interval (6 s): a second notification of a group would have come; none may
             first = {"slack": api.under("/slack"), "pagerduty": api.under("/v2/enqueue"),
                      "opsgenie": api.under("/opsgenie"), "email": smtp.received()}
             now = dt.datetime.now(dt.UTC)
@@ -156,6 +156,7 @@ def test_slack_gets_one_message_per_group_that_a_phone_can_act_on(delivered):
     ]
     other = slack["GRPOLossMaskMismatch · layer 1-gradient · run run b/2"]["text"]
     assert f"Dashboard: {_dashboard('grpo-crash-triage', 'run b/2', delivered['starts'])}" in other
+    assert len(delivered["api"].under("/slack")) == 10  # one resolved message a group
     resolved = _slack(delivered["api"].under("/slack")[5:])
     assert {a["title"].split("]")[0] for a in resolved.values()} == {"[RESOLVED"}
     assert {a["color"] for a in resolved.values()} == {"good"}
@@ -165,14 +166,17 @@ def test_slack_gets_one_message_per_group_that_a_phone_can_act_on(delivered):
 def test_another_tools_alert_gets_no_advice_and_no_broken_link(delivered):
     """An alert that is not ours, routed to the same receiver, says what it says of itself: no stop advice, no
     runbook or dashboard line."""
-    page = _slack(delivered["first"]["slack"])["NodeDown"]
-    assert page["title"] == "[FIRING:1] NodeDown"
+    page = _slack(delivered["first"]["slack"])["NodeDown · node-7"]  # no run: the target names it
+    assert page["title"] == "[FIRING:1] NodeDown · node-7"
     assert page["text"] == "Node node-7 is down.\n- Node node-7 is down.\n"
+    events = {e.body["payload"]["summary"]: e.body for e in delivered["first"]["pagerduty"]}
+    assert events["NodeDown · node-7"]["links"] == [{"href": RUNBOOKS, "text": "Runbook"},
+                                                    {"href": GRAFANA, "text": "Dashboard"}]  # never an empty href
 
 
 def test_pagerduty_gets_events_v2_with_the_routing_key_from_its_file(delivered):
+    assert len(delivered["first"]["pagerduty"]) == 5
     events = {e.body["payload"]["summary"]: e.body for e in delivered["first"]["pagerduty"]}
-    assert len(events) == 5
     event = events["GRPOLossMaskMismatch · layer 1-gradient · run a"]  # an incident's summary holds no state
     assert event["routing_key"] == SECRETS["pager-pagerduty-routing-key"]
     assert event["event_action"] == "trigger"
@@ -187,6 +191,7 @@ def test_pagerduty_gets_events_v2_with_the_routing_key_from_its_file(delivered):
                               {"href": dashboard, "text": "Dashboard"}]
     assert event["client_url"] == dashboard
     later = [e.body for e in delivered["api"].under("/v2/enqueue")[5:]]
+    assert len(later) == 5
     assert {e["event_action"] for e in later} == {"resolve"}
     assert {e["dedup_key"] for e in later} == {e["dedup_key"] for e in events.values()}
 
@@ -195,6 +200,8 @@ def test_warnings_go_to_opsgenie_and_email_not_to_the_pager(delivered):
     first = delivered["first"]
     assert {title.split(" ·")[0] for title in _slack(first["slack"])} == {
         "GRPOLossMaskMismatch", "GRPOTrainingStalled", "GRPORewardCliff", "NodeDown"}
+    assert len(first["opsgenie"]) == 2
+    assert len(first["email"]) == 2
     [created] = [r for r in first["opsgenie"] if "run c" in r.body["message"]]
     assert created.path == "/opsgenie/v2/alerts"
     assert created.headers["Authorization"] == f"GenieKey {SECRETS['default-opsgenie-api-key']}"
@@ -225,7 +232,7 @@ def test_warnings_go_to_opsgenie_and_email_not_to_the_pager(delivered):
 def test_every_page_says_whether_to_stop_as_the_alert_table_does(delivered):
     """The template's choice, by alert name, is the table's for every kind a page can carry."""
     first = delivered["first"]
-    said = {title: page["text"] for title, page in _slack(first["slack"]).items() if title != "NodeDown"}
+    said = {title: page["text"] for title, page in _slack(first["slack"]).items() if not title.startswith("NodeDown")}
     said |= {r.body["message"]: r.body["description"] for r in first["opsgenie"]}
     rules = {a.name: a.rule(MixinConfig()) for a in alerts(MixinConfig())}
     assert len(said) == 6
@@ -250,9 +257,13 @@ def test_an_escalated_alert_is_advised_as_the_table_says():
     """Under `severities`, the advice follows the alert's own layer and its new severity: a layer-3 alert made
     critical is no broken reward, a stall made a warning still has no training to stop; an alert not ours gets
     none."""
-    config = MixinConfig(severities={"GRPOESSDrop": "critical", "GRPOTrainingStalled": "warning"})
+    config = MixinConfig(severities={"GRPOESSDrop": "critical", "GRPOTrainingStalled": "warning",
+                                     "GRPOOnPolicyRatioDrift": "critical", "GRPOTruncationSurge": "critical"})
     stop = _stop_template(config)
-    assert _advised(stop, "GRPOESSDrop") == plain(STOP["escalated"]) == plain(stop_advice("3-samples", "critical"))
+    assert _advised(stop, "GRPOESSDrop") == plain(STOP["escalated"])
+    # a layer-1 or layer-2 warning made critical is no gate and no broken reward either: the config escalated it
+    assert _advised(stop, "GRPOOnPolicyRatioDrift") == plain(STOP["escalated"])
+    assert _advised(stop, "GRPOTruncationSurge") == plain(STOP["escalated"])
     assert _advised(stop, "GRPOTrainingStalled") == plain(STOP["liveness"])
     assert _advised(stop, "GRPOLossMaskMismatch") == plain(STOP["gate"])
     assert _advised(stop, "NodeDown") == ""
@@ -270,7 +281,8 @@ def test_the_generators_name_every_secret_file_and_a_missing_dashboard_link():
             "(receivers.pager.pagerduty): create it, readable by Alertmanager only") in plain_notes
     assert any("receivers.default.webhook has no url" in line for line in plain_notes)
     assert any("receivers.watchdog has slack: GRPOWatchdog always fires" in line for line in plain_notes)
-    assert any("receivers.watchdog.webhook.url carries credentials" in line for line in plain_notes)
+    assert any("receivers.watchdog.webhook.url is written into alertmanager.yml as it is" in line
+               for line in plain_notes)
     assert "note: grafana_url is not set: pages carry no dashboard link" in plain_notes
     assert "webhook_configs" not in yaml.safe_load(alertmanager_output(config))["receivers"][1]
     kubernetes = notes(config, kubernetes=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, get_args
 
 from grpo_exporter import __version__
 
@@ -54,23 +54,27 @@ def _mixin_config(args: argparse.Namespace) -> MixinConfig:
 
 
 def _problem(error: ErrorDetails) -> str:
-    """One validation error as a line: the setting, what it expects, what came. What came is not echoed where it
-    may be a secret written in place (a receiver's unknown key such as ``api_url``, a ``*_file``, a webhook's
-    ``url``), and an unknown key of a receiver points to where secrets go."""
+    """One validation error as a line: the setting, what it expects, what came. What came is not echoed for an
+    unknown key or anything under ``receivers`` (it may be a secret written in place: a Slack URL as
+    ``slack_api_url``), and an unknown key of an integration that has ``<key>_file`` points to it."""
     from grpo_exporter.config_files import short_repr
+    from grpo_exporter.mixin.receivers import Receiver
 
     where = ".".join(map(str, error["loc"]))
     message = error["msg"].removeprefix("Value error, ")
     if not where:
         return message
-    key = where.rsplit(".", 1)[-1]
-    if where.startswith("receivers.") and error["type"] == "extra_forbidden":
-        return (f"{where}: not a setting (the value is not shown); a secret is read from a file, {key}_file, or in "
-                f"Kubernetes from a Secret key, {key}_secret: docs/receivers.md")
-    if where.startswith("receivers.") and (key.endswith(("_file", "_secret")) or key == "url"):
+    if error["type"] == "extra_forbidden":
+        parts, key = where.split("."), where.rsplit(".", 1)[-1]
+        field = Receiver.model_fields.get(parts[2]) if len(parts) == 4 and parts[0] == "receivers" else None
+        fields = get_args(field.annotation)[0].model_fields if field is not None else {}
+        hint = (f"; a secret is read from a file, {key}_file, or in Kubernetes from a Secret key, {key}_secret "
+                "(docs/receivers.md)" if f"{key}_file" in fields else
+                f" ({'docs/receivers.md' if parts[0] == 'receivers' else 'docs/config-rules.md'} lists the settings)")
+        return f"{where}: not a setting (its value is not shown){hint}"
+    if where.startswith("receivers"):
         return f"{where}: {message} (the value is not shown: it may be a secret)"
-    unknown = " (not a setting: docs/config-rules.md lists them)" if error["type"] == "extra_forbidden" else ""
-    return f"{where}: {message}, got {short_repr(error['input'])}{unknown}"
+    return f"{where}: {message}, got {short_repr(error['input'])}"
 
 
 def _receiver_notes(config: MixinConfig, kubernetes: bool) -> None:

@@ -93,8 +93,9 @@ def require(module: str, extra: str, tested: str) -> ModuleType:
     except ImportError as exc:
         raise IntegrationError(
             f"grpo_exporter.integrations.{extra} needs {module!r} ({tested} is the tested range), which is not "
-            f"importable here: {exc}. Install it with: pip install '{tested}' (or '.[{extra}]' in grpo-exporter's "
-            "folder: docs/install.md)"
+            f"importable here: {exc}. Install it with: pip install "
+            f"{' '.join(repr(name + spec) for name, spec in tested_ranges(tested).items())} (or '.[{extra}]' in "
+            "grpo-exporter's folder: docs/install.md)"
         ) from exc
     distribution = module.split(".")[0]
     try:

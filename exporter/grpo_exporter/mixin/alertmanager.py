@@ -61,8 +61,8 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
                       for name, receiver in c.receivers.by_name().items()],
         "inhibit_rules": [
             {
-                "source_matchers": [f'layer="{Layer.GRADIENT.value}"', 'severity="critical"'],
-                "target_matchers": [f'layer=~"{"|".join(DOWNSTREAM)}"'],
+                "source_matchers": [OURS, f'layer="{Layer.GRADIENT.value}"', 'severity="critical"'],
+                "target_matchers": [OURS, f'layer=~"{"|".join(DOWNSTREAM)}"'],
                 "equal": ["run"],
             },
             {  # ours only: another tool's alerts carry neither family nor run, which would compare equal

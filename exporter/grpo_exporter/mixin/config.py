@@ -19,7 +19,7 @@ from grpo_exporter.mixin.deploy_config import DeploySettings
 from grpo_exporter.thresholds import EventLines, StopLines
 
 Severity = Literal["critical", "warning", "info"]
-#: the project's home; runbook links default to this version's docs there
+#: the project's home; runbook links default to the runbooks there
 PROJECT_URL = "https://github.com/grpo-exporter/grpo-exporter"
 RUNBOOKS = f"{PROJECT_URL}/blob/main/docs/runbooks.md"
 #: settings an earlier version had, and where each went
@@ -334,8 +334,8 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
     # ---- paging ----
     runbook_url: str = Field(
         RUNBOOKS, pattern=r"^https?://\S+$", description="base of every alert's runbook_url, an absolute URL a "
-        "phone opens: where your docs/runbooks.md is served (an internal wiki, a fork); the default is this "
-        "version's on the project's home",
+        "phone opens: where your docs/runbooks.md is served (an internal wiki, a fork); the default is the "
+        "runbooks on the project's home",
     )
     grafana_url: str | None = Field(
         None, pattern=r"^https?://\S+$", description="Grafana's URL as a person on call opens it: every page then "

@@ -102,8 +102,8 @@ class DeploySettings(BaseModel):
     receivers: Receivers = Field(
         default_factory=Receivers, description="Alertmanager: the integrations of the `pager` (critical), "
         "`default` (every other alert) and `watchdog` (the dead man's switch) receivers: `slack`, `pagerduty`, "
-        "`email`, `opsgenie`, `webhook`, any number each (docs/receivers.md). A receiver with none shows its alerts "
-        "in Alertmanager's UI and API only, and the generators say so on stderr",
+        "`email`, `opsgenie`, `webhook`, one of each at most (docs/receivers.md). A receiver with none shows its "
+        "alerts in Alertmanager's UI and API only, and the generators say so on stderr",
     )
     secrets_dir: Annotated[str, AfterValidator(absolute_dir)] = Field(
         "/etc/alertmanager/secrets", description="alertmanager.yml: the folder Alertmanager reads "

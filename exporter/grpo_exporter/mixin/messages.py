@@ -15,6 +15,7 @@ from __future__ import annotations
 from grpo_exporter.catalog import Layer
 from grpo_exporter.mixin.alerts import alerts
 from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.promql import OPTIMIZER
 
 STOP = {
     "gate": "**stop**: every step trains on a gradient that is not what you think; fix, then resume from the "
@@ -28,31 +29,34 @@ STOP = {
     "heartbeat": "no: the alerting path's heartbeat, always firing",
 }
 #: the dashboard that answers an alert's question: layer-1 faults on the crash triage, the rest on training health
-TRIAGE_LAYERS = (Layer.GRADIENT.value, "1-optimizer")
+TRIAGE_LAYERS = (Layer.GRADIENT.value, OPTIMIZER)
 TRIAGE_DASHBOARD = "grpo-crash-triage"
 HEALTH_DASHBOARD = "grpo-training-health"
 #: how far before the alert's start the dashboard link opens (Go duration in nanoseconds: one hour)
 LOOKBACK_NS = 3600 * 10**9
+#: the dashboard link's condition: an alert of ours (a layer) about a run (a liveness alert of a target may have none)
+RUN_OF_OURS = "{{ if and .Labels.layer .Labels.run }}"
 #: alerts of one group a message lists (a page of 50 identical lines is read as none; services cap the length)
 SHOWN = 5
 
 
-def stop_kind(layer: str, severity: str) -> str:
-    """The key of :data:`STOP` for an alert of ``layer`` at ``severity``: a liveness page has no training to stop;
-    a layer-1 critical is a gate (every step is wrong), a layer-2 critical a broken advantage or reward, another
-    critical one the config escalated."""
+def stop_kind(layer: str, severity: str, default: str = "critical") -> str:
+    """The key of :data:`STOP` for an alert of ``layer`` at ``severity`` (its ``default`` severity before the
+    config's ``severities``): a liveness page has no training to stop; a layer-1 critical is a gate (every step is
+    wrong), a layer-2 critical a broken advantage or reward, an alert the config made critical an escalation."""
     if severity == "none":
         return "heartbeat"
     if layer == Layer.LIVENESS.value:
         return "info" if severity == "info" else "liveness"
     if severity == "critical":
-        return {Layer.GRADIENT.value: "gate", Layer.REWARD.value: "bound"}.get(layer, "escalated")
+        return {Layer.GRADIENT.value: "gate", Layer.REWARD.value: "bound"}.get(layer, "escalated") \
+            if default == "critical" else "escalated"
     return "warning" if severity == "warning" else "info"
 
 
-def stop_advice(layer: str, severity: str) -> str:
+def stop_advice(layer: str, severity: str, default: str = "critical") -> str:
     """The alert table's "stop training?" column (Markdown)."""
-    return STOP[stop_kind(layer, severity)]
+    return STOP[stop_kind(layer, severity, default)]
 
 
 def plain(text: str) -> str:
@@ -65,7 +69,7 @@ def _stop_template(c: MixinConfig) -> str:
     severities, as the alert table says; nothing for an alert that is not ours."""
     names: dict[str, list[str]] = {}
     for alert in alerts(c):
-        kind = stop_kind(str(alert.layer), c.severities.get(alert.name, alert.severity))
+        kind = stop_kind(str(alert.layer), c.severities.get(alert.name, alert.severity), alert.severity)
         names.setdefault(kind, []).append(f'"{alert.name}"')
     branches = [f"if eq .Labels.alertname {' '.join(listed)} }}}}Stop training? {plain(STOP[kind])}\n"
                 for kind, listed in names.items()]
@@ -88,9 +92,11 @@ def dashboard_template(c: MixinConfig) -> str:
 
 def subject_template() -> str:
     """``GRPOLossMaskMismatch · layer 1-gradient · run a``: what, which layer, which run (the layer before the
-    run: a service that cuts a long title keeps it)."""
+    run: a service that cuts a long title keeps it); the target instead of the run when there is none (a
+    liveness alert of a target that never served a run)."""
     return ("{{ .CommonLabels.alertname }}{{ with .CommonLabels.layer }} · layer {{ . }}{{ end }}"
-            "{{ with .CommonLabels.run }} · run {{ . }}{{ end }}")
+            "{{ with .CommonLabels.run }} · run {{ . }}{{ else }}{{ with .CommonLabels.instance }} · {{ . }}{{ end }}"
+            "{{ end }}")
 
 
 def title_template() -> str:
@@ -113,7 +119,7 @@ def body_template(c: MixinConfig) -> str:
         "{{ with index .Alerts 0 }}"
         + _stop_template(c)
         + "{{ with .Annotations.runbook_url }}Runbook: {{ . }}\n{{ end }}"
-        + (f"{{{{ if .Labels.layer }}}}Dashboard: {dashboard}\n{{{{ end }}}}" if dashboard else "")
+        + (f"{RUN_OF_OURS}Dashboard: {dashboard}\n{{{{ end }}}}" if dashboard else "")
         + "{{ end }}"
     )
 
@@ -132,18 +138,21 @@ def html_body_template(c: MixinConfig) -> str:
         "{{ with index .Alerts 0 }}<p>"
         + _stop_template(c).replace("\n", "<br>\n")
         + '{{ with .Annotations.runbook_url }}<a href="{{ . }}">Runbook</a><br>\n{{ end }}'
-        + (f'{{{{ if .Labels.layer }}}}<a href="{dashboard}">Dashboard</a><br>\n{{{{ end }}}}' if dashboard else "")
+        + (f'{RUN_OF_OURS}<a href="{dashboard}">Dashboard</a><br>\n{{{{ end }}}}' if dashboard else "")
         + "</p>{{ end }}"
     )
 
 
-def first_runbook_template() -> str:
-    """The runbook of the group's first alert (a group is one alert name: they share it)."""
-    return "{{ (index .Alerts 0).Annotations.runbook_url }}"
+def first_runbook_template(otherwise: str = "") -> str:
+    """The runbook of the group's first alert (a group is one alert name: they share it); ``otherwise`` for an
+    alert without one (another tool's)."""
+    return f"{{{{ with (index .Alerts 0).Annotations.runbook_url }}}}{{{{ . }}}}{{{{ else }}}}{otherwise}{{{{ end }}}}"
 
 
-def first_dashboard_template(c: MixinConfig) -> str:
-    """The dashboard link of the group's first alert, or empty without ``grafana_url`` or for an alert not ours."""
+def first_dashboard_template(c: MixinConfig, otherwise: str = "") -> str:
+    """The dashboard link of the group's first alert, empty without ``grafana_url``; ``otherwise`` for an alert that
+    is not ours or names no run."""
     dashboard = dashboard_template(c)
-    return f"{{{{ with index .Alerts 0 }}}}{{{{ if .Labels.layer }}}}{dashboard}{{{{ end }}}}{{{{ end }}}}" \
-        if dashboard else ""
+    if not dashboard:
+        return ""
+    return f"{{{{ with index .Alerts 0 }}}}{RUN_OF_OURS}{dashboard}{{{{ else }}}}{otherwise}{{{{ end }}}}{{{{ end }}}}"

@@ -8,7 +8,6 @@ body, Opsgenie an alert whose priority follows the severity. Every one is told w
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.messages import (
@@ -30,6 +29,7 @@ SLACK_COLOR = '{{ if eq .Status "firing" }}danger{{ else }}good{{ end }}'
 
 
 def _details(c: MixinConfig) -> dict[str, str]:
+    """The fields a service shows beside the message (PagerDuty's custom details, Opsgenie's details)."""
     details = {"run": "{{ .CommonLabels.run }}", "layer": "{{ .CommonLabels.layer }}",
                "firing": "{{ .Alerts.Firing | len }}", "runbook": first_runbook_template()}
     if c.grafana_url:
@@ -38,10 +38,11 @@ def _details(c: MixinConfig) -> dict[str, str]:
 
 
 def _links(c: MixinConfig) -> list[tuple[str, str]]:
-    """(href, text) of the links a service shows beside the message."""
-    links = [(first_runbook_template(), "Runbook")]
+    """(href, text) of the links a service shows beside the message, never empty: the runbooks' page and Grafana
+    itself for an alert without its own (another tool's, or a target's that names no run)."""
+    links = [(first_runbook_template(c.runbook_url), "Runbook")]
     if c.grafana_url:
-        links.append((first_dashboard_template(c), "Dashboard"))
+        links.append((first_dashboard_template(c, c.grafana_url), "Dashboard"))
     return links
 
 
@@ -104,9 +105,11 @@ def _secret_notes(c: MixinConfig, kubernetes: bool) -> list[str]:
             elif isinstance(one, Webhook) and not one.url:
                 said.append(f"note: receivers.{name}.webhook has no url (url_secret is for Kubernetes): "
                             "alertmanager.yml leaves it out")
-            elif isinstance(one, Webhook) and one.url and (urlsplit(one.url).password or urlsplit(one.url).query):
-                said.append(f"note: receivers.{name}.webhook.url carries credentials (a password or a query), "
-                            "written into alertmanager.yml as it is: keep that file out of version control")
+            elif isinstance(one, Webhook):
+                said.append(f"note: receivers.{name}.webhook.url is written into alertmanager.yml as it is "
+                            "(Alertmanager 0.25 reads no webhook URL from a file): where the URL is itself a "
+                            "credential (a ping URL, a token in its path or query), write the file outside version "
+                            "control (--out)")
             elif not isinstance(one, Webhook) and one.has_secret():
                 said.append(f"note: Alertmanager reads {one.secret_file(name, c.secrets_dir)} (receivers.{name}."
                             f"{one.KIND}): create it, readable by Alertmanager only")
@@ -136,6 +139,7 @@ def notes(c: MixinConfig, kubernetes: bool) -> list[str]:
 
 
 def _pairs(mapping: dict[str, str]) -> list[dict[str, str]]:
+    """A mapping in the operator's form: a list of ``{key, value}``."""
     return [{"key": key, "value": value} for key, value in mapping.items()]
 
 
@@ -146,6 +150,7 @@ SECRET_KEYS = {"slack": "apiURL", "pagerduty": "routingKey", "opsgenie": "apiKey
 
 
 def _operator_one(c: MixinConfig, name: str, one: Slack | PagerDuty | Email | Opsgenie | Webhook) -> dict[str, Any]:
+    """One integration of receiver ``name`` in the operator's schema, its secret a Secret key."""
     ref = one.secret_ref(name, c.kubernetes_secret)
     secret = {SECRET_KEYS[one.KIND]: ref.model_dump()} if one.has_secret() else {}
     if isinstance(one, Webhook):

@@ -81,6 +81,7 @@ class Integration(BaseModel):
     send_resolved: bool = Field(True, description="also say when the alert resolves")
 
     def has_secret(self) -> bool:
+        """Whether this integration reads a secret at all (an email without ``auth_username`` does not)."""
         return True
 
     def secret_name(self, receiver: str) -> str:
@@ -88,10 +89,12 @@ class Integration(BaseModel):
         return f"{receiver}-{self.KIND}-{self.SECRET.replace('_', '-')}"
 
     def secret_file(self, receiver: str, secrets_dir: str) -> str:
+        """The file alertmanager.yml reads the secret from: ``*_file``, else ``<secrets_dir>/<secret_name>``."""
         given: str | None = getattr(self, f"{self.SECRET}_file")
         return given or f"{secrets_dir.rstrip('/')}/{self.secret_name(receiver)}"
 
     def secret_ref(self, receiver: str, secret: str) -> SecretRef:
+        """The Secret key the AlertmanagerConfig reads it from: ``*_secret``, else ``secret``'s ``secret_name``."""
         given: SecretRef | None = getattr(self, f"{self.SECRET}_secret")
         return given or SecretRef(name=secret, key=self.secret_name(receiver))
 
@@ -136,6 +139,7 @@ class Email(Integration):
     require_tls: bool = Field(True, description="STARTTLS required (false only for a relay on a trusted network)")
 
     def has_secret(self) -> bool:
+        """A password only with a user to log in as."""
         return self.auth_username is not None
 
     @model_validator(mode="after")
@@ -168,6 +172,7 @@ class Receiver(BaseModel):
 
     @property
     def integrations(self) -> list[Slack | PagerDuty | Email | Opsgenie | Webhook]:
+        """The integrations set, in a fixed order."""
         found = (self.slack, self.pagerduty, self.email, self.opsgenie, self.webhook)
         return [one for one in found if one is not None]
 
@@ -180,6 +185,7 @@ class Receivers(BaseModel):
                                "`watchdog_repeat_interval_s`: a dead man's switch that calls when it stops")
 
     def by_name(self) -> dict[ReceiverName, Receiver]:
+        """Each receiver under the name routes send to."""
         return {"pager": self.pager, "default": self.default, "watchdog": self.watchdog}
 
 

@@ -86,7 +86,7 @@ def alert_table(c: MixinConfig, runbooks: str) -> str:
     ]
     for a in every:
         severity = c.severities.get(a.name, a.severity)
-        stop = stop_advice(str(a.layer), severity)
+        stop = stop_advice(str(a.layer), severity, a.severity)
         lines.append(
             f"| [{a.name}](runbooks.md#{a.name.lower()}) | {a.layer} | {severity} | {stop} "
             f"| {_short(muted[a.name], len(every))} | {_short(by[a.name], len(every))} "
