@@ -106,16 +106,21 @@ def title_template() -> str:
             + subject_template())
 
 
+#: the template pieces both bodies say: the group's summary, each of its first SHOWN alerts (what it says of
+#: itself, marked once resolved), and how many were left out
+SUMMARY = "{{ with .CommonAnnotations.summary }}{{ . }}{{ else }}{{ (index .Alerts 0).Annotations.summary }}{{ end }}"
+EACH_SHOWN = f"{{{{ range $i, $alert := .Alerts }}}}{{{{ if lt $i {SHOWN} }}}}"
+SAYS = ('{{ if eq .Status "resolved" }}RESOLVED: {{ end }}'
+        "{{ or .Annotations.description .Annotations.summary .Labels.alertname }}")
+MORE = f"{{{{ if gt (len .Alerts) {SHOWN} }}}}({SHOWN} of {{{{ len .Alerts }}}} alerts shown)"
+
+
 def body_template(c: MixinConfig) -> str:
     """The summary; each alert's description (at most :data:`SHOWN`); then the stop advice, the runbook and the
     dashboard of the group's first alert, one per line."""
     dashboard = dashboard_template(c)
     return (
-        "{{ with .CommonAnnotations.summary }}{{ . }}{{ else }}{{ (index .Alerts 0).Annotations.summary }}{{ end }}\n"
-        f"{{{{ range $i, $alert := .Alerts }}}}{{{{ if lt $i {SHOWN} }}}}"
-        '- {{ if eq .Status "resolved" }}RESOLVED: {{ end }}'
-        "{{ or .Annotations.description .Annotations.summary .Labels.alertname }}\n{{ end }}{{ end }}"
-        f"{{{{ if gt (len .Alerts) {SHOWN} }}}}({SHOWN} of {{{{ len .Alerts }}}} alerts shown)\n{{{{ end }}}}"
+        f"{SUMMARY}\n{EACH_SHOWN}- {SAYS}\n{{{{ end }}}}{{{{ end }}}}{MORE}\n{{{{ end }}}}"
         "{{ with index .Alerts 0 }}"
         + _stop_template(c)
         + "{{ with .Annotations.runbook_url }}Runbook: {{ . }}\n{{ end }}"
@@ -129,12 +134,8 @@ def html_body_template(c: MixinConfig) -> str:
     every value): the same lines, the links as links."""
     dashboard = dashboard_template(c)
     return (
-        "<p><b>{{ with .CommonAnnotations.summary }}{{ . }}{{ else }}{{ (index .Alerts 0).Annotations.summary }}"
-        "{{ end }}</b></p>\n<ul>\n"
-        f"{{{{ range $i, $alert := .Alerts }}}}{{{{ if lt $i {SHOWN} }}}}"
-        '<li>{{ if eq .Status "resolved" }}RESOLVED: {{ end }}'
-        "{{ or .Annotations.description .Annotations.summary .Labels.alertname }}</li>\n{{ end }}{{ end }}</ul>\n"
-        f"{{{{ if gt (len .Alerts) {SHOWN} }}}}<p>({SHOWN} of {{{{ len .Alerts }}}} alerts shown)</p>\n{{{{ end }}}}"
+        f"<p><b>{SUMMARY}</b></p>\n<ul>\n{EACH_SHOWN}<li>{SAYS}</li>\n{{{{ end }}}}{{{{ end }}}}</ul>\n"
+        f"{MORE}<br>\n{{{{ end }}}}"
         "{{ with index .Alerts 0 }}<p>"
         + _stop_template(c).replace("\n", "<br>\n")
         + '{{ with .Annotations.runbook_url }}<a href="{{ . }}">Runbook</a><br>\n{{ end }}'

@@ -1,8 +1,9 @@
 """A receiver's integrations as Alertmanager configures them: ``alertmanager.yml``'s ``*_configs`` (secrets read from
 files) and the Prometheus Operator's ``*Configs`` (secrets read from Kubernetes Secrets), each saying what
 :mod:`~grpo_exporter.mixin.messages` writes in the form its service shows best: Slack a titled message linked to
-the runbook, PagerDuty an Events v2 event with the runbook and dashboard as links, email a subject and a plain
-body, Opsgenie an alert whose priority follows the severity. Every one is told when the alert resolves.
+the runbook, PagerDuty an Events v2 event with the runbook and dashboard as links, email a subject with a plain
+and an HTML body, Opsgenie an alert whose priority follows the severity. Every one is told when the alert
+resolves. :func:`notes` is what the generators say about them on stderr.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def _message(c: MixinConfig, one: Slack | PagerDuty | Email | Opsgenie) -> dict[
     if isinstance(one, Slack):
         return {"title": title, "title_link": first_runbook_template(), "text": body, "color": SLACK_COLOR}
     if isinstance(one, PagerDuty):  # an incident's summary is set once: no firing/resolved state in it
+        links = _links(c)
         return {"description": subject_template(), "severity": PAGERDUTY_SEVERITY, "client": SOURCE,
-                "client_url": _links(c)[-1][0], "details": {**_details(c), "summary": body},
-                "links": [{"href": href, "text": text} for href, text in _links(c)]}
+                "client_url": links[-1][0], "details": {**_details(c), "summary": body},
+                "links": [{"href": href, "text": text} for href, text in links]}
     if isinstance(one, Opsgenie):
         return {"message": subject_template(), "description": body, "priority": OPSGENIE_PRIORITY, "source": SOURCE,
                 "tags": "grpo,{{ .CommonLabels.layer }}", "details": _details(c)}
@@ -75,12 +77,13 @@ def _plain_settings(one: Slack | PagerDuty | Email | Opsgenie) -> dict[str, Any]
 
 def integrations(c: MixinConfig, name: str, receiver: Receiver) -> dict[str, list[dict[str, Any]]]:
     """``{"slack_configs": [...], ...}`` of receiver ``name`` for alertmanager.yml. A webhook without ``url`` (set
-    for Kubernetes only) is left out: :func:`skipped` names it."""
+    for Kubernetes only) is left out: :func:`notes` says so."""
     out: dict[str, list[dict[str, Any]]] = {}
     for one in receiver.integrations:
+        if not _delivers(one, kubernetes=False):
+            continue
         if isinstance(one, Webhook):
-            if one.url:
-                out["webhook_configs"] = [{"url": one.url, "send_resolved": one.send_resolved}]
+            out["webhook_configs"] = [{"url": one.url, "send_resolved": one.send_resolved}]
             continue
         secret = {f"{one.SECRET}_file": one.secret_file(name, c.secrets_dir)} if one.has_secret() else {}
         out[f"{one.KIND}_configs"] = [{"send_resolved": one.send_resolved, **_plain_settings(one), **secret,
@@ -94,6 +97,7 @@ def _delivers(one: Slack | PagerDuty | Email | Opsgenie | Webhook, kubernetes: b
 
 
 def _secret_notes(c: MixinConfig, kubernetes: bool) -> list[str]:
+    """Where each integration's secret must be, or why it is not written."""
     said = []
     for name, receiver in c.receivers.by_name().items():
         for one in receiver.integrations:
