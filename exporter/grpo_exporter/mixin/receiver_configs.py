@@ -113,7 +113,7 @@ def _secret_notes(c: MixinConfig, kubernetes: bool) -> list[str]:
                 said.append(f"note: receivers.{name}.webhook.url is written into alertmanager.yml as it is "
                             "(Alertmanager 0.25 reads no webhook URL from a file): where the URL is itself a "
                             "credential (a ping URL, a token in its path or query), write the file outside version "
-                            "control (--out)")
+                            "control (--alertmanager-out)")
             elif not isinstance(one, Webhook) and one.has_secret():
                 said.append(f"note: Alertmanager reads {one.secret_file(name, c.secrets_dir)} (receivers.{name}."
                             f"{one.KIND}): create it, readable by Alertmanager only")
