@@ -21,7 +21,7 @@ import torch
 
 from grpo_exporter.bench import workload
 from grpo_exporter.inputs import StepInputs
-from grpo_exporter.runtime import compilation
+from grpo_exporter.runtime import background, compilation
 from grpo_exporter.runtime.background import DaemonExecutor, Interrupted
 from grpo_exporter.runtime.compilation import CompiledStages
 from grpo_exporter.step import program as step_program
@@ -206,7 +206,7 @@ def test_the_exit_hook_interrupts_a_job_inside_torch_operators(monkeypatch: pyte
     for blocks, x, failed in _four_signatures():
         stages.compute(blocks, x, {}, failed)
     assert inside.wait(30)
-    assert stages.stop(time.monotonic() + compilation.EXIT_TIMEOUT_S)
+    assert stages.stop(time.monotonic() + background.EXIT_TIMEOUT_S)
     assert not stages._pending
     assert stages.compiles == 0
     assert not stages.fallbacks["compiler"]  # an interrupted job is no failure of the compiler

@@ -1,14 +1,19 @@
-"""The monitor's worker threads (daemon threads that an interpreter's exit never waits for), and the in-group
-edit distance, computed on one of them so the training thread never waits for it."""
+"""The monitor's worker threads (daemon threads that an interpreter's exit never waits for, and stops before it
+finalizes), and the in-group edit distance, computed on one of them so the training thread never waits for it."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import queue
+import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -20,6 +25,10 @@ from grpo_exporter import catalog
 from grpo_exporter.edit_distance import median_normalized_edit_distance, pair_cap, rows_to_groups
 from grpo_exporter.inputs import StepInputs
 from grpo_exporter.serving.publication import Publication
+
+log = logging.getLogger("grpo_exporter")
+
+EXIT_TIMEOUT_S = 2.0  # at exit, the wait for interrupted calls to leave torch's code (milliseconds, measured)
 
 
 def edit_distance_carry(inputs: StepInputs, groups_sampled: int, group_size: int) -> dict[str, Tensor]:
@@ -101,16 +110,20 @@ class DaemonExecutor:
     thread that takes the GIL back is ended by ``pthread_exit``, whose unwinding meets torch's ``noexcept``
     ``gil_scoped_release`` destructor and calls ``std::terminate`` (exit status 134, "terminate called without an
     active exception"). Blocked in Python's own waits (a queue, a lock, a subprocess) it ends harmlessly. So an
-    owner whose calls run torch code stops them before finalization: :meth:`shutdown` with ``cancel_futures``
-    drops the calls not started, :meth:`interrupt` ends the one in progress."""
+    executor whose calls run torch code is made ``stopped_at_exit``: the exit hook :meth:`stop` s it before
+    finalization (it drops the calls not started and interrupts the one in progress); its owner may stop it
+    earlier the same way."""
 
-    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None, stopped_at_exit: bool = False
+                 ) -> None:
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue())
         self._closed = False
         self._running = False  # a call is in progress (what interrupt() may end)
         self._thread = threading.Thread(target=self._loop, args=(initializer,), name=name, daemon=True)
         self._thread.start()
+        if stopped_at_exit:
+            _stop_at_exit(self)
 
     @property
     def thread(self) -> threading.Thread:
@@ -145,6 +158,16 @@ class DaemonExecutor:
             return False
         return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Interrupted)) == 1
 
+    def stop(self, deadline: float) -> bool:
+        """Take no more calls, drop the queued ones and interrupt the one in progress until the thread ends or
+        ``deadline`` (``time.monotonic()``) passes. Says whether it ended."""
+        if self.shutdown(0.0, cancel_futures=True):
+            return True
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self.interrupt()  # again until it ends: a handler on the way may have swallowed the last one
+            self._thread.join(0.01)
+        return not self._thread.is_alive()
+
     def _cancel_queued(self) -> None:
         while True:
             try:
@@ -175,6 +198,43 @@ class DaemonExecutor:
                     future.set_result(result)
 
 
+_LIVE: weakref.WeakSet[DaemonExecutor] = weakref.WeakSet()  # executors the exit stops (a running one is held
+_HOOKED = False  # by its thread)
+
+
+def _stop_at_exit(executor: DaemonExecutor) -> None:
+    """Have the exit stop ``executor``; the hook is registered with the first one (later than torch's own hooks,
+    so it runs before them)."""
+    global _HOOKED
+    _LIVE.add(executor)
+    if not _HOOKED:
+        _HOOKED = True
+        atexit.register(_stop_all)
+
+
+def _stop_all() -> None:
+    """The exit hook: every such thread stopped before the interpreter finalizes, all within ``EXIT_TIMEOUT_S``;
+    one still inside torch's code then is said on stderr (the process may abort)."""
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    _ignore_interrupts_raised_in_callbacks()
+    for executor in list(_LIVE):
+        if not executor.stop(deadline):
+            log.warning("grpo-exporter: the %s thread did not stop within %.1f s of the exit", executor.thread.name,
+                        EXIT_TIMEOUT_S)
+
+
+def _ignore_interrupts_raised_in_callbacks() -> None:
+    """An :class:`Interrupted` that lands in a callback (an import lock's, a weakref's) is dropped there by Python
+    and said on stderr as "Exception ignored"; at exit that says nothing wrong, so the exit hook silences it."""
+    before = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, Interrupted):
+            before(unraisable)
+
+    sys.unraisablehook = hook
+
+
 class EditDistanceWorker:
     """One job at a time: a rollout's sampled groups arrive while the previous job runs are skipped. Each job
     is bounded by ``budget_s`` of wall time and a pair cap that shrinks as 1/T^2
@@ -187,7 +247,7 @@ class EditDistanceWorker:
         self._on_error = on_error
         self._budget_s = budget_s
         self._jobs = 0
-        self._pool = DaemonExecutor("grpo-exporter-edit-distance", initializer=worker_thread)
+        self._pool = DaemonExecutor("grpo-exporter-edit-distance", initializer=worker_thread, stopped_at_exit=True)
         self._job: Future[None] | None = None
 
     def submit(self, carried: dict[str, Tensor], width: int) -> None:
@@ -212,5 +272,8 @@ class EditDistanceWorker:
 
     def shutdown(self, timeout: float = 1.0) -> None:
         """Take no more jobs; wait for the running one (bounded by its budget) and the thread's end, at most
-        ``timeout``."""
-        self._pool.shutdown(timeout)
+        ``timeout``; then interrupt it. A job outlives its budget on a starved core (the thread runs at nice 19:
+        4 ranks on 2 cores took over a second), and one left inside torch's code when the process exits right
+        after ``close()`` aborted it (status 134, a finished training reported failed)."""
+        if not self._pool.shutdown(timeout):
+            self._pool.stop(time.monotonic() + EXIT_TIMEOUT_S)

@@ -24,22 +24,19 @@ the stage call that queued them has returned (a thread holding the GIL for a sec
 eager step 5-20 times slower: 0.08-0.35 s instead of 0.015 s at 131K positions on 2 cores). A job goes in phases
 (import, trace, compile and warm-up) and starts none once the stages are closed. :meth:`CompiledStages.close`
 drops the queued jobs and waits at most ``CLOSE_TIMEOUT_S`` for the phase in progress. At the interpreter's exit
-(an ``atexit`` hook, registered with the first compiler thread) the queue is dropped and the job in progress is
-interrupted at its next Python line (:meth:`~grpo_exporter.runtime.background.DaemonExecutor.interrupt`), waited
-for at most ``EXIT_TIMEOUT_S``: a compiler thread left inside a torch operator while the interpreter finalizes
-aborts the process (exit status 134, "terminate called without an active exception"; see
-:class:`~grpo_exporter.runtime.background.DaemonExecutor`).
+(the hook :mod:`~grpo_exporter.runtime.background` runs for every thread of ours that runs torch code) the queue
+is dropped and the job in progress is interrupted at its next Python line, waited for at most ``EXIT_TIMEOUT_S``:
+a compiler thread left inside a torch operator while the interpreter finalizes aborts the process (exit status
+134, "terminate called without an active exception"; see :class:`~grpo_exporter.runtime.background.DaemonExecutor`).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
 import threading
 import time
-import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,7 +60,6 @@ log = logging.getLogger("grpo_exporter")
 MAX_PROGRAMS = 4  # per signature: size classes whose traces took different branches (small / large tensors)
 CLOSE_TIMEOUT_S = 2.0  # close() waits this long for a job's phase in progress (a compile phase: 3-20 s on 2 cores)
 START_WAIT_S = 5.0  # a job waits at most this long for the stage call that queued it to return
-EXIT_TIMEOUT_S = 2.0  # at exit, the wait for an interrupted job to leave torch's code (milliseconds, measured)
 MAX_LAYOUTS = 256  # per program: the admitted layouts remembered
 OPTIONS = {"compile_threads": 1}  # no compile worker processes inside a training process
 
@@ -105,7 +101,7 @@ class Ready:
         return True
 
 
-@dataclass(eq=False)  # compared and hashed by identity: the exit hook holds them in a WeakSet
+@dataclass(eq=False)  # compared and hashed by identity
 class CompiledStages:
     """Per-monitor state of compilation: the ``ready`` programs by signature, the compiler thread (one
     :class:`~grpo_exporter.runtime.background.DaemonExecutor`, started by the first request), and the counts
@@ -199,8 +195,7 @@ class CompiledStages:
             if self._executor is None:
                 if self._closed:
                     raise RuntimeError("closed")
-                self._executor = DaemonExecutor("grpo-exporter-compile")
-                _stop_at_exit(self)
+                self._executor = DaemonExecutor("grpo-exporter-compile", stopped_at_exit=True)
             return self._executor
 
     def _shares_dynamo(self) -> bool:
@@ -300,18 +295,12 @@ class CompiledStages:
         return False
 
     def stop(self, deadline: float) -> bool:
-        """At the interpreter's exit: close, and interrupt the job in progress until the compiler thread ends or
-        ``deadline`` (``time.monotonic()``) passes. Returns whether it ended."""
+        """Close, and interrupt the job in progress until the compiler thread ends or ``deadline``
+        (``time.monotonic()``) passes, as the exit does. Returns whether it ended."""
         self._closed = True
         with self._start_lock:
             executor = self._executor
-        if executor is None or executor.shutdown(0.0, cancel_futures=True):
-            self._pending.clear()
-            return True
-        while executor.thread.is_alive() and time.monotonic() < deadline:
-            executor.interrupt()  # again until it ends: a handler on the way may have swallowed the last one
-            executor.thread.join(0.01)
-        if executor.thread.is_alive():
+        if executor is not None and not executor.stop(deadline):
             return False
         self._pending.clear()  # an interrupted job may have left its key
         return True
@@ -350,42 +339,6 @@ def _running(call: Call) -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-_LIVE: weakref.WeakSet[CompiledStages] = weakref.WeakSet()  # stages with a compiler thread, for the exit hook
-_HOOKED = False
-
-
-def _stop_at_exit(stages: CompiledStages) -> None:
-    """Have the exit stop ``stages``' compiler thread; the hook is registered with the first one (later than
-    torch's own hooks, so it runs before them)."""
-    global _HOOKED
-    _LIVE.add(stages)
-    if not _HOOKED:
-        _HOOKED = True
-        atexit.register(_stop_all)
-
-
-def _stop_all() -> None:
-    """The exit hook: every compiler thread stopped before the interpreter finalizes, all within
-    ``EXIT_TIMEOUT_S``; one still inside a compilation then is said on stderr (the process may abort)."""
-    deadline = time.monotonic() + EXIT_TIMEOUT_S
-    _ignore_interrupts_raised_in_callbacks()
-    for stages in list(_LIVE):
-        if not stages.stop(deadline):
-            log.warning("grpo-exporter: the compiler thread did not stop within %.1f s of the exit", EXIT_TIMEOUT_S)
-
-
-def _ignore_interrupts_raised_in_callbacks() -> None:
-    """An :class:`Interrupted` that lands in a callback (an import lock's, a weakref's) is dropped there by Python
-    and said on stderr as "Exception ignored"; at exit that says nothing wrong, so the exit hook silences it."""
-    before = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        if not isinstance(unraisable.exc_value, Interrupted):
-            before(unraisable)
-
-    sys.unraisablehook = hook
 
 
 def _positions(inputs: StepInputs) -> int:
