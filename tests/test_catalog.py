@@ -40,11 +40,14 @@ def family_of(sample: str) -> Metric:
 def full_step() -> dict[str, float]:
     batch = make_batch(0, shuffled_groups=True)
     no_tools = torch.zeros(batch.arrays["loss_mask"].shape, dtype=torch.bool)  # a multi-turn layout, no tool span
+    experts = torch.randint(0, 8, (*no_tools.shape, 3, 2), generator=torch.Generator().manual_seed(0))
     inputs = batch.inputs(
-        params_before=[torch.ones(3)], params_after=[torch.full((3,), 1.1)], completion_mask=None, tool_mask=no_tools
+        params_before=[torch.ones(3)], params_after=[torch.full((3,), 1.1)], completion_mask=None, tool_mask=no_tools,
+        routed_experts=experts, rollout_routed_experts=experts.roll(1, dims=0), routing_replay=False,
     )
     cfg = MetricsConfig(
         group_size=8, log_ratio_clamp=20.0, pass_k=(2,), rollout_correction_cap=3.0, rollout_logprob_nan="unscored",
+        moe_experts=8,
     )
     return compute_step(inputs, cfg)
 

@@ -126,7 +126,7 @@ def test_a_block_joins_the_stages_it_declares_and_no_list_names_it() -> None:
     from grpo_exporter.step.registry import Block, produces
 
     blocks = [b for module in compute.LAYERS for b in vars(module).values() if isinstance(b, Block)]
-    assert len(blocks) == 25
+    assert len(blocks) == 28
     for block in blocks:
         assert (block in compute.ROLLOUT_BLOCKS) == ("rollout" in block.stages), block.name
         assert (block in compute.UPDATE_BLOCKS) == ("update" in block.stages), block.name

@@ -37,13 +37,16 @@ def test_full_step_makes_exactly_one_transfer(host_calls, dtype):
     counters exist for: their per-input counts, witnessed by the log-prob differences, take one more transfer,
     and stay exact."""
     batch = make_batch(0, dtype=dtype, shuffled_groups=True)
+    experts = torch.randint(0, 8, (*batch.arrays["loss_mask"].shape, 4, 2), generator=torch.Generator().manual_seed(0))
     extra = {"grads": [torch.randn(3, 4), torch.randn(5)], "grad_norm_pre_clip": None,
-             "params_before": [torch.ones(4)], "params_after": [torch.full((4,), 1.01)], "loss": torch.tensor(0.3)}
+             "params_before": [torch.ones(4)], "params_after": [torch.full((4,), 1.01)], "loss": torch.tensor(0.3),
+             "routed_experts": experts, "rollout_routed_experts": experts.flip(0), "routing_replay": False}
     faulty, healthy = batch.inputs(**extra), batch.healthy_inputs(**extra)
     names = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy")
-    cfg = MetricsConfig(group_size=8, log_ratio_clamp=20.0, pass_k=(2, 4))
+    cfg = MetricsConfig(group_size=8, log_ratio_clamp=20.0, pass_k=(2, 4), moe_experts=8)
     host_calls.clear()
     metrics = compute_step(healthy, cfg)
+    assert "grpo_routing_decision_mismatch_ratio" in metrics and 'grpo_expert_load_peak_multiple{side="engine"}' in metrics
     assert host_calls == ["tolist"]
     assert len(metrics) > 90
     assert all(metrics[f'grpo_nonfinite_values_total{{tensor="{name}"}}'] == 0 for name in names)

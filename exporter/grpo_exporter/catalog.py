@@ -259,6 +259,8 @@ OUTCOMES = ("correct", "incorrect", "all")
 ZERO_VARIANCE_OUTCOMES = ("all_correct", "all_incorrect", "unknown")
 FILTERED_OUTCOMES = ("all_correct", "all_incorrect")
 ESS_LEVELS = ("token", "sequence")
+ROUTING_SPLIT = ("agrees", "differs")  # the tokens whose MoE routing agrees with the engine's in every layer, or not
+ROUTING_SIDES = ("trainer", "engine")
 TURNS = ("1", "2", "3", "4", "5+")  # the model turns of a multi-turn completion; the last gathers the later ones
 STAGES = ("rollout", "update", "grad", "guard", "publish", "scrape", "distributed")
 ERROR_STAGES = (*STAGES, "recorder", "targets")  # threads of their own: the flight recorder, the target file
@@ -271,6 +273,7 @@ _K = Label("k", bound="pass_k (plus 1 and group_size)")
 G, R, S, D, L = Layer.GRADIENT, Layer.REWARD, Layer.SAMPLES, Layer.DIVERSITY, Layer.LIVENESS
 C, GA, SU, H = MetricType.COUNTER, MetricType.GAUGE, MetricType.SUMMARY, MetricType.HISTOGRAM
 _TOKEN = ("loss_mask",)
+_ROUTING = ("routed_experts", "rollout_routed_experts", *_TOKEN)
 
 CATALOG: tuple[Metric, ...] = (
     # ---- layer 1: does the gradient match what I think? ------------------------------------------------
@@ -386,6 +389,69 @@ CATALOG: tuple[Metric, ...] = (
         "rollout_correction_cap.",
         G, "ratio", labels=(Label("level", ESS_LEVELS),), inputs=("rollout_logprobs", "old_logprobs", *_TOKEN),
         merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_routing_compared_decisions_total", C,
+        "Mixture-of-experts routing decisions compared between trainer and engine: (loss token, MoE layer) pairs "
+        "where both sides recorded the token's k experts, cumulative.",
+        G, "decisions", inputs=_ROUTING,
+    ),
+    Metric(
+        "grpo_routing_differing_decisions_total", C,
+        "Compared routing decisions where the trainer's set of k experts differs from the engine's (the order "
+        "within the k does not matter), cumulative. With routing replay on, any is a replay that fell back.",
+        G, "decisions", inputs=_ROUTING,
+    ),
+    Metric(
+        "grpo_routing_mismatch_ratio", GA,
+        "Share of the last rollout's loss tokens whose set of experts differs between trainer and engine, per MoE "
+        "layer (moe_layer 0..L-1, the layer's index among the MoE layers). A router is a second probability "
+        "path: ~10% of decisions differ on Qwen3-30B-A3B with a bf16 engine (arXiv 2510.11370); a layer that "
+        "rises alone is that layer's router out of sync; the worst layer is max by (run).",
+        G, "ratio", labels=(Label("moe_layer", bound="max_moe_layers"),), inputs=_ROUTING, merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_routing_decision_mismatch_ratio", GA,
+        "Share of the last rollout's compared (loss token, MoE layer) decisions whose experts differ between "
+        "trainer and engine: the routing mismatch of the whole model. Never 0 for an MoE engine in bf16 or FP8 "
+        "without replay; its rise against the run's own early level is the fault (a weight sync that skips the "
+        "router), its level alone is not.",
+        G, "ratio", inputs=_ROUTING, merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_routing_mismatch_tokens_ratio", GA,
+        "Share of the last rollout's loss tokens routed differently in at least one MoE layer (94% on "
+        "Qwen3-30B-A3B, arXiv 2510.11370: near 1 for deep models, so the per-decision share is what moves).",
+        G, "ratio", inputs=_ROUTING, merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_routing_replay_enabled", GA,
+        "1 while the trainer replays the engine's routing (routing replay, R3: routing_replay=True), 0 when it "
+        "routes itself; absent when not said. With it on, a differing decision is a replay that fell back.",
+        G, inputs=("routing_replay",), merge=Merge.SAME,
+    ),
+    Metric(
+        "grpo_engine_logprob_gap_by_routing_mean_nats", GA,
+        "Mean engine log-prob gap |rollout_logprobs - old_logprobs| over the last rollout's loss tokens whose "
+        "routing agrees with the engine's in every MoE layer (routing=agrees) or differs in one or more "
+        "(routing=differs), nats: a gap that lives on the differing tokens is the router's.",
+        G, "nats", labels=(Label("routing", ROUTING_SPLIT),), inputs=(*_ROUTING, "rollout_logprobs", "old_logprobs"),
+        merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_engine_logprob_gap_routing_share_ratio", GA,
+        "Share of the last rollout's summed engine gap |rollout_logprobs - old_logprobs| carried by loss tokens "
+        "whose routing differs in at least one MoE layer: how much of the gap routing explains.",
+        G, "ratio", inputs=(*_ROUTING, "rollout_logprobs", "old_logprobs"), merge=Merge.RATIO,
+    ),
+    Metric(
+        "grpo_expert_load_peak_multiple", GA,
+        "The most-loaded expert's share of one side's routed slots on the last rollout's loss tokens, as a "
+        "multiple of an even split (1 = even, moe_experts = one expert takes every slot), in the MoE layer where "
+        "it is largest; side=trainer or engine. A router that collapses onto a few experts shows here. Only with "
+        "moe_experts set; across ranks the largest rank's.",
+        G, labels=(Label("side", ROUTING_SIDES),), inputs=("routed_experts", "rollout_routed_experts", *_TOKEN),
+        merge=Merge.MAX,
     ),
     Metric(
         "grpo_onpolicy_outside_clip_tokens_total", C,

@@ -112,6 +112,16 @@ class MetricsConfig(Settings):
         8, ge=0, le=1024, description="cap on distinct reward component labels (at most 1024: each is a few series "
         "per scrape)",
     )
+    max_moe_layers: int = Field(
+        128, ge=1, le=1024, description="mixture-of-experts models: the most MoE layers the routed experts may "
+        "hold (grpo_routing_mismatch_ratio is one series per layer, moe_layer 0..L-1); routed experts of more "
+        "layers are an input error naming this setting",
+    )
+    moe_experts: int | None = Field(
+        None, ge=1, le=1 << 16, description="mixture-of-experts models: the routed experts per MoE layer (E, e.g. "
+        "128 for Qwen3-30B-A3B); with it the expert load of each side is published (grpo_expert_load_peak_multiple); "
+        "None: not published",
+    )
 
     @field_validator("gap_quantiles", "ratio_quantiles", "length_quantiles")
     @classmethod

@@ -17,7 +17,8 @@ class FieldSpec:
     ``axis``: ``"row"`` (N,), ``"token"`` (N, T), ``"row or token"`` (advantages), ``"scalar"`` (a number or
     one-element tensor), ``"integer"`` (a Python int in 0..:data:`MAX_INTEGER`: a step or a policy version),
     ``"count"`` (a Python int in 0..:data:`MAX_COUNT` the framework counted on the host), ``"tensors"`` (a
-    sequence of tensors), or ``"other"`` (validated on its own: the reward components, ``on_policy``, the value
+    sequence of tensors), ``"experts"`` (N, T, L, k): the k experts each token was routed to in each of L MoE
+    layers, or ``"other"`` (validated on its own: the reward components, ``on_policy``, the value
     checks). ``kind``: ``"float"``, ``"bool"`` (bool, or 0/1 numbers stored as bool), ``"int"`` (any integers:
     ids) or ``"count"`` (integers in 0..:data:`MAX_ROW_COUNT`, checked on the device) for tensors; ``"norm"``
     for a scalar that is >= 0 (a negative tensor is counted on the device).
@@ -56,6 +57,10 @@ FIELDS: dict[str, FieldSpec] = {
     "tool_mask": FieldSpec("token", "bool", "rows", rollout=True),
     "completion_ids": FieldSpec("token", "int", "rows", what="an integer tensor of token ids", rollout=True),
     "advantages": FieldSpec("row or token", "float", "rows"),
+    "routed_experts": FieldSpec("experts", "int", update=False, rollout=True, what="an integer tensor of expert ids"),
+    "rollout_routed_experts": FieldSpec("experts", "int", update=False, rollout=True,
+                                        what="an integer tensor of expert ids"),
+    "routing_replay": FieldSpec("other", update=False, rollout=True),
     "on_policy": FieldSpec("other"),
     "grad_norm_pre_clip": FieldSpec("scalar", "norm", stitched="last"),
     "grad_norm_post_clip": FieldSpec("scalar", "norm", stitched="last"),

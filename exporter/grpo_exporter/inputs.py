@@ -132,6 +132,9 @@ class StepInputs:
     ref_logprobs: Tensor | None = None
     entropy: Tensor | None = None
     advantages: Tensor | None = None
+    routed_experts: Tensor | None = None
+    rollout_routed_experts: Tensor | None = None
+    routing_replay: bool | None = None
     on_policy: bool | Tensor | None = None
     grads: Sequence[Tensor] | None = None
     grad_norm_pre_clip: Tensor | float | None = None
@@ -158,6 +161,7 @@ class StepInputs:
         check.components()
         check.per_row("token")
         check.advantages()
+        check.experts()
         check.on_policy()
         check.scalars()
         check.parameters()
@@ -300,6 +304,28 @@ class _Validator:
             else:
                 self.shape.tokens("advantages", adv)
 
+    def experts(self) -> None:
+        """The routed experts of both sides, (N, T, L, k) integer ids on the rows and positions of the token
+        fields, the same L and k on both; ``routing_replay`` a bool."""
+        layers: tuple[str, tuple[int, ...]] | None = None
+        for name in fields_where("experts"):
+            value = getattr(self.x, name)
+            if value is None:
+                continue
+            ids = self.tensor(name, value)
+            if ids.dim() != 4 or ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex():
+                raise InputError(name, "an integer tensor of shape (N, T, layers, k): the k experts each token was "
+                                 "routed to in each MoE layer", describe(ids))
+            self.shape.tokens(name, ids, per_token=True)
+            if layers is None:
+                layers = (name, tuple(ids.shape[2:]))
+            elif tuple(ids.shape[2:]) != layers[1]:
+                raise InputError(name, f"(layers, k) = {layers[1]} like `{layers[0]}`", describe(ids))
+        replay = self.x.routing_replay
+        if replay is not None and not isinstance(replay, bool):
+            raise InputError("routing_replay", "a Python bool (the trainer replays the engine's routing)",
+                             describe(replay))
+
     def on_policy(self) -> None:
         flag = self.x.on_policy
         if isinstance(flag, Tensor):
@@ -382,8 +408,9 @@ class _Shape:
             raise InputError(name, "shape (N,): one value per completion", describe(value))
         self._n(name, value)
 
-    def tokens(self, name: str, value: Tensor) -> None:
-        if value.dim() != 2:
+    def tokens(self, name: str, value: Tensor, per_token: bool = False) -> None:
+        """(N, T); with ``per_token``, the leading (N, T) of a tensor of more dimensions (the routed experts)."""
+        if value.dim() < 2 or (value.dim() != 2 and not per_token):
             raise InputError(name, "shape (N, T): one value per completion token", describe(value))
         self._n(name, value)
         if self.t is None:

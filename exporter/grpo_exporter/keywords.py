@@ -37,6 +37,9 @@ class RolloutFields(TypedDict, total=False):
     tool_mask: Tensor | None
     turns: Tensor | None
     partial: Tensor | None
+    routed_experts: Tensor | None
+    rollout_routed_experts: Tensor | None
+    routing_replay: bool | None
     tool_calls: int | None
     tool_failures: int | None
     aborted_completions: int | None

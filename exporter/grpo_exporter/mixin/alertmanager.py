@@ -13,7 +13,8 @@ evidence, as long as any alert they mute may still fire from their time, see
 (grad-norm spikes, clipping on every step) mute nothing, so a warning never mutes a critical; and a critical
 alert mutes the warning of the same family for the same run. GRPOAdvantageAboveBound mutes
 GRPOAdvantageInconsistent of its run: one advantage bug (a group normalised wrongly both leaves its bound and
-stops summing to 0) pages once.
+stops summing to 0) pages once; GRPORoutingReplayFellBack mutes the engine-gap pages of its run (the experts
+the replay lost open that gap).
 
 Receivers (``receivers``: Slack, PagerDuty, email, Opsgenie, webhook) say what :mod:`~grpo_exporter.mixin.messages`
 writes, and read every secret from a file (:mod:`~grpo_exporter.mixin.receivers`). A receiver with no integration
@@ -69,6 +70,11 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
                 "source_matchers": [OURS, 'severity="critical"'],
                 "target_matchers": [OURS, 'severity="warning"'],
                 "equal": ["family", "run"],
+            },
+            {  # a replay that fell back explains the engine gap it opens: one page, naming the cause
+                "source_matchers": ['alertname="GRPORoutingReplayFellBack"'],
+                "target_matchers": ['alertname=~"GRPOEngineLogprobGap(Critical|Warning)"'],
+                "equal": ["run"],
             },
             {  # one advantage bug, one page: sequences over their bound already name the broken advantages
                 "source_matchers": ['alertname="GRPOAdvantageAboveBound"'],

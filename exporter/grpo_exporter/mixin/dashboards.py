@@ -196,6 +196,40 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q(f"max by (run) (grpo_kl_ref_nats{{{SEL}}})", "KL {{run}}")),
                   "none", min=0),
     ))
+    decisions = "run:grpo_routing_differing_decisions:window_ratio"
+    early = f'max by (run) (grpo_run_anchor{{metric="grpo_routing_decision_mismatch_ratio",{SEL}}})'
+    routing = RowSpec("1 · MoE: do trainer and engine route tokens to the same experts?", (
+        PanelSpec("How many routing decisions differ?",
+                  "Share of (loss token, MoE layer) decisions whose experts differ between trainer and engine, over the "
+                  "window, against the run's own early level, and the share of tokens differing in at least one layer. "
+                  f"Never 0 without routing replay (~10% of decisions on Qwen3-30B-A3B in bf16): a rise above "
+                  f"{c.routing_rise_factor:g}x the early level warns; with replay on, anything above "
+                  f"{c.routing_replay_tolerance_ratio:g} is critical (the replay fell back).",
+                  (q(decisions), q(early, "early level {{run}}"),
+                   q(f"{c.routing_rise_factor:g} * {early}", "warning line {{run}}"),
+                   q(f"max by (run) (grpo_routing_mismatch_tokens_ratio{{{SEL}}})", "tokens, any layer {{run}}"),
+                   q(f"max by (run) (grpo_routing_replay_enabled{{{SEL}}})", "replay on {{run}}")),
+                  "percentunit", min=0),
+        PanelSpec("Which MoE layers route differently?",
+                  "Share of loss tokens whose experts differ, per MoE layer (the 10 worst of the last rollout): one "
+                  "layer rising alone is that layer's router out of sync.",
+                  (q(f"topk(10, max by (run, moe_layer) (grpo_routing_mismatch_ratio{{{SEL}}}))",
+                     "{{run}} layer {{moe_layer}}"),),
+                  "percentunit", min=0),
+        PanelSpec("How much of the engine gap is the router's?",
+                  "Mean engine gap on tokens routed alike in every layer against those routed differently, and the "
+                  "share of the gap's sum the latter carry: a gap that lives on differently routed tokens is the "
+                  "router's, routing replay removes it.",
+                  (q(f"max by (run, routing) (grpo_engine_logprob_gap_by_routing_mean_nats{{{SEL}}})",
+                     "{{run}} {{routing}}"),
+                   q(f"max by (run) (grpo_engine_logprob_gap_routing_share_ratio{{{SEL}}})", "{{run}} share")),
+                  "none", min=0),
+        PanelSpec("Is a router collapsing onto a few experts?",
+                  "The most-loaded expert's share of routed slots as a multiple of an even split (1 = even), in the "
+                  "worst MoE layer, for each side (needs moe_experts).",
+                  (q(f"max by (run, side) (grpo_expert_load_peak_multiple{{{SEL}}})", "{{run}} {{side}}"),),
+                  "none", min=0),
+    ))
     layer2 = RowSpec("2 · Does the reward measure what I think?", (
         PanelSpec("Does the KL penalty hold the policy near its reference?",
                   f"KL to the reference over a trend window, against {c.kl_growth_factor:g}x its value over the trend window before, and the penalty coefficient: with a penalty the KL levels off; multiplying past {c.kl_runaway_min_nats:g} nats it is not acting (a sign or scale bug, a moving reference). Exactly 0 under a penalty: the reference is the policy.",
@@ -343,7 +377,7 @@ def training_health(c: MixinConfig) -> DashboardSpec:
     return DashboardSpec(
         "grpo-training-health", "GRPO training health",
         "The signal chain of a GRPO run, top to bottom: a failure in an upper row makes every row below it meaningless.",
-        (overview, layer1, layer2, layer3, layer4),
+        (overview, layer1, routing, layer2, layer3, layer4),
     )
 
 

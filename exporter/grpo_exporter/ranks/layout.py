@@ -106,6 +106,8 @@ def _label_combinations(family: catalog.Metric, config: MetricsConfig) -> list[t
             values = (TOTAL, *range(config.max_reward_components))
         elif label.name == "k":
             values = tuple(str(k) for k in config.pass_ks)
+        elif label.name == "moe_layer":
+            values = tuple(str(layer) for layer in range(config.max_moe_layers))
         else:
             raise ValueError(f"no layout for label {label.name!r} of {family.name!r}: it is not computed per step")
         combos = [(*c, (label.name, v)) for c in combos for v in values]

@@ -28,6 +28,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "params": ("parameters",),  # clip_grad_norm_ through the monitor: it samples the parameters each step
     "staleness": ("policy_version", "rollout_policy_version"),
     "tools": ("tool_mask",),
+    "routing": ("routed_experts", "rollout_routed_experts", "routing_replay"),
     "filtering": ("generated_groups",),
     "regression": ("regression_correct",),
     "retrieval": ("retrieval_scores",),
@@ -40,6 +41,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "GRPOEngineLogprobGapCritical": ("engine",), "GRPOEngineLogprobGapWarning": ("engine",),
     "GRPOEngineLogprobGapCleanLevelHigh": ("engine",),
     "GRPORatioClippedBeforeUpdate": ("ratios",), "GRPOOnPolicyRatioDrift": ("ratios",),
+    "GRPORoutingReplayFellBack": ("routing",), "GRPORoutingMismatchRising": ("routing",),
     "GRPONonFiniteValues": (),
     "GRPOLossMaskMismatch": ("rollout",), "GRPOLossOnToolTokens": ("rollout", "tools"),
     "GRPOLogRatioFuseBlowing": ("ratios",),

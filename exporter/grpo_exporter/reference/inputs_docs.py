@@ -38,6 +38,14 @@ MEANING: dict[str, str] = {
     "completion_ids": "the token ids of each completion (diversity: distinct completions, edit distance)",
     "advantages": "the advantage of each completion (N,) or of each token (N, T) as the loss uses it, after any "
                   "normalisation",
+    "routed_experts": "mixture-of-experts models: the k expert ids each completion token was routed to in each of "
+                      "the L MoE layers by the trainer, in the pass that computes `old_logprobs` (the experts it "
+                      "used: the engine's when it replays them); a negative id marks a decision not recorded",
+    "rollout_routed_experts": "the same (N, T, L, k) expert ids as the rollout engine routed each token when it "
+                              "sampled it (vLLM/SGLang routed-experts capture, verl `routed_experts`); the order "
+                              "within a token's k experts does not matter",
+    "routing_replay": "True when the trainer replays the engine's routing (routing replay, R3): any expert that "
+                      "differs is then a replay that fell back, a layer-1 fault",
     "on_policy": "True on every micro-step of the first optimizer step after a fresh rollout (weights not yet "
                  "moved): the ratio must then be ~1",
     "grad_norm_pre_clip": "the global gradient norm before clipping (your framework's clip return value)",
@@ -56,7 +64,8 @@ MEANING: dict[str, str] = {
 }
 
 SHAPE = {"row": "(N,)", "token": "(N, T)", "row or token": "(N,) or (N, T)", "scalar": "number or 0-d tensor",
-         "integer": "int", "count": "int", "tensors": "sequence of tensors", "other": "see meaning"}
+         "integer": "int", "count": "int", "tensors": "sequence of tensors", "other": "see meaning",
+         "experts": "(N, T, L, k)"}
 DTYPE = {"float": "float (any width: read in fp32 or wider)", "bool": "bool (or 0/1 numbers)",
          "int": "integer", "count": f"integer, each in 0..{MAX_ROW_COUNT} (a count)", "norm": "number >= 0",
          "": "-"}

@@ -24,6 +24,7 @@ ANCHORED_FAMILIES = (
     "grpo_unique_completions_ratio",
     "grpo_regression_accuracy_ratio",
     "grpo_kept_groups_ratio",
+    "grpo_routing_decision_mismatch_ratio",
 )
 
 

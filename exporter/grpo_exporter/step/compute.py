@@ -13,7 +13,7 @@ from torch import Tensor
 
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
-from grpo_exporter.step.blocks import diversity, gradient, reward, samples
+from grpo_exporter.step.blocks import diversity, gradient, reward, routing, samples
 from grpo_exporter.step.context import Context
 from grpo_exporter.step.gather import Gather, Merger, StepResult
 from grpo_exporter.step.pack import StepMetrics
@@ -82,7 +82,7 @@ def run_blocks(inputs: StepInputs, config: MetricsConfig, carry: dict[str, Tenso
 
 #: the layers' block modules, in the order their blocks run and lay out the transfer (each module's blocks in
 #: definition order): a block joins a stage by its ``produces(stages=...)`` declaration alone
-LAYERS = (gradient, reward, samples, diversity)
+LAYERS = (gradient, routing, reward, samples, diversity)
 
 
 def stage_blocks(stage: str) -> tuple[Block, ...]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from grpo_exporter.mixin.alerts import diversity, gradient, liveness, reward, samples
+from grpo_exporter.mixin.alerts import diversity, gradient, liveness, reward, routing, samples
 from grpo_exporter.mixin.config import MixinConfig
 from grpo_exporter.mixin.promql import Alert
 
-PARTS = (liveness, gradient, reward, samples, diversity)
+PARTS = (liveness, gradient, routing, reward, samples, diversity)
 
 
 def alerts(c: MixinConfig) -> list[Alert]:
