@@ -61,6 +61,7 @@ class Knobs:
     onpolicy_noise: float = 1e-5  # sd of the on-policy recomputation |log r|
     engine_gap: float = 1e-4  # sd of rollout vs trainer log-probs
     bf16_engine: bool = False  # a bf16 engine's noise: heavy-tailed, zero-mean to first order (mean |gap| ~0.016)
+    fp8_engine: bool = False  # an FP8 (W8A8) engine's: heavier (mean |gap| ~0.05, k3 ~0.004: NeMo-RL's healthy FP8)
     engine_shift: float = 0.0  # added to every engine log-prob: -log(kept mass) of top-p renormalisation
     engine_temperature: float = 1.0  # the engine samples and reports at this temperature; the trainer at 1
     engine_logit_sd: float = 0.0  # the engine's logits differ per position by this sd (stale or partial weights)
@@ -173,6 +174,13 @@ class SimulatedRun:
             # sampling from the engine adds the second-order KL, noise^2 / 2
             tail = rng.random(old.shape) < 0.15
             noise = np.where(tail, rng.normal(0.0, 0.12, old.shape), rng.normal(0.0, 0.003, old.shape))
+            rollout = rollout + noise + 0.5 * noise**2
+        if k.fp8_engine:
+            # the demo's FP8 engine (grpo_exporter.demo.model.fp8_linear) against its fp32 trainer: mean |gap|
+            # 0.05-0.08, k3 0.003-0.006 per rollout; NeMo-RL's healthy FP8 Qwen3.5 reads gen-KL 0.0014-0.0050 (20-step
+            # means; its gates 0.003-0.004). 30% of tokens carry most of it
+            tail = rng.random(old.shape) < 0.3
+            noise = np.where(tail, rng.normal(0.0, 0.16, old.shape), rng.normal(0.0, 0.02, old.shape))
             rollout = rollout + noise + 0.5 * noise**2
         rollout = rollout + k.engine_shift
         entropy = k.entropy * rng.uniform(0.5, 1.5, size=old.shape)

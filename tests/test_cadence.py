@@ -73,6 +73,12 @@ def bf16(step: int, hours: float) -> Knobs:
     return replace(near_clip(step, hours), bf16_engine=True)
 
 
+def fp8(step: int, hours: float) -> Knobs:
+    """Healthy, with an FP8 (W8A8) rollout engine: noisier than bf16 (mean |gap| ~0.05 nats, k3 ~0.004, NeMo-RL's
+    healthy FP8 gen-KL 0.0014-0.0050), as FP8 rollouts of large MoE models run."""
+    return replace(near_clip(step, hours), fp8_engine=True)
+
+
 def from_start(**fault: object) -> Scenario:
     """A bf16 run with ``fault`` on its engine from the first step."""
     return lambda step, hours: replace(bf16(step, hours), **fault)
@@ -157,6 +163,11 @@ def cases(cadence_s: float) -> dict[str, Case]:
         "bf16-stale-weights": Case((Segment("a", after(5 * u, bf16, engine_logit_sd=1.0), 8 * u),), 9 * u,
                                    (notice, ("GRPOEngineLogprobGapCritical", 5 * u, 10 * steps),
                                     ("GRPOEngineLogprobGapWarning", 5 * u, 12 * steps + 0.2))),
+        # an FP8 engine's noisier level pages nothing either; stale weights behind it still page
+        "fp8-healthy": Case((Segment("a", fp8, 9 * u),), 10 * u, (notice,)),
+        "fp8-stale-weights": Case((Segment("a", after(5 * u, fp8, engine_logit_sd=1.0), 8 * u),), 9 * u,
+                                  (notice, ("GRPOEngineLogprobGapCritical", 5 * u, 10 * steps),
+                                   ("GRPOEngineLogprobGapWarning", 5 * u, 12 * steps + 0.2))),
         # a fault from the first step needs only the notice's 20 rollouts and the critical's 10 steps
         "top-p-from-start": Case((Segment("a", from_start(engine_shift=0.111), short),), short + 0.2,
                                  (notice, ("GRPOEngineLogprobGapCritical", 0.0, 10 * steps))),

@@ -66,8 +66,8 @@ def test_structure(spec):
 
 def test_rows_follow_the_signal_chain():
     titles = [p["title"] for p in build(training_health(MixinConfig()))["panels"] if p["type"] == "row"]
-    assert [t[:1] for t in titles[1:]] == ["1", "2", "3", "4"]
-    for title, word in zip(titles[1:], ("gradient", "reward", "samples", "question"), strict=True):
+    assert [t[:1] for t in titles[1:]] == ["1", "1", "2", "3", "4"]  # layer 1's probability path, then its router
+    for title, word in zip(titles[1:], ("gradient", "experts", "reward", "samples", "question"), strict=True):
         assert word in title
 
 
@@ -107,7 +107,7 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
     baseline = tmp_path / "baseline.yaml"
     baseline.write_text('grpo_engine_logprob_gap_mean_nats: 0.0004\ngrpo_pass_at_k_ratio{k="8"}: 0.6\n')
     # Prometheus stops before the exporter closes: nobody is left to scrape the end, so no linger
-    with GRPOMonitor(run="dash", group_size=8, port=0, guard="off", log_ratio_clamp=20.0,
+    with GRPOMonitor(run="dash", group_size=8, port=0, guard="off", log_ratio_clamp=20.0, moe_experts=8,
                      reference_baseline=str(baseline), close_linger_s=0.0, recorder_dir=tmp_path / "incidents") as mon:
         config = tmp_path / "prometheus.yml"
         config.write_text(
@@ -126,6 +126,10 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
                 x = make_batch(step % 4).inputs()
                 rollout = rollout_kwargs(x)
                 rollout["tool_mask"] = torch.zeros_like(rollout["loss_mask"])  # multi-turn, one turn so far
+                experts = torch.randint(0, 8, (*rollout["loss_mask"].shape, 3, 2),
+                                        generator=torch.Generator().manual_seed(step))
+                rollout |= {"routed_experts": experts, "rollout_routed_experts": experts.roll(1, dims=0),
+                            "routing_replay": False}  # an MoE model
                 if step == 3:  # one NaN reward: the flight recorder writes an incident (the evidence panel)
                     rollout["rewards"] = rollout["rewards"].clone().index_fill_(0, torch.tensor([5]), float("nan"))
                 mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8, tool_calls=60, tool_failures=3,
@@ -168,7 +172,7 @@ def test_every_query_runs_on_a_real_prometheus_fed_by_a_monitor(tmp_path):
 def test_every_panel_query_is_filtered_by_job_and_run():
     """Each series selector of every panel (raw, recorded, ALERTS) carries the dashboard's $job and $run: a
     single-run board never shows another run (recorded series used to ignore the variables)."""
-    from grpo_exporter.mixin.dashboards import _SELECTOR, scoped
+    from grpo_exporter.mixin.panels import _SELECTOR, scoped
 
     selectors = 0
     for spec in specs(MixinConfig()):

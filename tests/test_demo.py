@@ -11,6 +11,7 @@ import torch
 
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo import model
+from grpo_exporter.demo.engine import RolloutEngine
 from grpo_exporter.demo.model import bf16_linear
 from grpo_exporter.demo.scenarios import SCENARIOS
 from grpo_exporter.demo.task import EOS, FIRST_SYMBOL, SEP, TOOL_LENGTH, Task
@@ -49,6 +50,7 @@ def test_every_scenario_is_documented():
         "exp-before-clamp",
         "grad-accum-scaling", "advantage-bug", "reward-hack", "entropy-collapse", "stale-rollouts", "truncation",
         "verifier-broken", "healthy-tool", "loss-on-tool-tokens", "length-counts-tool-tokens", "pool-shrinks",
+        "healthy-moe", "moe-router-stale", "moe-replay-drops-layer",
     }
     for s in SCENARIOS.values():
         assert s.name.startswith("healthy") or (s.expected_alerts and s.layer), s.name
@@ -77,7 +79,7 @@ def test_the_engines_own_kv_cached_path_matches_the_trainer_in_fp32():
     prompts, ids = trainer.task.prompts(8, trainer.generator)
     rollout = trainer.engine.generate(prompts, ids, cfg.group_size, cfg.max_new, trainer.generator)
     with torch.no_grad():
-        old, _ = trainer._logprobs(rollout)
+        old, _, _ = trainer._logprobs(rollout)
     mask = torch.arange(old.shape[1]) < rollout.lengths.unsqueeze(1)
     assert (rollout.rollout_logprobs - old)[mask].abs().max() < 1e-4
 
@@ -106,10 +108,10 @@ def test_the_engines_bf16_gemm_is_pytorchs_bf16_linear():
         """The engine's logits for the prompt and then four given tokens, through its KV cache."""
         with pytest.MonkeyPatch.context() as patch, torch.no_grad():
             patch.setattr(model, "bf16_linear", linear)
-            logits, cache = trainer.engine.model.decode_step(prompts, None)
+            logits, cache, _ = trainer.engine.model.decode_step(prompts, None)
             found = [logits]
             for i in range(tokens.shape[1]):
-                logits, cache = trainer.engine.model.decode_step(tokens[:, i : i + 1], cache)
+                logits, cache, _ = trainer.engine.model.decode_step(tokens[:, i : i + 1], cache)
                 found.append(logits)
         return found
 
@@ -130,11 +132,11 @@ def test_a_bf16_trainer_recomputing_one_sequence_a_pass_is_batch_variant_inside_
     mask = torch.arange(rollout.completions.shape[1]) < rollout.lengths.unsqueeze(1)
     rows = rollout.completions.shape[0] // cfg.micro_batches
     with torch.no_grad():
-        old = trainer._old_logprobs(rollout)
+        old, _ = trainer._old_logprobs(rollout)
         update = torch.cat([trainer._logprobs(rollout, slice(i, i + rows))[0] for i in range(0, len(old), rows)])
         exact = replace(cfg, old_logprob_rows=None)
         trainer.config = exact
-        same_layout = trainer._old_logprobs(rollout)
+        same_layout, _ = trainer._old_logprobs(rollout)
     log_ratio = (update - old)[mask]
     assert 1e-3 < log_ratio.abs().mean() < 0.05
     assert log_ratio.abs().max() < 0.2
@@ -294,3 +296,65 @@ def test_the_reverse_task_is_learned_into_all_correct_groups():
     assert m['grpo_zero_variance_groups_total{outcome="all_correct"}'] > 3 * m[
         'grpo_zero_variance_groups_total{outcome="all_incorrect"}']
     assert m["grpo_unique_completions_ratio"] < 0.3  # converged toward one completion per group
+
+
+@functools.cache
+def warm_moe(seed: int) -> dict[str, object]:
+    return warm_snapshot(SCENARIOS["healthy-moe"].config(seed))
+
+
+def test_an_moe_engine_routes_as_its_trainer_up_to_its_precision_and_replay_reproduces_its_routing():
+    """The engine's KV-cached path routes each fed position: in fp32 as the trainer's forward does, in bf16 a few
+    near-ties otherwise; a trainer forward that replays the engine's routing uses exactly its experts."""
+    torch.manual_seed(0)
+    policy = model.TinyLM(12, context=16, experts=8, top_k=2)
+    prompts, generator = torch.randint(0, 10, (8, 6)), torch.Generator().manual_seed(0)
+    for precision, most in ((torch.float32, 0.0), (torch.bfloat16, 0.05)):
+        rollout = RolloutEngine(policy, precision).generate(prompts, torch.arange(8), 2, 6, generator)
+        assert rollout.routing is not None
+        assert rollout.routing.shape == (16, 6 + 6 - 1, 2, 2)
+        fed = torch.cat([rollout.prompts, rollout.completions], dim=1)[:, :-1]
+        _, own = policy.routed(fed)
+        differ = (own.sort(-1).values != rollout.routing.sort(-1).values).any(-1).float().mean().item()
+        assert differ <= most, (precision, differ)
+        _, replayed = policy.routed(fed, replay=rollout.routing)
+        assert torch.equal(replayed, rollout.routing)
+
+
+def _moe_run(name: str, steps: int, inject_at: int) -> list[dict[str, float]]:
+    torch.set_num_threads(1)
+    cfg = SCENARIOS[name].config()
+    readings = []
+    with GRPOMonitor(run=name, port=None, guard="off", edit_distance_groups=0, **cfg.monitor_settings()) as mon:
+        trainer = Trainer(cfg, mon)
+        trainer.restore(warm_moe(cfg.seed))
+        for step in range(steps):
+            if step == inject_at:
+                SCENARIOS[name].inject(trainer)
+            trainer.step(step)
+            readings.append({str(k): v for k, v in mon.metrics().items()})
+    return readings
+
+
+def test_the_moe_scenarios_move_the_routing_readings_their_alerts_read():
+    """healthy-moe: a steady small share of differing decisions; moe-router-stale: it rises well above its early
+    level once the routers go stale; moe-replay-drops-layer: nothing differs while the replay covers every
+    layer, then only the layer it leaves out (layer 1) differs."""
+    healthy = _moe_run("healthy-moe", 40, -1)
+    shares = [r["grpo_routing_decision_mismatch_ratio"] for r in healthy]
+    assert max(shares) < 0.02
+    assert healthy[-1]["grpo_routing_replay_enabled"] == 0
+    assert healthy[-1]['grpo_expert_load_peak_multiple{side="engine"}'] >= 1.0
+    stale = _moe_run("moe-router-stale", 150, 40)
+    def share(first: int, last: int) -> float:  # differing over compared decisions, steps first..last
+        d, c = "grpo_routing_differing_decisions_total", "grpo_routing_compared_decisions_total"
+        before = stale[first - 1] if first else {d: 0.0, c: 0.0}
+        return (stale[last][d] - before[d]) / (stale[last][c] - before[c])
+
+    early, late_share = share(0, 39), share(110, 149)
+    assert late_share > max(2 * early, early + 0.02), (early, late_share)
+    replay = _moe_run("moe-replay-drops-layer", 40, 10)
+    assert replay[9]["grpo_routing_differing_decisions_total"] == 0
+    assert replay[9]["grpo_routing_replay_enabled"] == 1
+    assert replay[-1]["grpo_routing_differing_decisions_total"] > 0
+    assert all(r['grpo_routing_mismatch_ratio{moe_layer="0"}'] == 0 for r in replay)

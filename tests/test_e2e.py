@@ -10,7 +10,8 @@ receiver; each run has its own ``run`` label and exporter port.
   fire in Prometheus behind the layer-1 one;
 * the healthy scenarios, on the permutation task (many right answers), on the reverse task (one right
   answer that the policy learns: convergence, mostly all-correct groups), three seeds each, and on the
-  multi-turn permutation task (a tool's reply inside each completion, off the loss mask), two seeds, for
+  multi-turn permutation task (a tool's reply inside each completion, off the loss mask), two seeds, and with a
+  mixture-of-experts policy (its bf16 engine routes some tokens differently, a steady level), two seeds, for
   HEALTHY_STEPS steps, deliver no page at all (nothing even fires in Prometheus), and no exporter is ever seen
   down.
 
@@ -32,16 +33,16 @@ import pytest
 import torch
 
 from grpo_exporter import GRPOMonitor
-from grpo_exporter.demo.scenarios import SCENARIOS, STEPS_PER_SECOND
+from grpo_exporter.demo.scenarios import SCENARIOS, STEPS_PER_SECOND, Scenario
 from grpo_exporter.demo.stack import Page, Stack
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 from grpo_exporter.mixin.config import RUNBOOKS
 from services import prometheus_query
 
-HEALTHY_SEEDS = {"healthy": (0, 1, 2), "healthy-reverse": (0, 1, 2), "healthy-tool": (0, 1)}
+HEALTHY_SEEDS = {"healthy": (0, 1, 2), "healthy-reverse": (0, 1, 2), "healthy-tool": (0, 1), "healthy-moe": (0, 1)}
 # the permutation task (many right answers) and the reverse task (one right answer, learned: groups converge
 # to identical correct completions, mostly all-correct): three seeds each, no alert may fire
-HEALTHY_STEPS = {"healthy": 150, "healthy-reverse": 300, "healthy-tool": 150}
+HEALTHY_STEPS = {"healthy": 150, "healthy-reverse": 300, "healthy-tool": 150, "healthy-moe": 150}
 PAGE_WITHIN_S = 60.0  # after injection, for every fault (50 min at production time scale)
 # or within the steps the demo's pace makes in that time, when the machine trains slower than the pace (a
 # slow disease such as the entropy collapse develops over steps, not seconds)
@@ -84,8 +85,8 @@ END_VISIBLE_S = 13.0
 
 def _monitor(run: Run) -> GRPOMonitor:
     cfg = SCENARIOS[run.scenario].config(run.seed)
-    return GRPOMonitor(run=run.label, group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=0, guard="off",
-                       log_ratio_clamp=cfg.log_ratio_clamp, edit_distance_groups=0, close_linger_s=10.0)
+    return GRPOMonitor(run=run.label, port=0, guard="off", edit_distance_groups=0, close_linger_s=10.0,
+                       **cfg.monitor_settings())
 
 
 def _end(run: Run, mon: GRPOMonitor, stack: Stack) -> None:
@@ -147,11 +148,11 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, 
     runs += [Run(s.name, s.seed) for s in faults]
     for (gate, downstream), (_, _, _, after_s) in COMBOS.items():
         runs.append(Run(gate, SCENARIOS[gate].seed, also=(downstream,), train_after_s=after_s))
-    # a warm start is deterministic per task (its kind and tool call) and seed: shared by its runs, made two at
-    # a time
-    starts = sorted({(SCENARIOS[r.scenario].task, SCENARIOS[r.scenario].tool_at, r.seed) for r in runs})
-    configs = [next(s for s in SCENARIOS.values() if (s.task, s.tool_at) == (task, tool_at)).config(seed)
-               for task, tool_at, seed in starts]
+    # a warm start is deterministic per task (its kind and tool call), model (dense or MoE) and seed: shared by its
+    # runs, made two at a time
+    starts = sorted({(*_start(SCENARIOS[r.scenario]), r.seed) for r in runs})
+    configs = [next(s for s in SCENARIOS.values() if _start(s) == tuple(start[:-1])).config(start[-1])
+               for start in starts]
     with ProcessPoolExecutor(2) as pool:
         warm = dict(zip(starts, pool.map(_warm, configs), strict=True))
     with contextlib.ExitStack() as exits:
@@ -164,7 +165,7 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, 
         with ThreadPoolExecutor(len(runs)) as ends, ThreadPoolExecutor(CONCURRENT) as pool:
             for run, mon in zip(runs, monitors, strict=True):
                 s = SCENARIOS[run.scenario]
-                pool.submit(_train, run, mon, stack, warm[s.task, s.tool_at, run.seed], ends)
+                pool.submit(_train, run, mon, stack, warm[(*_start(s), run.seed)], ends)
         pages = stack.pages
         fired = _fired_in_prometheus(stack.prometheus_url)
         liveness = {f[1] for f in fired if f[1] in ("GRPOExporterDown", "GRPOTrainingStalled")}
@@ -180,6 +181,11 @@ def fleet(tmp_path_factory) -> tuple[list[Run], list[Page], set[tuple[str, str, 
     failed = [(r.label, r.error) for r in runs if r.error is not None]
     assert not failed, failed
     return runs, pages, fired, liveness
+
+
+def _start(s: Scenario) -> tuple[str, int, int]:
+    """What decides a scenario's warm start besides its seed: the task, its tool call, the experts per layer."""
+    return s.task, s.tool_at, s.experts
 
 
 def _pace(run: Run) -> str:

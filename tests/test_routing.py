@@ -31,7 +31,8 @@ def test_shares_count_expert_sets_on_loss_tokens_layer_by_layer() -> None:
     engine[1, 2, 0, 0] = -1  # not recorded by the engine: (row 1, token 2, layer 0) is not compared
     engine[2, 4, 2] = (trainer[2, 4, 2] + 1) % 8  # off the loss mask
     m = routing.routing_mismatch(trainer, engine, mask)
-    assert m.compared.item() == 16 * 3 - 1 and m.differing.item() == 1
+    assert m.compared.item() == 16 * 3 - 1
+    assert m.differing.item() == 1
     assert m.layers.value.tolist() == pytest.approx([0.0, 1 / 16, 0.0])
     assert m.decisions.value.item() == pytest.approx(1 / 47)
     assert m.tokens.value.item() == pytest.approx(1 / 16)
@@ -46,7 +47,8 @@ def test_the_comparison_by_layer_chunks_equals_the_whole(monkeypatch: pytest.Mon
     monkeypatch.setattr(routing, "CHUNK_ELEMENTS", 6 * 7 * 2 * 2)  # two layers a chunk
     chunked = routing.routing_mismatch(trainer, engine, mask)
     assert torch.equal(whole.layers.value, chunked.layers.value)
-    assert whole.differing.item() == chunked.differing.item() and whole.compared.item() == chunked.compared.item()
+    assert whole.differing.item() == chunked.differing.item()
+    assert whole.compared.item() == chunked.compared.item()
     assert torch.equal(whole.token_differs, chunked.token_differs)
 
 

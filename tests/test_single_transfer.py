@@ -46,7 +46,8 @@ def test_full_step_makes_exactly_one_transfer(host_calls, dtype):
     cfg = MetricsConfig(group_size=8, log_ratio_clamp=20.0, pass_k=(2, 4), moe_experts=8)
     host_calls.clear()
     metrics = compute_step(healthy, cfg)
-    assert "grpo_routing_decision_mismatch_ratio" in metrics and 'grpo_expert_load_peak_multiple{side="engine"}' in metrics
+    assert "grpo_routing_decision_mismatch_ratio" in metrics
+    assert 'grpo_expert_load_peak_multiple{side="engine"}' in metrics
     assert host_calls == ["tolist"]
     assert len(metrics) > 90
     assert all(metrics[f'grpo_nonfinite_values_total{{tensor="{name}"}}'] == 0 for name in names)

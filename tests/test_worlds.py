@@ -1,7 +1,8 @@
 """The world sweep's fixed CI sample (tests/worlds.py): 24 tiny GRPO worlds unlike the demo's, trained for real
 and judged by the production rules in promtool. Healthy worlds page nothing; collapsing ones page layer 4 at
 most, and a world of the conflict family that collapses with nothing wrong pages layer 4; a control world
-with a fault injected half-way pages, so the reading of what fired can fail; a bf16 trainer's batch-variant
+with a fault injected half-way pages, so the reading of what fired can fail; FP8 engines (noisier than bf16) page
+nothing, and one whose weight sync stops half-way pages; a bf16 trainer's batch-variant
 recomputation pages nothing, and a second probability path through it pages; the faults that make a true
 grad-norm spike (a learning rate multiplied, a gradient scaled by the accumulation steps) page it in loops
 unlike the demo's. The 24 worlds vary the training loop too (epochs, micro-batches, loss aggregation,
@@ -57,8 +58,14 @@ COLLAPSING = collapse_world(9)
 # 100 (2 epochs, 8 micro-batches, SGD) and the loss multiplied by the accumulation steps where it should be
 # divided (the gradient 16x: 4 micro-batches, Adam warm-up, clip 0.5)
 LR_BLOWUP, SCALED_GRADIENT = world(26), world(33)
+# FP8 (W8A8) engines, as FP8 rollouts of large MoE models run: a gap of 0.05-0.08 nats and k3 0.003-0.006 per
+# rollout against the fp32 trainer (NeMo-RL's healthy FP8 Qwen3.5 reads gen-KL 0.0014-0.0050; bf16 here ~0.016 and
+# 0.0003) pages nothing at each cadence; an FP8 engine whose weight sync stops half-way still pages
+FP8_WORLDS = [replace(world(i), precision="fp8") for i in (34, 35, 38)]
+FP8_STALE = replace(world(21), precision="fp8")
 FAULTS = {CONTROL.name: ("mask_covers_padding", True), SECOND_PATH.name: ("old_logprob_temperature", 0.8),
-          LR_BLOWUP.name: ("lr_multiplier", 100.0), SCALED_GRADIENT.name: ("loss_times_accumulation", True)}
+          LR_BLOWUP.name: ("lr_multiplier", 100.0), SCALED_GRADIENT.name: ("loss_times_accumulation", True),
+          FP8_STALE.name: ("engine_frozen", True)}
 # world 22 (length, medium, G = 16, long, bf16, 10-min steps; 4 epochs per rollout, 1 micro-batch, token mean,
 # Adam with warm-up, clip 0.5): pass@G 0.95 -> 0.95 between the first and last fifths while pass@1 rises
 # 0.58 -> 0.72, and GRPODiversityCollapse fires once, from 8.5 h to the end. The dip is real: pass@G's 20-step
@@ -67,7 +74,7 @@ FAULTS = {CONTROL.name: ("mask_covers_padding", True), SECOND_PATH.name: ("old_l
 # whether a 2-hour regression of pass@G that recovers should page is open.
 KNOWN_FAILURES: dict[str, dict[str, int]] = {world(22).name: {"GRPODiversityCollapse": 1}}
 SAMPLE = [*(world(i) for i in range(CI_WORLDS)), CONTROL, BATCH_VARIANT, SECOND_PATH, COLLAPSING, LR_BLOWUP,
-          SCALED_GRADIENT]
+          SCALED_GRADIENT, *FP8_WORLDS, FP8_STALE]
 
 
 def _in_lane(name: str, job: tuple) -> object:
@@ -152,6 +159,9 @@ def test_healthy_worlds_page_nothing_and_collapsing_ones_only_layer_4(capsys):
     assert {"GRPORatioClippedBeforeUpdate", "GRPOOnPolicyRatioDrift"} <= set(second_path), second_path
     assert {"GRPOGradNormSpike", "GRPOParamUpdateJump"} <= set(pages(by_name[LR_BLOWUP.name], labels))
     assert "GRPOGradNormSpike" in pages(by_name[SCALED_GRADIENT.name], labels)
+    fp8 = [by_name[w.name] for w in FP8_WORLDS]
+    assert all(verdict(r, labels) is None for r in fp8), [r.fired for r in fp8]
+    assert "GRPOEngineLogprobGapCritical" in pages(by_name[FP8_STALE.name], labels)
     failures = {r.world.name: pages(r, labels) for r in results if verdict(r, labels) is not None}
     assert failures == KNOWN_FAILURES
     assert all(r.trajectory.kind == "healthy" for r in results if r.world.name in KNOWN_FAILURES)

@@ -447,7 +447,7 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_expert_load_peak_multiple", GA,
         "The most-loaded expert's share of one side's routed slots on the last rollout's loss tokens, as a "
-        "multiple of an even split (1 = even, moe_experts = one expert takes every slot), in the MoE layer where "
+        "multiple of an even split (1 = even; moe_experts / k = one expert in every token's k), in the MoE layer where "
         "it is largest; side=trainer or engine. A router that collapses onto a few experts shows here. Only with "
         "moe_experts set; across ranks the largest rank's.",
         G, labels=(Label("side", ROUTING_SIDES),), inputs=("routed_experts", "rollout_routed_experts", *_TOKEN),

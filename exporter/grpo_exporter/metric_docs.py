@@ -45,6 +45,7 @@ def series_per_run(cfg: MonitorConfig) -> dict[str, int]:
     bounded = {
         "component": cfg.max_reward_components + 1,
         "k": len(cfg.pass_ks),
+        "moe_layer": cfg.max_moe_layers,
         "metric": len(cfg.reference_baseline),
         "labels": 1,
         "version": 1, "torch_version": 1, "group_size": 1, "clip_eps_low": 1, "clip_eps_high": 1,

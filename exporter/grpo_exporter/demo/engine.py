@@ -3,10 +3,12 @@
 come from a different implementation than the trainer's, which is exactly what the engine log-prob gap measures.
 
 By default it computes in bf16, as real engines do: its healthy gap to the fp32 trainer is numeric noise of
-~0.015 nats mean (the range real bf16 stacks show, 0.010-0.018, TRL #5312), zero-mean per token. The engine
+~0.015 nats mean (the range real bf16 stacks show, 0.010-0.018, TRL #5312), zero-mean per token. An FP8 engine
+(W8A8, as FP8 rollouts of large MoE models run) is noisier still, and as healthy. The engine
 faults users hit are systematic instead, and the demo injects them here: log-probs renormalised over the top-p
 nucleus (TRL #6789), a sampling temperature the trainer does not apply (TRL #4159), weights that stop syncing
-(TRL #5312: 0.015 -> 0.201).
+(TRL #5312: 0.015 -> 0.201). An MoE policy's engine also returns the experts it routed each position to, and its
+fault is a weight sync that skips the routers (their gate weights stay the first ones while the trainer's move).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_exporter.demo.model import TinyLM
+from grpo_exporter.demo.model import FP8, TinyLM
 from grpo_exporter.demo.task import EOS, PAD
 
 
@@ -31,12 +33,19 @@ class Rollout:
     truncated: Tensor  # (N,) no EOS within T tokens
     policy_version: int
     tool_mask: Tensor | None = None  # (N, T) the positions the environment wrote (multi-turn), else None
+    # an MoE policy's: the experts each fed position of prompt + completion was routed to (N, Lp + T - 1, layers,
+    # k), the last token being never fed; the routing behind completion token t sits at Lp - 1 + t
+    routing: Tensor | None = None
 
 
 class RolloutEngine:
     def __init__(self, policy: TinyLM, precision: torch.dtype = torch.bfloat16) -> None:
-        self.model = copy.deepcopy(policy).to(precision).eval()  # its own copy, in its own precision
+        """``precision``: the engine's dtype; ``FP8`` holds bf16 weights and computes its GEMMs in FP8."""
+        fp8 = precision == FP8
+        self.model = copy.deepcopy(policy).to(torch.bfloat16 if fp8 else precision).eval()  # its own copy
+        self.model.fp8 = fp8
         self.frozen = False  # the sync stops copying weights (stale weights after sleep/wake, a lost sync)
+        self.skip_router = False  # an MoE policy's sync copies every weight but the routers' (they go stale)
         self.top_p = 1.0  # < 1: sample from the nucleus and report log-probs renormalised over it
         self.temperature = 1.0  # != 1: sample and report log-probs at this temperature (the trainer uses 1)
         self.version = 0
@@ -45,7 +54,10 @@ class RolloutEngine:
         """Copy the trainer's weights (cast to the engine's precision); a frozen engine copies nothing but still
         reports the new version, as a sync that "succeeded"."""
         if not self.frozen:
-            self.model.load_state_dict(policy.state_dict())
+            weights = policy.state_dict()
+            if self.skip_router:
+                weights = {k: v for k, v in weights.items() if ".router." not in k}
+            self.model.load_state_dict(weights, strict=not self.skip_router)
         self.version = version
 
     def _logp(self, logits: Tensor) -> Tensor:
@@ -78,8 +90,11 @@ class RolloutEngine:
         tool_mask = None if replies is None else torch.zeros(n, max_new, dtype=torch.bool)
         cache = None
         step_tokens = tokens
+        routes: list[Tensor] = []
         for t in range(max_new):
-            logits, cache = self.model.decode_step(step_tokens, cache)  # the engine's own KV-cached code path
+            logits, cache, routed = self.model.decode_step(step_tokens, cache)  # the engine's own KV-cached path
+            if routed is not None:
+                routes.append(routed)
             if replies is not None and tool_mask is not None and tool_at <= t < tool_at + replies.shape[1]:
                 token = torch.where(done, PAD, replies[:, t - tool_at])
                 out[:, t] = token
@@ -97,5 +112,5 @@ class RolloutEngine:
             step_tokens = token.unsqueeze(1)
         return Rollout(
             prompts.repeat_interleave(group_size, dim=0), prompt_ids.repeat_interleave(group_size), out, lengths,
-            logps, ~done, self.version, tool_mask,
+            logps, ~done, self.version, tool_mask, torch.cat(routes, dim=1) if routes else None,
         )

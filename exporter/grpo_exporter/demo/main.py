@@ -50,9 +50,8 @@ def run_demo(
 
     cfg = s.config(seed)
     # the demo's own stack stops before the exporter closes (below): nobody is left to see the end, so no linger
-    with GRPOMonitor(run=f"demo-{scenario}-{seed}", group_size=cfg.group_size, clip_eps=cfg.clip_eps, port=0,
-                     log_ratio_clamp=cfg.log_ratio_clamp, guard="warn", close_linger_s=0.0, recorder_dir=record,
-                     decode=decode) as mon:
+    with GRPOMonitor(run=f"demo-{scenario}-{seed}", port=0, guard="warn", close_linger_s=0.0, recorder_dir=record,
+                     decode=decode, **cfg.monitor_settings()) as mon:
         out(f"exporter:     {mon.url}")
         local = Stack(on_page=page, targets=(mon.port or 0,)) if stack else None
         try:  # the stack stops first: no scrape of a closed exporter, no "exporter down" page at the end

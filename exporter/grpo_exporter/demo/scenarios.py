@@ -29,6 +29,9 @@ TOOL_AT = 2  # the multi-turn scenarios: the tool is called after the model's se
 # pool-shrinks: the prompts the stuck sampler serves. Seed 3 (warm start at 0.33) masters 4 of them within ~60
 # steps: the kept share of generated groups falls from ~0.8 to the cap's 0.25 (4 rounds); 8 took ~90 steps
 POOL_STUCK = 4
+# the MoE scenarios' policy: 8 experts per layer, top-2 (a bf16 engine routes ~0.3% of decisions differently from
+# the fp32 trainer, steady; a sync that skips the routers takes it to 2-9% within ~40 steps on seed 0)
+MOE_EXPERTS = 8
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class Scenario:
     task: str = "permute"  # grpo_exporter.demo.task.TASKS: "reverse" has one right answer, which the policy learns
     tool_at: int = 0  # > 0: multi-turn, a tool's reply written into each completion after this many tokens
     dynamic_sampling: bool = False  # DAPO's loop: only groups with both outcomes fill the batch
+    experts: int = 0  # > 0: a mixture-of-experts policy (DemoConfig.experts)
+    routing_replay: bool = False  # the trainer replays the engine's routing (R3)
 
     # seed: the default of the demo and the one the end-to-end suite runs. entropy-collapse and reward-hack take
     # seeds whose policy is still weak at injection. From a policy that already solves most prompts, the
@@ -61,7 +66,8 @@ class Scenario:
         default = DemoConfig()
         return DemoConfig(seed=self.seed if seed is None else seed,
                           max_new=default.max_new + (TOOL_LENGTH if self.tool_at else 0),
-                          dynamic_sampling=self.dynamic_sampling,
+                          dynamic_sampling=self.dynamic_sampling, experts=self.experts,
+                          routing_replay=self.routing_replay,
                           task=Task(symbols=default.task.symbols, length=default.task.length, kind=self.task,
                                     tool_at=self.tool_at))
 
@@ -97,6 +103,16 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("length-counts-tool-tokens", "multi-turn: the completion lengths handed on count the tool's reply "
                  "(a span, not the model's tokens: OpenRLHF #1252)", ("GRPOCompletionLengthCountsToolTokens",),
                  "2-reward", _set(length_counts_tool_tokens=True), seed=0, tool_at=TOOL_AT),
+        Scenario("healthy-moe", "no fault, with a mixture-of-experts policy (8 experts a layer, top-2) and no "
+                 "routing replay: the bf16 engine routes some near-ties differently from the trainer, a steady "
+                 "level", (), "", _set(), seed=0, experts=MOE_EXPERTS),
+        Scenario("moe-router-stale", "MoE, no routing replay: part-way through, the weight sync skips the routers "
+                 "(their gate weights stay stale while the trainer's move, SkyRL #1680)",
+                 ("GRPORoutingMismatchRising",), "1-gradient", _set(router_sync_skipped=True), needs_history=True,
+                 seed=0, experts=MOE_EXPERTS),
+        Scenario("moe-replay-drops-layer", "MoE with routing replay (R3): part-way through, the replay leaves out "
+                 "the second MoE layer, which the trainer then routes itself", ("GRPORoutingReplayFellBack",),
+                 "1-gradient", _set(replay_skipped_layer=1), seed=0, experts=MOE_EXPERTS, routing_replay=True),
         Scenario("pool-shrinks", "a dynamic-sampling (DAPO) loop whose sampler gets stuck on 4 prompts (a data "
                  "loader on one small shard): the policy masters them, and filling the batch with groups of both "
                  "outcomes takes ever more generation while the batch looks full",

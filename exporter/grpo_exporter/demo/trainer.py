@@ -12,12 +12,13 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from grpo_exporter import GRPOMonitor
-from grpo_exporter.demo import dynamic_sampling, loop
+from grpo_exporter.demo import dynamic_sampling, loop, routing
 from grpo_exporter.demo.engine import Rollout, RolloutEngine
 from grpo_exporter.demo.model import TinyLM
 from grpo_exporter.demo.rewards import rewards as rewards_of
@@ -53,6 +54,11 @@ class Faults:
     # divided (the gradient micro_batches^2 times its size)
     lr_multiplier: float = 1.0
     loss_times_accumulation: bool = False
+    # an MoE policy's: the engine's weight sync skips the routers (their gate weights go stale, SkyRL #1680's
+    # corrupted MoE rollouts after the first sync); with routing replay on, the replay leaves out this layer (the
+    # trainer routes it itself: a layer the replay does not cover)
+    router_sync_skipped: bool = False
+    replay_skipped_layer: int | None = None
 
 
 @dataclass
@@ -91,6 +97,16 @@ class DemoConfig:
     # filtered groups), the filter's counts handed to the monitor
     dynamic_sampling: bool = False
     dynamic_sampling_rounds: int = 4
+    # > 0: a mixture-of-experts policy, each layer's feed-forward block this many experts, top_k per token; with
+    # routing_replay the trainer's forwards replay the engine's routing (R3)
+    experts: int = 0
+    top_k: int = 2
+    routing_replay: bool = False
+
+    def monitor_settings(self) -> dict[str, Any]:
+        """The GRPOMonitor settings this loop implies (its group size, clip, fuse and experts per MoE layer)."""
+        return {"group_size": self.group_size, "clip_eps": self.clip_eps, "log_ratio_clamp": self.log_ratio_clamp,
+                "moe_experts": self.experts or None}
 
 
 @dataclass
@@ -111,14 +127,15 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.task = config.task
-        self.policy = TinyLM(self.task.vocab, context=self.task.prompt_length + config.max_new)
+        self.policy = TinyLM(self.task.vocab, context=self.task.prompt_length + config.max_new, experts=config.experts,
+                             top_k=config.top_k)
         self.optimizer = loop.Optimizer(self.policy.parameters(), config.optimizer, config.lr, config.lr_warmup_steps)
         self.reference: TinyLM | None = None  # the KL term's frozen policy (kl_coef > 0), set after the warm start
         self.engine = RolloutEngine(self.policy, config.engine_precision)
         self.version = 0
         self.faults = Faults()
         self._reused: Rollout | None = None
-        self._reused_old: Tensor | None = None
+        self._reused_old: tuple[Tensor, Tensor | None] | None = None
         self._pool: tuple[Tensor, Tensor] | None = None  # the prompt_pool fault's fixed prompts
         self._filter: dict[str, int] = {}  # the last dynamic-sampling batch's counts (dynamic_sampling.fill)
 
@@ -201,12 +218,14 @@ class Trainer:
                      else positions if f.loss_on_tool_tokens else model_positions)
         lengths = rollout.lengths if tool is None or f.length_counts_tool_tokens else model_positions.sum(dim=1)
         if f.reuse_rollouts and self._reused_old is not None:
-            old_logprobs = self._reused_old  # the behaviour policy's, kept from when the batch was generated
+            old_logprobs, old_routing = self._reused_old  # the behaviour policy's, kept from its generation
         else:
             with torch.no_grad():
-                old_logprobs = self._old_logprobs(rollout)
-            self._reused_old = old_logprobs if f.reuse_rollouts else None
-        advantages = self._advantages(rewards)
+                old_logprobs, old_routing = self._old_logprobs(rollout)
+            self._reused_old = (old_logprobs, old_routing) if f.reuse_rollouts else None
+        advantages = group_advantages(rewards, c.group_size, f.advantage_wrong_groups)
+        trainer_routing, engine_routing, replay = routing.observed(rollout, old_routing, self.task.prompt_length,
+                                                                   c.routing_replay)
 
         self.monitor.observe_rollout(
             step, rewards=rewards, correct=correct, truncated=rollout.truncated, reward_components=components,
@@ -216,6 +235,7 @@ class Trainer:
             generated_groups=self._filter.get("generated_groups"),
             filtered_all_correct_groups=self._filter.get("filtered_all_correct_groups"),
             filtered_all_incorrect_groups=self._filter.get("filtered_all_incorrect_groups"),
+            routed_experts=trainer_routing, rollout_routed_experts=engine_routing, routing_replay=replay,
         )
 
         norms = self._update(step, rollout, old_logprobs, loss_mask, advantages, rewards, lengths)
@@ -257,7 +277,7 @@ class Trainer:
         """One micro-batch's clipped surrogate loss, backpropagated (scaled for the accumulation unless the
         fault leaves it undivided), and its tensors handed to the monitor."""
         c, f = self.config, self.faults
-        logprobs, entropy = self._logprobs(rollout, rows)
+        logprobs, entropy, _ = self._logprobs(rollout, rows, replay=self._replay(rollout, rows))
         old = old_logprobs[rows].clone()
         if f.exp_before_clamp:  # a -inf sentinel from padding leaks into one loss token of each sequence
             old[:, 0] = -math.inf
@@ -269,7 +289,7 @@ class Trainer:
         ref = None
         if self.reference is not None:
             with torch.no_grad():
-                ref = self._logprobs(rollout, rows, model=self.reference)[0]
+                ref = self._logprobs(rollout, rows, model=self.reference, replay=self._replay(rollout, rows))[0]
             per_token = per_token + c.kl_coef * loop.kl_k3(logprobs, ref)
         loss = loop.aggregate(per_token, mask.float(), c.loss_aggregation, float(mask.shape[0] * mask.shape[1]))
         scale = (1.0 if f.loss_not_divided_by_accumulation else
@@ -290,6 +310,7 @@ class Trainer:
             return self._reused
         e = self.engine
         e.frozen, e.top_p, e.temperature = f.engine_frozen, f.engine_top_p, f.engine_temperature
+        e.skip_router = f.router_sync_skipped
         if c.dynamic_sampling:
             rollout, self._filter = dynamic_sampling.fill(
                 lambda: self._generate(*self._prompts(c.prompts_per_step), c.group_size, f.max_new or c.max_new),
@@ -311,40 +332,49 @@ class Trainer:
         pick = torch.randint(0, pool, (count,), generator=self.generator)
         return self._pool[0][pick], self._pool[1][pick]
 
-    def _old_logprobs(self, rollout: Rollout) -> Tensor:
-        """The behaviour policy's log-probs, recomputed by the trainer in ``old_logprob_rows`` rows a pass."""
+    def _replay(self, rollout: Rollout, rows: slice) -> Tensor | None:
+        return routing.replayed(rollout, rows, self.config.routing_replay, self.faults.replay_skipped_layer)
+
+    def _old_logprobs(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
+        """The behaviour policy's log-probs, recomputed by the trainer in ``old_logprob_rows`` rows a pass, and
+        an MoE policy's routing in that pass (the experts it used: the engine's where it replays them)."""
         n = rollout.completions.shape[0]
         size = self.config.old_logprob_rows or n
         temperature = self.faults.old_logprob_temperature
-        return torch.cat([self._logprobs(rollout, slice(i, i + size), temperature)[0] for i in range(0, n, size)])
+        rows = [slice(i, i + size) for i in range(0, n, size)]
+        passes = [self._logprobs(rollout, r, temperature, replay=self._replay(rollout, r)) for r in rows]
+        routes = None if passes[0][2] is None else torch.cat([p[2] for p in passes if p[2] is not None])
+        return torch.cat([p[0] for p in passes]), routes
 
     def _logprobs(self, rollout: Rollout, rows: slice = slice(None), temperature: float = 1.0,
-                  model: TinyLM | None = None) -> tuple[Tensor, Tensor]:
+                  model: TinyLM | None = None, replay: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Trainer-side per-token log-probs and entropies of the completions (log_softmax in fp32 of logits
         computed in ``trainer_precision``; ``temperature`` divides them, 1 but for the second-path fault) under
-        the policy, or ``model`` (the KL term's reference)."""
+        the policy, or ``model`` (the KL term's reference), and an MoE model's routing of every fed position
+        (``replay``: the engine's, replayed)."""
         prompts, completions = rollout.prompts[rows], rollout.completions[rows]
         sequence = torch.cat([prompts, completions], dim=1)
         lp = self.task.prompt_length
         bf16 = self.config.trainer_precision == torch.bfloat16
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = (model or self.policy)(sequence[:, :-1])[:, lp - 1 :]
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+            logits, routed = routing.forward(model or self.policy, sequence[:, :-1], replay)
+        logp = torch.log_softmax(logits[:, lp - 1 :].float() / temperature, dim=-1)
         chosen = logp.gather(2, completions.unsqueeze(2)).squeeze(2)
         entropy = -(logp.exp() * logp).sum(dim=-1)
-        return chosen, entropy
+        return chosen, entropy, routed
 
-    def _advantages(self, rewards: Tensor) -> Tensor:
-        """(r - group mean) / (group std + eps), unbiased std; the bug takes the std of half-groups."""
-        g = self.config.group_size
-        grouped = rewards.view(-1, g)
-        mean = grouped.mean(dim=1, keepdim=True)
-        if self.faults.advantage_wrong_groups:  # the std of each half-group, the mean of the whole group
-            half = g // 2
-            std = rewards.view(-1, half).std(dim=1).repeat_interleave(half).view(-1, g)
-        else:
-            std = grouped.std(dim=1, keepdim=True)
-        return ((grouped - mean) / (std + 1e-4)).flatten()
+
+def group_advantages(rewards: Tensor, group_size: int, wrong_groups: bool = False) -> Tensor:
+    """(r - group mean) / (group std + eps), unbiased std; ``wrong_groups``, the bug, takes the std of
+    half-groups."""
+    grouped = rewards.view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    if wrong_groups:  # the std of each half-group, the mean of the whole group
+        half = group_size // 2
+        std = rewards.view(-1, half).std(dim=1).repeat_interleave(half).view(-1, group_size)
+    else:
+        std = grouped.std(dim=1, keepdim=True)
+    return ((grouped - mean) / (std + 1e-4)).flatten()
 
 
 def warm_snapshot(config: DemoConfig) -> dict[str, object]:
@@ -356,4 +386,4 @@ def warm_snapshot(config: DemoConfig) -> dict[str, object]:
     return trainer.snapshot() | {"accuracy": accuracy}
 
 
-__all__ = ["DemoConfig", "Faults", "StepReport", "Trainer", "warm_snapshot"]
+__all__ = ["DemoConfig", "Faults", "StepReport", "Trainer", "group_advantages", "warm_snapshot"]

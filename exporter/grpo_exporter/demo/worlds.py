@@ -31,6 +31,7 @@ from statistics import fmean, median
 import torch
 
 from grpo_exporter.demo import loop
+from grpo_exporter.demo.model import FP8
 from grpo_exporter.demo.task import Task
 from grpo_exporter.demo.trainer import DemoConfig
 
@@ -48,6 +49,9 @@ WARM = {"weak": 0.1, "medium": 0.4, "solved": 0.9}  # sampled accuracy the warm 
 GROUP_SIZES = (4, 8, 16)
 LENGTHS = {"short": (3, 6), "long": (6, 10)}  # prompt symbols, max new tokens
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# not an axis of the enumeration (whose 200-world sweep stays comparable): an FP8 (W8A8) engine, as FP8 rollouts of
+# large MoE models run, which tests/test_worlds.py gives worlds of their own
+ENGINES = {**PRECISIONS, "fp8": FP8}
 CADENCES = {"20s": 20.0, "2min": 120.0, "10min": 600.0}
 # steps a world trains: past the rules' baselines and anchors at its cadence (1 h floors at 20 s; ~5 h at 10 min)
 STEPS = {"20s": 300, "2min": 150, "10min": 80}
@@ -151,7 +155,7 @@ class World:
         return DemoConfig(
             seed=self.seed, prompts_per_step=BATCH // self.group_size, group_size=self.group_size, max_new=max_new,
             warmup_steps=1500 if self.warm == "solved" else 600, warmup_target=WARM[self.warm],
-            partial_weight=partial, engine_precision=PRECISIONS[self.precision],
+            partial_weight=partial, engine_precision=ENGINES[self.precision],
             trainer_precision=PRECISIONS[self.trainer], old_logprob_rows=self.old_logprob_rows,
             task=Task(symbols=6, length=symbols_in_prompt, kind=kind),
             lr=CONFLICT_LR if self.family == CONFLICT else DemoConfig.lr, **self.loop.settings(),  # type: ignore[arg-type]
@@ -258,6 +262,7 @@ class Trajectory:
         return "collapsing" if falls and holds else "healthy"
 
 
-__all__ = ["AGGREGATIONS", "CADENCES", "CLIPS", "COLLAPSE_INDEX", "CONFLICT", "EPOCHS", "FAMILIES", "GROUP_SIZES",
+__all__ = ["AGGREGATIONS", "CADENCES", "CLIPS", "COLLAPSE_INDEX", "CONFLICT", "ENGINES", "EPOCHS", "FAMILIES",
+           "GROUP_SIZES",
            "KL", "LENGTHS", "MICRO_BATCHES", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "WARM", "Loop", "Trajectory",
            "World", "collapse_world", "loop_of", "world"]

@@ -12,7 +12,7 @@ halved it. So the readings here are of the routing itself, beside the engine gap
 * the engine gap on tokens whose routing agrees everywhere against those where it differs, and the share of the
   gap's sum on the latter: how much of the gap routing explains;
 * each side's expert load: the most-loaded expert's share of the routed slots, as a multiple of an even split
-  (1 = even, E = one expert takes every slot), in the worst layer: a collapsed router shows.
+  (1 = even, E/k = one expert in every token's k), in the worst layer: a collapsed router shows.
 
 A negative id is a decision not recorded (padding, a layer the capture skipped): that (token, layer) is left out
 of the comparison on both sides. Pure tensor math on the inputs' device, no host sync.

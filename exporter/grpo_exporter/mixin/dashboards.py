@@ -4,20 +4,18 @@ the rules: thresholds are read from :class:`MixinConfig`, never retyped.
 Two dashboards:
 
 * "GRPO training health": an overview row, then one row per signal-chain question in order (1 does the
-  gradient match? 2 does the reward measure the task? 3 how many samples decide the update? 4 does the policy
-  still read the question?). Every panel is titled by the question it answers and says how to read it.
+  gradient match? and, for MoE models, do trainer and engine route tokens to the same experts? 2 does the reward
+  measure the task? 3 how many samples decide the update? 4 does the policy still read the question?). Every panel is titled by the question it answers and says how to read it.
 * "GRPO crash triage": one run, the first anomalous step, ratio and gap quantiles, non-finite and mask
   counters, grad norms before and after clipping.
 
-Panels are declared as data (:class:`PanelSpec`) so tests can inspect every query; :func:`build` turns a
-spec list into the SDK's builders, setting panel ids and query refIds explicitly.
+Panels are declared as data (:mod:`grpo_exporter.mixin.panels`) so tests can inspect every query; :func:`build`
+turns a spec list into the SDK's builders, setting panel ids and query refIds explicitly.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from grafana_foundation_sdk.builders import dashboard as db
@@ -28,68 +26,9 @@ from grafana_foundation_sdk.models.common import GraphThresholdsStyleMode
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos, Threshold, ThresholdsMode, VariableRefresh
 
 from grpo_exporter.mixin.config import MixinConfig
+from grpo_exporter.mixin.panels import SEL, DashboardSpec, PanelSpec, RowSpec, W, q
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-SEL = 'job=~"$job",run=~"$run"'
-W = "$__rate_interval"
-
-
-@dataclass(frozen=True)
-class Query:
-    expr: str
-    legend: str = ""
-
-
-@dataclass(frozen=True)
-class PanelSpec:
-    title: str
-    description: str
-    queries: tuple[Query, ...]
-    unit: str
-    kind: str = "timeseries"  # or "stat"
-    thresholds: tuple[tuple[float, str], ...] = ()  # (value, color) above the base
-    base: str = "green"  # the color below the first threshold
-    width: int = 8
-    min: float | None = None
-
-
-@dataclass(frozen=True)
-class RowSpec:
-    title: str
-    panels: tuple[PanelSpec, ...]
-
-
-@dataclass(frozen=True)
-class DashboardSpec:
-    uid: str
-    title: str
-    description: str
-    rows: tuple[RowSpec, ...]
-    multi_run: bool = True
-    tags: tuple[str, ...] = field(default=("grpo", "grpo-exporter"))
-
-
-_SELECTOR = re.compile(r'(?<![\w:"])(run:[a-z0-9_:]+|grpo_[a-z0-9_]+|ALERTS)(\{[^}]*\})?')
-
-
-def scoped(expr: str) -> str:
-    """``expr`` with every series selector (raw ``grpo_*``, recorded ``run:*``, ``ALERTS``) filtered by the
-    dashboard's ``$job`` and ``$run`` variables, so no panel shows runs the viewer did not pick."""
-
-    def add(match: re.Match[str]) -> str:
-        name, braces = match[1], match[2]
-        if braces is None:
-            return f"{name}{{{SEL}}}"
-        inner = braces[1:-1]
-        if 'job=~"$job"' in inner and 'run=~"$run"' in inner:
-            return match[0]
-        return f"{name}{{{inner + ',' if inner else ''}{SEL}}}"
-
-    return _SELECTOR.sub(add, expr)
-
-
-def q(expr: str, legend: str = "{{run}}") -> Query:
-    return Query(scoped(expr), legend)
 
 
 def training_health(c: MixinConfig) -> DashboardSpec:
@@ -225,7 +164,8 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                    q(f"max by (run) (grpo_engine_logprob_gap_routing_share_ratio{{{SEL}}})", "{{run}} share")),
                   "none", min=0),
         PanelSpec("Is a router collapsing onto a few experts?",
-                  "The most-loaded expert's share of routed slots as a multiple of an even split (1 = even), in the "
+                  "The most-loaded expert's share of routed slots as a multiple of an even split (1 = even, E/k = one "
+                  "expert in every token's top-k), in the "
                   "worst MoE layer, for each side (needs moe_experts).",
                   (q(f"max by (run, side) (grpo_expert_load_peak_multiple{{{SEL}}})", "{{run}} {{side}}"),),
                   "none", min=0),
