@@ -45,6 +45,15 @@ SILENT_TESTS: dict[str, tuple[str, ...]] = {
         "GRPOEngineLogprobGapCritical stays silent on a gap within 5x its accepted level (4x and above 0.01 is the "
         "Warning's)",
     ),
+    "GRPORoutingReplayFellBack": (
+        "GRPORoutingReplayFellBack names the layers whose replay fell back",
+        "an MoE engine's routing mismatch that is only high pages nothing (bf16 or FP8, replay off)",
+    ),
+    "GRPORoutingMismatchRising": (
+        "an MoE engine's routing mismatch that is only high pages nothing (bf16 or FP8, replay off)",
+        "GRPORoutingReplayFellBack names the layers whose replay fell back",
+        "one MoE layer's router out of sync pages while the model's share stays within its line (replay off)",
+    ),
     "GRPOEngineLogprobGapWarning": (
         _BF16,
         "GRPOEngineLogprobGapCritical from the first step, with no baseline, when the gap is systematic (top-p)",

@@ -141,7 +141,8 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
     mon = GRPOMonitor(run="full", port=0, reference_baseline=str(baseline), max_reward_components=2,
                       max_pending_micro_steps=1, gap_baseline_steps=1, anchor_steps=1, rollout_correction_cap=1.002,
                       rollout_logprob_nan="unscored", correctness_component="correctness", kl_coef=0.04,
-                      recorder_dir=tmp_path / "incidents", compile_step="auto", **BASE)  # small steps: eager
+                      recorder_dir=tmp_path / "incidents", compile_step="auto", moe_experts=8,
+                      **BASE)  # small steps: eager
     model = torch.nn.Linear(4, 3)
     for step in range(3):
         x = make_batch(step).inputs()
@@ -151,6 +152,10 @@ def full_exposition(tmp_path) -> tuple[GRPOMonitor, str]:
         rollout["tool_mask"] = torch.zeros_like(rollout["loss_mask"])  # a multi-turn layout with no tool span
         # a third component, over max_reward_components: dropped, counted
         rollout["reward_components"] = {**rollout["reward_components"], "style": rollout["rewards"]}
+        experts = torch.randint(0, 8, (*rollout["loss_mask"].shape, 3, 2),
+                                generator=torch.Generator().manual_seed(step))
+        rollout |= {"routed_experts": experts, "rollout_routed_experts": experts.roll(1, dims=0),
+                    "routing_replay": False}  # an MoE model
         mon.observe_rollout(step, **rollout, prompt_ids=torch.arange(48) // 8, tool_calls=9, tool_failures=1,
                             aborted_completions=1, dropped_stale_total=step + 1, generated_groups=9,
                             filtered_all_correct_groups=2, filtered_all_incorrect_groups=1)

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PYTHON = ROOT / ".venv-frameworks" / "bin" / "python"
-CHECKS = {"verl": 22, "verl_v1": 10, "openrlhf": 34}
+CHECKS = {"verl": 23, "verl_v1": 10, "openrlhf": 34}
 # scripts/test.sh makes the virtualenv in the background: the set-up's pid while it runs, its exit code, its output
 PENDING, STATUS, LOG = (ROOT / f".venv-frameworks.{end}" for end in ("pending", "status", "log"))
 SETUP_WAIT_S = 1200

@@ -33,6 +33,7 @@ def test_shares_count_expert_sets_on_loss_tokens_layer_by_layer() -> None:
     m = routing.routing_mismatch(trainer, engine, mask)
     assert m.compared.item() == 16 * 3 - 1
     assert m.differing.item() == 1
+    assert m.unrecorded.item() == 1  # routed by the trainer, no route from the engine: a fallback under replay
     assert m.layers.value.tolist() == pytest.approx([0.0, 1 / 16, 0.0])
     assert m.decisions.value.item() == pytest.approx(1 / 47)
     assert m.tokens.value.item() == pytest.approx(1 / 16)
@@ -80,6 +81,8 @@ def test_expert_load_reads_one_for_an_even_split_and_e_for_a_collapsed_router() 
     outside[0, 0, 0, 0] = 99  # an id past moe_experts is left out, never an index error
     assert routing.expert_load_peak(outside, mask, e).value.item() == pytest.approx(2 / 7 * e)
     assert not routing.expert_load_peak(even, torch.zeros(2, 4, dtype=torch.bool), e).present.item()
+    wide = torch.arange(256, dtype=torch.uint8).view(2, 4, 1, 32)  # uint8 ids of 256 experts: no wrapped range check
+    assert routing.expert_load_peak(wide, mask, 256).value.item() == pytest.approx(1.0)
 
 
 def test_a_dense_step_publishes_no_routing_and_an_moe_step_publishes_every_reading() -> None:
@@ -101,6 +104,13 @@ def test_a_dense_step_publishes_no_routing_and_an_moe_step_publishes_every_readi
     assert 'grpo_engine_logprob_gap_by_routing_mean_nats{routing="agrees"}' in got
 
 
+def test_routed_experts_need_layers_and_experts() -> None:
+    for shape in ((4, 3, 0, 2), (4, 3, 2, 0)):
+        with pytest.raises(InputError, match="layers and k at least 1"):
+            StepInputs(loss_mask=torch.ones(4, 3, dtype=torch.bool),
+                       routed_experts=torch.zeros(shape, dtype=torch.long))
+
+
 def test_the_monitor_counts_routed_experts_past_max_moe_layers_as_an_error_naming_the_setting() -> None:
     """Inside training, too many layers is an error counted and logged (strict mode raises), never a crash."""
     experts = _experts(4, 3, 5, 1, 4)
@@ -117,7 +127,7 @@ def test_the_monitor_counts_routed_experts_past_max_moe_layers_as_an_error_namin
 
 
 def test_the_run_anchors_its_early_routing_mismatch() -> None:
-    """The early level GRPORoutingMismatchRising compares with: the mean of the first anchor_steps rollouts."""
+    """The early levels GRPORoutingMismatchRising compares with: the means of the first anchor_steps rollouts."""
     trainer = _experts(4, 3, 2, 1, 4)
     engine = trainer.clone()
     engine[0, :, 0] = (trainer[0, :, 0] + 1) % 4  # 3 of 24 decisions differ
@@ -125,5 +135,8 @@ def test_the_run_anchors_its_early_routing_mismatch() -> None:
         for step in range(3):
             mon.observe_rollout(step, rewards=torch.rand(4), loss_mask=torch.ones(4, 3, dtype=torch.bool),
                                 routed_experts=trainer, rollout_routed_experts=engine, routing_replay=False)
-        anchors = {k: v for k, v in mon.metrics().items() if "grpo_run_anchor" in str(k) and "routing" in str(k)}
-    assert list(anchors.values()) == [pytest.approx(3 / 24)]
+        anchors = {str(k): v for k, v in mon.metrics().items() if str(k).startswith("grpo_run_anchor")}
+    assert anchors['grpo_run_anchor{metric="grpo_routing_decision_mismatch_ratio",labels=""}'] == pytest.approx(3 / 24)
+    # and each layer's own (GRPORoutingMismatchRising's per-layer leg): layer 0 differs on 3 of 12 tokens
+    assert anchors['grpo_run_anchor{metric="grpo_routing_mismatch_ratio",labels="moe_layer=\'0\'"}'] == 0.25
+    assert anchors['grpo_run_anchor{metric="grpo_routing_mismatch_ratio",labels="moe_layer=\'1\'"}'] == 0.0

@@ -403,11 +403,19 @@ CATALOG: tuple[Metric, ...] = (
         G, "decisions", inputs=_ROUTING,
     ),
     Metric(
+        "grpo_routing_unrecorded_decisions_total", C,
+        "Routing decisions on loss tokens that the trainer made and the engine recorded no route for (a negative "
+        "id: a route the engine did not return), cumulative. With routing replay on, the trainer routed them "
+        "itself: a replay that fell back (NeMo-RL's r3/routed_experts_fallback_token_route_fraction).",
+        G, "decisions", inputs=_ROUTING,
+    ),
+    Metric(
         "grpo_routing_mismatch_ratio", GA,
         "Share of the last rollout's loss tokens whose set of experts differs between trainer and engine, per MoE "
         "layer (moe_layer 0..L-1, the layer's index among the MoE layers). A router is a second probability "
         "path: ~10% of decisions differ on Qwen3-30B-A3B with a bf16 engine (arXiv 2510.11370); a layer that "
-        "rises alone is that layer's router out of sync; the worst layer is max by (run).",
+        "rises alone against its own early level is that layer's router out of sync; the worst layer is max by "
+        "(run).",
         G, "ratio", labels=(Label("moe_layer", bound="max_moe_layers"),), inputs=_ROUTING, merge=Merge.RATIO,
     ),
     Metric(
@@ -447,9 +455,10 @@ CATALOG: tuple[Metric, ...] = (
     Metric(
         "grpo_expert_load_peak_multiple", GA,
         "The most-loaded expert's share of one side's routed slots on the last rollout's loss tokens, as a "
-        "multiple of an even split (1 = even; moe_experts / k = one expert in every token's k), in the MoE layer where "
-        "it is largest; side=trainer or engine. A router that collapses onto a few experts shows here. Only with "
-        "moe_experts set; across ranks the largest rank's.",
+        "multiple of an even split (1 = even; moe_experts / k = one expert in every token's k), in the MoE layer "
+        "where it is largest; side=trainer or engine. A router that collapses onto a few experts shows here. On few "
+        "tokens an even router reads above 1 (a maximum of sampled shares); across ranks the largest rank's. Only "
+        "with moe_experts set.",
         G, labels=(Label("side", ROUTING_SIDES),), inputs=("routed_experts", "rollout_routed_experts", *_TOKEN),
         merge=Merge.MAX,
     ),

@@ -313,9 +313,10 @@ class _Validator:
             if value is None:
                 continue
             ids = self.tensor(name, value)
-            if ids.dim() != 4 or ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex():
-                raise InputError(name, "an integer tensor of shape (N, T, layers, k): the k experts each token was "
-                                 "routed to in each MoE layer", describe(ids))
+            if (ids.dim() != 4 or ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex()
+                    or not ids.shape[2] or not ids.shape[3]):
+                raise InputError(name, "an integer tensor of shape (N, T, layers, k), layers and k at least 1: the k "
+                                 "experts each token was routed to in each MoE layer", describe(ids))
             self.shape.tokens(name, ids, per_token=True)
             if layers is None:
                 layers = (name, tuple(ids.shape[2:]))

@@ -852,3 +852,32 @@ def test_the_fully_async_task_runner_creates_the_monitored_trainer(monkeypatch, 
         assert install_fully_async() is monitored  # idempotent
     finally:
         main.FullyAsyncTrainer = original
+
+
+def test_routing_replay_r3_hands_the_engines_routed_experts_behind_each_response_token(caplog) -> None:
+    """verl's R3 batch holds the engine's routed experts over prompt + response positions, aligned to
+    ``input_ids`` (verl's agent loop, int16): the adapter hands the positions behind the response tokens as the
+    engine's, with replay on; verl records no trainer side, so the mismatch is absent and said once, and the
+    engine's expert load is published. The hook reads R3 from verl's config."""
+    from grpo_exporter.integrations.verl_settings import _routing_replay
+
+    data, _ = make_batch(3)
+    n, prompt = data.batch["prompts"].shape
+    experts, layers = 4, 3
+    routed = torch.zeros(n, prompt + T, layers, 2, dtype=torch.int16)
+    routed[..., 1] = 1
+    routed[:, prompt - 1 : prompt - 1 + T, :, :] = torch.tensor([2, 3], dtype=torch.int16)  # behind the response
+    data.batch["routed_experts"] = routed
+    monitor = GRPOMonitor(run="verl-r3", group_size=G, port=None, strict=True, close_linger_s=0, moe_experts=experts)
+    with caplog.at_level(logging.WARNING, logger="grpo_exporter"):
+        observe_dataproto(monitor, data, step=1, routing_replay=True)
+        observe_dataproto(monitor, data, step=2, routing_replay=True)
+    m = monitor.metrics()
+    monitor.close()
+    assert m["grpo_routing_replay_enabled"] == 1
+    assert m['grpo_expert_load_peak_multiple{side="engine"}'] == pytest.approx(experts / 2)  # experts 2, 3 only
+    assert "grpo_routing_decision_mismatch_ratio" not in m
+    assert sum("verl records the engine's routed experts only" in r.getMessage() for r in caplog.records) == 1
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"enable_rollout_routing_replay": True}}})
+    assert _routing_replay(config) is True
+    assert _routing_replay(OmegaConf.create({})) is False

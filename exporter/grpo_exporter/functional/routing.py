@@ -14,8 +14,10 @@ halved it. So the readings here are of the routing itself, beside the engine gap
 * each side's expert load: the most-loaded expert's share of the routed slots, as a multiple of an even split
   (1 = even, E/k = one expert in every token's k), in the worst layer: a collapsed router shows.
 
-A negative id is a decision not recorded (padding, a layer the capture skipped): that (token, layer) is left out
-of the comparison on both sides. Pure tensor math on the inputs' device, no host sync.
+A negative id is a decision not recorded (padding, a route the engine did not return: NeMo-RL's fallback
+sentinel -1): that (token, layer) is left out of the comparison, and where only the engine's is missing it is
+counted apart (under routing replay the trainer then routed the token itself). Pure tensor math on the inputs'
+device, a few layers at a time, no host sync.
 """
 
 from __future__ import annotations
@@ -34,40 +36,56 @@ CHUNK_ELEMENTS = 1 << 24
 class RoutingMismatch(NamedTuple):
     """Trainer against engine routing on the loss tokens. ``layers``: a (L,) ratio, differing over compared
     tokens per MoE layer; ``decisions``: differing over compared (token, layer) pairs, with its two counts;
-    ``tokens``: tokens differing in at least one compared layer over tokens compared in any; ``token_differs``
-    and ``token_compared``: those (N, T) masks, for the gap split."""
+    ``unrecorded``: (token, layer) pairs the trainer routed and the engine recorded no route for; ``tokens``:
+    tokens differing in at least one compared layer over tokens compared in any; ``token_differs`` and
+    ``token_compared``: those (N, T) masks, for the gap split."""
 
     layers: Ratio
     decisions: Ratio
     differing: Tensor
     compared: Tensor
+    unrecorded: Tensor
     tokens: Ratio
     token_differs: Tensor
     token_compared: Tensor
 
 
+def _chunks(ids: Tensor) -> range:
+    """The first layer of each chunk of layers whose temporaries stay near CHUNK_ELEMENTS."""
+    n, t, layers, k = ids.shape
+    return range(0, layers, max(1, CHUNK_ELEMENTS // max(1, n * t * k)))
+
+
+def _step(ids: Tensor) -> int:
+    return _chunks(ids).step
+
+
 def routing_mismatch(trainer: Tensor, engine: Tensor, loss_mask: Tensor) -> RoutingMismatch:
     """Compare the (N, T, L, k) expert ids of both sides on the (N, T) loss mask, layer chunk by layer chunk."""
-    n, t, layers, k = trainer.shape
-    step = max(1, CHUNK_ELEMENTS // max(1, n * t * k))
-    differ_layers, compared_layers = [], []
+    n, t = loss_mask.shape
+    differ_layers, compared_layers, unrecorded = [], [], []
     token_differs = torch.zeros(n, t, dtype=torch.bool, device=trainer.device)
     token_compared = torch.zeros_like(token_differs)
-    for start in range(0, layers, step):
-        a = trainer[:, :, start:start + step].sort(dim=-1).values
-        b = engine[:, :, start:start + step].sort(dim=-1).values
-        recorded = ((a >= 0) & (b >= 0)).all(dim=-1) & loss_mask.unsqueeze(-1)  # (N, T, chunk)
+    on_loss = loss_mask.unsqueeze(-1)
+    step = _step(trainer)
+    for start in _chunks(trainer):
+        a = trainer[:, :, start:start + step].to(torch.int64).sort(dim=-1).values
+        b = engine[:, :, start:start + step].to(torch.int64).sort(dim=-1).values
+        routed, captured = (a >= 0).all(dim=-1), (b >= 0).all(dim=-1)
+        recorded = routed & captured & on_loss  # (N, T, chunk)
         differs = (a != b).any(dim=-1) & recorded
         differ_layers.append(differs.sum(dim=(0, 1)))
         compared_layers.append(recorded.sum(dim=(0, 1)))
+        unrecorded.append((routed & ~captured & on_loss).sum())
         token_differs |= differs.any(dim=-1)
         token_compared |= recorded.any(dim=-1)
-    per_layer_differ = torch.cat(differ_layers) if differ_layers else trainer.new_zeros(0, dtype=torch.int64)
-    per_layer_compared = torch.cat(compared_layers) if compared_layers else per_layer_differ
+    per_layer_differ = torch.cat(differ_layers)
+    per_layer_compared = torch.cat(compared_layers)
     differing, compared = per_layer_differ.sum(), per_layer_compared.sum()
     return RoutingMismatch(
         fraction(per_layer_differ, per_layer_compared), fraction(differing, compared), differing, compared,
-        fraction(count(token_differs), count(token_compared)), token_differs, token_compared,
+        torch.stack(unrecorded).sum(), fraction(count(token_differs), count(token_compared)), token_differs,
+        token_compared,
     )
 
 
@@ -95,17 +113,23 @@ def gap_by_routing(gap: Tensor, scored: Tensor, routing: RoutingMismatch) -> Gap
 
 def expert_load_peak(ids: Tensor, loss_mask: Tensor, experts: int) -> Extreme:
     """The most-loaded expert's share of one side's routed slots on the loss tokens, times ``experts`` (an even
-    split reads 1), in the layer where it is largest; absent without a routed loss token. Ids outside
-    0..experts-1 are left out (a negative one is a decision not recorded)."""
-    layers = ids.shape[2]
-    valid = (ids >= 0) & (ids < experts) & loss_mask[:, :, None, None]
-    offsets = torch.arange(layers, device=ids.device).mul_(experts).view(1, 1, layers, 1)
-    index = (ids.clamp(0, experts - 1).to(torch.int64) + offsets).reshape(-1)
-    loads = torch.zeros(layers * experts, dtype=torch.float32, device=ids.device)
-    loads.index_add_(0, index, valid.reshape(-1).to(torch.float32))
-    loads = loads.view(layers, experts)
-    slots = loads.sum(dim=1)
-    peak = torch.where(slots > 0, loads.amax(dim=1) * experts / slots.clamp_min(1.0), 0.0)
-    present = (slots > 0).any()
-    value = peak.amax() if layers else torch.zeros((), device=ids.device)
-    return Extreme(torch.where(present, value, 0.0), present, largest=True)
+    split reads 1; on few tokens an even router reads above it, a sampling maximum), in the layer where it is
+    largest; absent without a routed loss token. Ids outside 0..experts-1 are left out (a negative one is a
+    decision not recorded). Layer chunk by layer chunk, each in int64 (a narrow id dtype would wrap the range
+    check)."""
+    peaks, presence = [], []
+    mask = loss_mask[:, :, None, None]
+    step = _step(ids)
+    for start in _chunks(ids):
+        chunk = ids[:, :, start:start + step].to(torch.int64)
+        layers = chunk.shape[2]
+        valid = (chunk >= 0) & (chunk < experts) & mask
+        offsets = torch.arange(layers, device=ids.device).mul_(experts).view(1, 1, layers, 1)
+        loads = torch.zeros(layers * experts, dtype=torch.float32, device=ids.device)
+        loads.index_add_(0, (chunk.clamp(0, experts - 1) + offsets).reshape(-1), valid.reshape(-1).to(torch.float32))
+        loads = loads.view(layers, experts)
+        slots = loads.sum(dim=1)
+        peaks.append(torch.where(slots > 0, loads.amax(dim=1) * experts / slots.clamp_min(1.0), 0.0).amax())
+        presence.append((slots > 0).any())
+    present = torch.stack(presence).any()
+    return Extreme(torch.where(present, torch.stack(peaks).amax(), 0.0), present, largest=True)

@@ -51,6 +51,7 @@ from grpo_exporter.integrations.verl_settings import (
     TESTED,
     _bypass,
     _grad_clip,
+    _routing_replay,
     _select,
     advantage_form,
     monitor_settings,
@@ -128,6 +129,7 @@ def observe_dataproto(
     policy_version: int | None = None,
     response_window: int | None = None,
     filter_counts: Mapping[str, int] | None = None,
+    routing_replay: bool | None = None,
 ) -> None:
     """One :meth:`~GRPOMonitor.observe_rollout` (and the rollout-time part of the update: advantages, and the KL
     of the sampling policy to the reference from ``old_log_probs`` and ``ref_log_prob``) from verl's batch.
@@ -174,6 +176,12 @@ def observe_dataproto(
     * ``filter_counts``: with dynamic sampling (the DAPO recipe's ``algorithm.filter_groups``) the kept batch's
       ``generated_groups`` (``num_gen_batches`` x ``gen_batch_size``) and ``filtered_all_correct_groups`` /
       ``filtered_all_incorrect_groups``, passed to ``observe_rollout`` as counted.
+    * ``routing_replay``: MoE routing replay R3 (``router_replay.mode: R3`` with
+      ``rollout.enable_rollout_routing_replay``): the batch's ``routed_experts`` (prompt + response positions,
+      aligned to ``input_ids``) are the engine's, handed as ``rollout_routed_experts`` at the positions behind the
+      response tokens, with ``routing_replay=True``. verl records one side only (R2's trainer-side routing, in
+      another layout, is not read), so the routing mismatch and its alerts are absent, said once; the engine's
+      expert load is published with ``moe_experts``.
     """
     with monitor.contained("rollout", "verl observe_dataproto"):
         batch, extra = data.batch, data.non_tensor_batch
@@ -202,6 +210,7 @@ def observe_dataproto(
         rollout |= _verdicts(rows, correct_key, _prompt_ids(monitor, rows, prompt_key, batch), component_keys,
                              verifier_threshold, device)
         rollout |= _agent_loop_counts(extra, rows, device) | dict(filter_counts or {})
+        rollout |= _routing(monitor, batch, rows, width, routing_replay)
         if rows.rows is not None:  # verl's response/aborted_ratio: rows with no response token
             rollout["aborted_completions"] = responses.shape[0] - rows.rows.numel()
         dropped = data.meta_info.get("fully_async/count/dropped_stale_samples",
@@ -319,6 +328,19 @@ def _agent_loop_counts(extra: Mapping[str, Any], rows: _Rows, device: torch.devi
     if started is not None and ended is not None:
         counts["partial"] = torch.as_tensor(rows.pick(ended != started), device=device)
     return counts
+
+
+def _routing(monitor: GRPOMonitor, batch: Any, rows: _Rows, width: int, replay: bool | None) -> dict[str, Any]:
+    """Under routing replay R3, the engine's routed experts behind each response token (the position before it:
+    ``prompts`` width - 1 + t), and ``routing_replay``."""
+    routed = _tensor(batch, "routed_experts")
+    if routed is None or not replay:
+        return {}
+    say_once(monitor, "verl-routing", "grpo_exporter: verl records the engine's routed experts only (routing replay "
+             "R3): the trainer's routing is not recorded, so the routing mismatch (GRPORoutingReplayFellBack, "
+             "GRPORoutingMismatchRising) cannot be read; the engine's expert load is published with moe_experts")
+    start = batch["prompts"].shape[1] - 1
+    return {"rollout_routed_experts": _kept(rows.take(routed[:, start : start + width])), "routing_replay": True}
 
 
 def _kept(t: Tensor | None) -> Tensor:
@@ -496,7 +518,8 @@ def _hooked(base: Any, name: str) -> type:
                 if not self._grpo_made_monitor:
                     _check_form(self.monitor, self.config)
                 observe_dataproto(self.monitor, batch, step, entropy=self._grpo_entropy, policy_version=version,
-                                  response_mask=self._grpo_response_mask, bypass=_bypass(self.config))
+                                  response_mask=self._grpo_response_mask, bypass=_bypass(self.config),
+                                  routing_replay=_routing_replay(self.config))
             self._grpo_entropy = self._grpo_response_mask = None
             output = super()._update_actor(batch)
             if self.monitor is not None:

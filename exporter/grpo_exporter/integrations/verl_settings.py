@@ -130,3 +130,9 @@ def _grad_clip(config: Any) -> float | None:
 def _bypass(config: Any) -> bool:
     """``algorithm.rollout_correction.bypass_mode`` of verl's config."""
     return bool(_select(config, "algorithm.rollout_correction.bypass_mode"))
+
+
+def _routing_replay(config: Any) -> bool:
+    """MoE routing replay R3: ``actor_rollout_ref.rollout.enable_rollout_routing_replay`` (verl runs it only with a
+    ``router_replay.mode`` of R3; the batch's ``routed_experts`` are then the engine's)."""
+    return bool(_select(config, "actor_rollout_ref.rollout.enable_rollout_routing_replay"))

@@ -72,8 +72,8 @@ def alertmanager_config(c: MixinConfig) -> dict[str, Any]:
                 "equal": ["family", "run"],
             },
             {  # a replay that fell back explains the engine gap it opens: one page, naming the cause
-                "source_matchers": ['alertname="GRPORoutingReplayFellBack"'],
-                "target_matchers": ['alertname=~"GRPOEngineLogprobGap(Critical|Warning)"'],
+                "source_matchers": [OURS, 'alertname="GRPORoutingReplayFellBack"'],
+                "target_matchers": [OURS, 'alertname=~"GRPOEngineLogprobGap(Critical|Warning)"'],
                 "equal": ["run"],
             },
             {  # one advantage bug, one page: sequences over their bound already name the broken advantages

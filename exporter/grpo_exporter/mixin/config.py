@@ -124,19 +124,22 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         "clamp. Should be ~0 (our choice of line)."
     )
     routing_replay_tolerance_ratio: float = Field(
-        0.0, ge=0, lt=1, description="GRPORoutingReplayFellBack (critical): with routing replay on, an MoE layer whose "
-        "share of loss tokens routed differently from the engine is above this pages. 0: any (the trainer replays "
-        "the engine's experts, so every difference is a replay that fell back)."
+        0.0, ge=0, lt=1, description="GRPORoutingReplayFellBack (critical): with routing replay on, the window's "
+        "share of routing decisions that were not the engine's (differing, or with no route recorded by the "
+        "engine) above this pages. 0: any (the trainer replays the engine's experts, so every difference is a "
+        "replay that fell back)."
     )
     routing_rise_factor: float = Field(
         2.0, gt=1, description="GRPORoutingMismatchRising (warning): with routing replay off, the window's share of "
         "differing routing decisions above this multiple of the run's own early level (grpo_run_anchor; the "
-        "reference run's when the run has none). An MoE engine's level is never 0 (~10% of decisions on "
-        "Qwen3-30B-A3B in bf16): its rise is the fault (a weight sync that skips the router), its level is not."
+        "reference run's when the run has none), or one MoE layer's share above this multiple of its own. An MoE "
+        "engine's level is never 0 (~10% of decisions on Qwen3-30B-A3B in bf16): its rise is the fault (a weight "
+        "sync that skips the router), its level is not."
     )
     routing_rise_floor_ratio: float = Field(
         0.02, gt=0, lt=1, description="GRPORoutingMismatchRising: and at least this much above the early level "
-        "(absolute share of decisions): a router that agrees on 99.9% of decisions may double without meaning."
+        "(an absolute share, of decisions or of a layer's tokens): a router that agrees on 99.9% of decisions may "
+        "double without meaning."
     )
     # grad_spike_factor, grad_spike_window_steps, grad_spike_min_steps, gap_baseline_steps, gap_clean_factor,
     # gap_floor_nats: EventLines (judged by the exporter or against what it publishes)

@@ -143,16 +143,19 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   "window, against the run's own early level, and the share of tokens differing in at least one layer. "
                   f"Never 0 without routing replay (~10% of decisions on Qwen3-30B-A3B in bf16): a rise above "
                   f"{c.routing_rise_factor:g}x the early level warns; with replay on, anything above "
-                  f"{c.routing_replay_tolerance_ratio:g} is critical (the replay fell back).",
+                  f"{c.routing_replay_tolerance_ratio:g} is critical (the replay fell back: decisions that differ, or that the "
+                  "engine returned no route for).",
                   (q(decisions), q(early, "early level {{run}}"),
                    q(f"{c.routing_rise_factor:g} * {early}", "warning line {{run}}"),
                    q(f"max by (run) (grpo_routing_mismatch_tokens_ratio{{{SEL}}})", "tokens, any layer {{run}}"),
-                   q(f"max by (run) (grpo_routing_replay_enabled{{{SEL}}})", "replay on {{run}}")),
+                   q(f"max by (run) (grpo_routing_replay_enabled{{{SEL}}})", "replay on {{run}}"),
+                   q("run:grpo_routing_fallback_decisions:window_ratio and on(job, run) "
+                     "max by (job, run) (grpo_routing_replay_enabled) == 1", "replay fell back {{run}}")),
                   "percentunit", min=0),
         PanelSpec("Which MoE layers route differently?",
                   "Share of loss tokens whose experts differ, per MoE layer (the 10 worst of the last rollout): one "
                   "layer rising alone is that layer's router out of sync.",
-                  (q(f"topk(10, max by (run, moe_layer) (grpo_routing_mismatch_ratio{{{SEL}}}))",
+                  (q(f"topk by (run) (10, max by (run, moe_layer) (grpo_routing_mismatch_ratio{{{SEL}}}))",
                      "{{run}} layer {{moe_layer}}"),),
                   "percentunit", min=0),
         PanelSpec("How much of the engine gap is the router's?",

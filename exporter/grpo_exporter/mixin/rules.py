@@ -58,6 +58,14 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_routing_differing_decisions:window_ratio",
          "expr": fraction(rate(c, "grpo_routing_differing_decisions_total"),
                            rate(c, "grpo_routing_compared_decisions_total"))},
+        # under routing replay every differing decision, and every one the engine recorded no route for, fell back
+        {"record": "run:grpo_routing_fallback_decisions:window_ratio",
+         "expr": fraction(f"({rate(c, 'grpo_routing_differing_decisions_total')} + "
+                          f"{rate(c, 'grpo_routing_unrecorded_decisions_total')})",
+                          f"({rate(c, 'grpo_routing_compared_decisions_total')} + "
+                          f"{rate(c, 'grpo_routing_unrecorded_decisions_total')})")},
+        {"record": "run:grpo_routing_mismatch_ratio:window_mean",
+         "expr": windowed_mean(c, "grpo_routing_mismatch_ratio", by="job, run, moe_layer")},
         {"record": "run:grpo_onpolicy_log_ratio_abs_max_nats:window_max",
          "expr": f"max by ({BY}) (max_over_time(grpo_onpolicy_log_ratio_abs_max_nats{c.matchers()}[{c.window()}]))"},
         {"record": "run:grpo_clipped_tokens:window_ratio", "labels": {"bound": "upper"},

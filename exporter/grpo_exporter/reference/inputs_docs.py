@@ -38,9 +38,11 @@ MEANING: dict[str, str] = {
     "completion_ids": "the token ids of each completion (diversity: distinct completions, edit distance)",
     "advantages": "the advantage of each completion (N,) or of each token (N, T) as the loss uses it, after any "
                   "normalisation",
-    "routed_experts": "mixture-of-experts models: the k expert ids each completion token was routed to in each of "
-                      "the L MoE layers by the trainer, in the pass that computes `old_logprobs` (the experts it "
-                      "used: the engine's when it replays them); a negative id marks a decision not recorded",
+    "routed_experts": "mixture-of-experts models: the k expert ids the trainer routed each completion token to in "
+                      "each of the L MoE layers, in the pass that computes `old_logprobs` (the experts it used: the "
+                      "engine's when it replays them), at the position whose logits give that token's log-prob "
+                      "(sequence index P + t - 1, as the log-probs); a negative id marks a decision not recorded "
+                      "([moe.md](moe.md))",
     "rollout_routed_experts": "the same (N, T, L, k) expert ids as the rollout engine routed each token when it "
                               "sampled it (vLLM/SGLang routed-experts capture, verl `routed_experts`); the order "
                               "within a token's k experts does not matter",

@@ -25,6 +25,7 @@ ANCHORED_FAMILIES = (
     "grpo_regression_accuracy_ratio",
     "grpo_kept_groups_ratio",
     "grpo_routing_decision_mismatch_ratio",
+    "grpo_routing_mismatch_ratio",
 )
 
 

@@ -272,8 +272,7 @@ class EditDistanceWorker:
 
     def shutdown(self, timeout: float = 1.0) -> None:
         """Take no more jobs; wait for the running one (bounded by its budget) and the thread's end, at most
-        ``timeout``; then interrupt it. A job outlives its budget on a starved core (the thread runs at nice 19:
-        4 ranks on 2 cores took over a second), and one left inside torch's code when the process exits right
-        after ``close()`` aborted it (status 134, a finished training reported failed)."""
-        if not self._pool.shutdown(timeout):
-            self._pool.stop(time.monotonic() + EXIT_TIMEOUT_S)
+        ``timeout``. A job can outlive it on a starved core (the thread runs at nice 19: 4 ranks on 2 cores took
+        over a second); the exit hook then interrupts it, since one left inside torch's code when the process
+        exits right after ``close()`` aborted it (status 134, a finished training reported failed)."""
+        self._pool.shutdown(timeout)

@@ -12,7 +12,8 @@ from grpo_exporter.step.registry import produces
 
 
 @produces(
-    "grpo_routing_compared_decisions_total", "grpo_routing_differing_decisions_total", "grpo_routing_mismatch_ratio",
+    "grpo_routing_compared_decisions_total", "grpo_routing_differing_decisions_total",
+    "grpo_routing_unrecorded_decisions_total", "grpo_routing_mismatch_ratio",
     "grpo_routing_decision_mismatch_ratio", "grpo_routing_mismatch_tokens_ratio",
     "grpo_engine_logprob_gap_by_routing_mean_nats", "grpo_engine_logprob_gap_routing_share_ratio",
     stages=("rollout",))
@@ -27,6 +28,7 @@ def routing_mismatch(out: Gather, ctx: Context) -> None:
     m = routing.routing_mismatch(x.routed_experts, x.rollout_routed_experts, x.loss_mask)
     out.add("grpo_routing_compared_decisions_total", m.compared)
     out.add("grpo_routing_differing_decisions_total", m.differing)
+    out.add("grpo_routing_unrecorded_decisions_total", m.unrecorded)
     out.each("grpo_routing_mismatch_ratio", m.layers, "moe_layer", [str(layer) for layer in range(layers)])
     out.add("grpo_routing_decision_mismatch_ratio", m.decisions)
     out.add("grpo_routing_mismatch_tokens_ratio", m.tokens)
