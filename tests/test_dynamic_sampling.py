@@ -66,3 +66,31 @@ def test_a_wrong_count_names_the_field_and_is_counted_outside_strict_mode(bad, f
         mon.end_step()
         assert registry_value(mon, 'grpo_exporter_errors_total{stage="rollout"}') == 1
     assert f"`{field}`" in caplog.text
+
+
+def test_the_demos_filled_batch_keeps_each_rows_moe_routing() -> None:
+    """The demo's DAPO loop picks groups out of several rounds: an MoE rollout's routing follows its rows (the
+    routing replay and the monitor's comparison read it row by row)."""
+    from grpo_exporter.demo.dynamic_sampling import fill
+    from grpo_exporter.demo.engine import Rollout
+
+    rounds = iter(range(3))
+
+    def draw() -> Rollout:
+        r = next(rounds)
+        n = 8  # 2 groups of 4
+        routing = torch.full((n, 5, 2, 2), r)  # each round's routing tells its round
+        routing[:, :, 0, 0] = torch.arange(n).unsqueeze(1)  # and its row
+        return Rollout(torch.zeros(n, 2, dtype=torch.long), torch.arange(n) // 4, torch.zeros(n, 3, dtype=torch.long),
+                       torch.full((n,), 3), torch.zeros(n, 3), torch.zeros(n, dtype=torch.bool), 0, None, routing)
+
+    def correct(rollout: Rollout) -> torch.Tensor:
+        first = int(rollout.routing[0, 0, 1, 1])  # round 0: group 0 mixed; round 1: group 1 mixed
+        return torch.tensor([True, False, False, False, False, False, False, False]) if first == 0 else \
+            torch.tensor([False] * 4 + [True, False, False, False])
+
+    batch, counts = fill(draw, correct, prompts=2, group_size=4, rounds=3)
+    assert counts["generated_groups"] == 4
+    assert batch.routing is not None
+    assert batch.routing[:, 0, 1, 1].tolist() == [0] * 4 + [1] * 4  # round 0's group 0, then round 1's group 1
+    assert batch.routing[:, 0, 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]

@@ -2,7 +2,8 @@
 and judged by the production rules in promtool. Healthy worlds page nothing; collapsing ones page layer 4 at
 most, and a world of the conflict family that collapses with nothing wrong pages layer 4; a control world
 with a fault injected half-way pages, so the reading of what fired can fail; FP8 engines (noisier than bf16) page
-nothing, and one whose weight sync stops half-way pages; a bf16 trainer's batch-variant
+nothing, and one whose weight sync stops half-way pages; mixture-of-experts policies page nothing, and one whose
+weight sync skips the routers from half-way pages the routing rise; a bf16 trainer's batch-variant
 recomputation pages nothing, and a second probability path through it pages; the faults that make a true
 grad-norm spike (a learning rate multiplied, a gradient scaled by the accumulation steps) page it in loops
 unlike the demo's. The 24 worlds vary the training loop too (epochs, micro-batches, loss aggregation,
@@ -63,9 +64,13 @@ LR_BLOWUP, SCALED_GRADIENT = world(26), world(33)
 # 0.0003) pages nothing at each cadence; an FP8 engine whose weight sync stops half-way still pages
 FP8_WORLDS = [replace(world(i), precision="fp8") for i in (34, 35, 38)]
 FP8_STALE = replace(world(21), precision="fp8")
+# mixture-of-experts policies (8 experts a layer, top-2) with a bf16 engine that routes some near-ties otherwise:
+# a steady level pages nothing; a weight sync that skips the routers from half-way pages the routing rise
+MOE_WORLDS = [replace(world(i), experts=8) for i in (39, 41)]
+MOE_STALE = replace(world(9), experts=8)
 FAULTS = {CONTROL.name: ("mask_covers_padding", True), SECOND_PATH.name: ("old_logprob_temperature", 0.8),
           LR_BLOWUP.name: ("lr_multiplier", 100.0), SCALED_GRADIENT.name: ("loss_times_accumulation", True),
-          FP8_STALE.name: ("engine_frozen", True)}
+          FP8_STALE.name: ("engine_frozen", True), MOE_STALE.name: ("router_sync_skipped", True)}
 # world 22 (length, medium, G = 16, long, bf16, 10-min steps; 4 epochs per rollout, 1 micro-batch, token mean,
 # Adam with warm-up, clip 0.5): pass@G 0.95 -> 0.95 between the first and last fifths while pass@1 rises
 # 0.58 -> 0.72, and GRPODiversityCollapse fires once, from 8.5 h to the end. The dip is real: pass@G's 20-step
@@ -74,7 +79,7 @@ FAULTS = {CONTROL.name: ("mask_covers_padding", True), SECOND_PATH.name: ("old_l
 # whether a 2-hour regression of pass@G that recovers should page is open.
 KNOWN_FAILURES: dict[str, dict[str, int]] = {world(22).name: {"GRPODiversityCollapse": 1}}
 SAMPLE = [*(world(i) for i in range(CI_WORLDS)), CONTROL, BATCH_VARIANT, SECOND_PATH, COLLAPSING, LR_BLOWUP,
-          SCALED_GRADIENT, *FP8_WORLDS, FP8_STALE]
+          SCALED_GRADIENT, *FP8_WORLDS, FP8_STALE, *MOE_WORLDS, MOE_STALE]
 
 
 def _in_lane(name: str, job: tuple) -> object:
@@ -162,6 +167,9 @@ def test_healthy_worlds_page_nothing_and_collapsing_ones_only_layer_4(capsys):
     fp8 = [by_name[w.name] for w in FP8_WORLDS]
     assert all(verdict(r, labels) is None for r in fp8), [r.fired for r in fp8]
     assert "GRPOEngineLogprobGapCritical" in pages(by_name[FP8_STALE.name], labels)
+    moe = [by_name[w.name] for w in MOE_WORLDS]
+    assert all(verdict(r, labels) is None for r in moe), [r.fired for r in moe]
+    assert "GRPORoutingMismatchRising" in pages(by_name[MOE_STALE.name], labels)
     failures = {r.world.name: pages(r, labels) for r in results if verdict(r, labels) is not None}
     assert failures == KNOWN_FAILURES
     assert all(r.trajectory.kind == "healthy" for r in results if r.world.name in KNOWN_FAILURES)

@@ -72,8 +72,7 @@ def _series(w: World, keep: set[str], scrapes: int, fault: Fault | None) -> tupl
     instance = f"{w.name}:9887"
     timeline = Timeline(scrapes)
     c = w.config()
-    config = MonitorConfig(run=w.name, group_size=w.group_size, clip_eps=c.clip_eps, log_ratio_clamp=c.log_ratio_clamp,
-                           port=None, guard="off", close_linger_s=0.0)
+    config = MonitorConfig(run=w.name, port=None, guard="off", close_linger_s=0.0, **c.monitor_settings())
     cadence = w.cadence_s
     up = f'up{{instance="{instance}",job="{JOB}"}}'
     with GRPOMonitor(config=config) as mon:

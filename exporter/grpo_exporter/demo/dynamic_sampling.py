@@ -43,16 +43,18 @@ def _groups(rollout: Rollout, groups: Tensor, group_size: int) -> Rollout:
     rows = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).flatten()
     return Rollout(rollout.prompts[rows], rollout.prompt_ids[rows], rollout.completions[rows], rollout.lengths[rows],
                    rollout.rollout_logprobs[rows], rollout.truncated[rows], rollout.policy_version,
-                   None if rollout.tool_mask is None else rollout.tool_mask[rows])
+                   None if rollout.tool_mask is None else rollout.tool_mask[rows],
+                   None if rollout.routing is None else rollout.routing[rows])
 
 
 def _concat(parts: list[Rollout]) -> Rollout:
     """Rollouts of one policy version, one after the other."""
     tool = [p.tool_mask for p in parts if p.tool_mask is not None]
+    routing = [p.routing for p in parts if p.routing is not None]
     return Rollout(torch.cat([p.prompts for p in parts]), torch.cat([p.prompt_ids for p in parts]),
                    torch.cat([p.completions for p in parts]), torch.cat([p.lengths for p in parts]),
                    torch.cat([p.rollout_logprobs for p in parts]), torch.cat([p.truncated for p in parts]),
-                   parts[0].policy_version, torch.cat(tool) if tool else None)
+                   parts[0].policy_version, torch.cat(tool) if tool else None, torch.cat(routing) if routing else None)
 
 
 __all__ = ["fill"]

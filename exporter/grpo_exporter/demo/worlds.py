@@ -133,11 +133,14 @@ class World:
     # rows a pass (batch-variant numerics, the on-policy check's noise; tests/test_worlds.py)
     trainer: str = "fp32"
     old_logprob_rows: int | None = None
+    # not an axis either: a mixture-of-experts policy of this many experts a layer, top-2 (tests/test_worlds.py)
+    experts: int = 0
 
     @property
     def name(self) -> str:
         extra = f"-trainer-{self.trainer}" if self.trainer != "fp32" else ""
         extra += f"-rows{self.old_logprob_rows}" if self.old_logprob_rows is not None else ""
+        extra += f"-moe{self.experts}" if self.experts else ""
         return (f"w{self.index:03d}-{self.family}-{self.warm}-g{self.group_size}-{self.length}-{self.precision}-"
                 f"{self.cadence}-{self.loop.name}{extra}")
 
@@ -156,7 +159,7 @@ class World:
             seed=self.seed, prompts_per_step=BATCH // self.group_size, group_size=self.group_size, max_new=max_new,
             warmup_steps=1500 if self.warm == "solved" else 600, warmup_target=WARM[self.warm],
             partial_weight=partial, engine_precision=ENGINES[self.precision],
-            trainer_precision=PRECISIONS[self.trainer], old_logprob_rows=self.old_logprob_rows,
+            trainer_precision=PRECISIONS[self.trainer], old_logprob_rows=self.old_logprob_rows, experts=self.experts,
             task=Task(symbols=6, length=symbols_in_prompt, kind=kind),
             lr=CONFLICT_LR if self.family == CONFLICT else DemoConfig.lr, **self.loop.settings(),  # type: ignore[arg-type]
         )

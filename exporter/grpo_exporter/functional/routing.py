@@ -56,10 +56,6 @@ def _chunks(ids: Tensor) -> range:
     return range(0, layers, max(1, CHUNK_ELEMENTS // max(1, n * t * k)))
 
 
-def _step(ids: Tensor) -> int:
-    return _chunks(ids).step
-
-
 def routing_mismatch(trainer: Tensor, engine: Tensor, loss_mask: Tensor) -> RoutingMismatch:
     """Compare the (N, T, L, k) expert ids of both sides on the (N, T) loss mask, layer chunk by layer chunk."""
     n, t = loss_mask.shape
@@ -67,10 +63,10 @@ def routing_mismatch(trainer: Tensor, engine: Tensor, loss_mask: Tensor) -> Rout
     token_differs = torch.zeros(n, t, dtype=torch.bool, device=trainer.device)
     token_compared = torch.zeros_like(token_differs)
     on_loss = loss_mask.unsqueeze(-1)
-    step = _step(trainer)
-    for start in _chunks(trainer):
-        a = trainer[:, :, start:start + step].to(torch.int64).sort(dim=-1).values
-        b = engine[:, :, start:start + step].to(torch.int64).sort(dim=-1).values
+    chunks = _chunks(trainer)
+    for start in chunks:
+        a = trainer[:, :, start:start + chunks.step].to(torch.int64).sort(dim=-1).values
+        b = engine[:, :, start:start + chunks.step].to(torch.int64).sort(dim=-1).values
         routed, captured = (a >= 0).all(dim=-1), (b >= 0).all(dim=-1)
         recorded = routed & captured & on_loss  # (N, T, chunk)
         differs = (a != b).any(dim=-1) & recorded
@@ -119,9 +115,9 @@ def expert_load_peak(ids: Tensor, loss_mask: Tensor, experts: int) -> Extreme:
     check)."""
     peaks, presence = [], []
     mask = loss_mask[:, :, None, None]
-    step = _step(ids)
-    for start in _chunks(ids):
-        chunk = ids[:, :, start:start + step].to(torch.int64)
+    chunks = _chunks(ids)
+    for start in chunks:
+        chunk = ids[:, :, start:start + chunks.step].to(torch.int64)
         layers = chunk.shape[2]
         valid = (chunk >= 0) & (chunk < experts) & mask
         offsets = torch.arange(layers, device=ids.device).mul_(experts).view(1, 1, layers, 1)

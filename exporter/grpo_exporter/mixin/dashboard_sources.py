@@ -23,7 +23,8 @@ DASHBOARD_SETTINGS = frozenset({
     "ess_drop_factor", "fuse_hit_ratio", "gap_baseline_steps", "gap_clean_factor", "grad_clip_active_ratio",
     "grad_clip_carry_factor", "grad_spike_factor", "kl_growth_factor", "kl_runaway_min_nats", "lower_clip_min",
     "mismatch_kl_stop_nats", "noise_groups_max", "onpolicy_clip_stop_ratio", "pool_kept_max",
-    "pool_overhead_growth", "rate_window_s", "staleness_max_versions", "step_seconds", "time_scale",
+    "pool_overhead_growth", "rate_window_s", "routing_rise_factor", "staleness_max_versions", "step_seconds",
+    "time_scale",
     "trend_window_steps", "truncation_surge_floor", "unique_ratio_min", "window_steps",
 })
 

@@ -142,9 +142,8 @@ def training_health(c: MixinConfig) -> DashboardSpec:
                   "Share of (loss token, MoE layer) decisions whose experts differ between trainer and engine, over the "
                   "window, against the run's own early level, and the share of tokens differing in at least one layer. "
                   f"Never 0 without routing replay (~10% of decisions on Qwen3-30B-A3B in bf16): a rise above "
-                  f"{c.routing_rise_factor:g}x the early level warns; with replay on, anything above "
-                  f"{c.routing_replay_tolerance_ratio:g} is critical (the replay fell back: decisions that differ, or that the "
-                  "engine returned no route for).",
+                  f"{c.routing_rise_factor:g}x the early level warns; with replay on, any decision that was not the "
+                  "engine's (it differs, or the engine returned no route) is critical: the replay fell back.",
                   (q(decisions), q(early, "early level {{run}}"),
                    q(f"{c.routing_rise_factor:g} * {early}", "warning line {{run}}"),
                    q(f"max by (run) (grpo_routing_mismatch_tokens_ratio{{{SEL}}})", "tokens, any layer {{run}}"),
