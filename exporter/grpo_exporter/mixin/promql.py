@@ -83,9 +83,10 @@ def template_value(fmt: str = "%.3g") -> str:
 
 
 def template_query(expr: str, fmt: str = "%.3g") -> str:
-    """Template text: the first value of ``expr`` (``%q`` = this alert's run, quotes escaped), or none."""
+    """Template text: the first value of ``expr`` (each ``%q`` = this alert's run, quotes escaped), or none."""
+    runs = " ".join(["$labels.run"] * expr.count("%q"))
     return (
-        f'{{{{ with printf "{expr}" $labels.run | query }}}}{{{{ . | first | value | printf "{fmt}" }}}}'
+        f'{{{{ with printf "{expr}" {runs} | query }}}}{{{{ . | first | value | printf "{fmt}" }}}}'
         "{{ else }}none{{ end }}"
     )
 

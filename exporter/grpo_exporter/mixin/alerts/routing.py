@@ -47,9 +47,7 @@ def _worst_layers(fmt: str = "%.3g") -> str:
 def _early_level() -> str:
     """Template text: the run's early share of differing decisions, else the reference run's."""
     sel = f'run=%q,metric=\\"{EARLY}\\"'
-    expr = f"max(grpo_run_anchor{{{sel}}}) or max(grpo_reference_baseline{{{sel}}})"
-    return (f'{{{{ with printf "{expr}" $labels.run $labels.run | query }}}}{{{{ . | first | value | printf "%.3g" }}}}'
-            "{{ else }}none{{ end }}")
+    return template_query(f"max(grpo_run_anchor{{{sel}}}) or max(grpo_reference_baseline{{{sel}}})", "%.3g")
 
 
 def alerts(c: MixinConfig) -> list[Alert]:
