@@ -35,8 +35,11 @@ import torch
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.demo.scenarios import SCENARIOS, STEPS_PER_SECOND, Scenario
 from grpo_exporter.demo.stack import Page, Stack
+from grpo_exporter.demo.task import FIRST_SYMBOL, decode
 from grpo_exporter.demo.trainer import DemoConfig, Trainer, warm_snapshot
 from grpo_exporter.mixin.config import RUNBOOKS
+from grpo_exporter.recorder.reading_doc import for_page
+from grpo_exporter.recorder.reading_source import load, page_of
 from services import prometheus_query
 
 HEALTHY_SEEDS = {"healthy": (0, 1, 2), "healthy-reverse": (0, 1, 2), "healthy-tool": (0, 1), "healthy-moe": (0, 1)}
@@ -73,6 +76,7 @@ class Run:
     steps: int = 0
     step_ends: list[float] = field(default_factory=list)  # monotonic time at the end of each step
     error: BaseException | None = None
+    reading: dict | None = None  # the rollouts the expected page linked, fetched from that link while it served
     label: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,7 +90,7 @@ END_VISIBLE_S = 13.0
 def _monitor(run: Run) -> GRPOMonitor:
     cfg = SCENARIOS[run.scenario].config(run.seed)
     return GRPOMonitor(run=run.label, port=0, guard="off", edit_distance_groups=0, close_linger_s=10.0,
-                       **cfg.monitor_settings())
+                       decode=decode, **cfg.monitor_settings())
 
 
 def _end(run: Run, mon: GRPOMonitor, stack: Stack) -> None:
@@ -122,8 +126,10 @@ def _train(run: Run, mon: GRPOMonitor, stack: Stack, warm: dict[str, object], en
             run.step_ends.append(time.monotonic())
             if run.injected_at is not None:
                 now = time.monotonic()
-                if quiet_until is None and any(p.run == run.label and p.alert == expected for p in stack.pages):
+                page = next((p for p in stack.pages if p.run == run.label and p.alert == expected), None)
+                if quiet_until is None and page is not None:
                     quiet_until = max(now + QUIET_AFTER_S, run.injected_at + run.train_after_s)
+                    run.reading = _read(page)
                 given_up = (now - run.injected_at > PAGE_WITHIN_S + 5
                             and run.steps - scenario.inject_at > PAGE_WITHIN_STEPS + 10)
                 if (quiet_until is not None and now > quiet_until) or given_up:
@@ -133,6 +139,13 @@ def _train(run: Run, mon: GRPOMonitor, stack: Stack, warm: dict[str, object], en
         ends.submit(_end, run, mon, stack)
     except BaseException as exc:  # reported by the test, with the run
         run.error = exc
+
+
+def _read(page: Page) -> dict | None:
+    """The rollouts a page links, as ``grpo-exporter read`` fetches them (None: the page has no link)."""
+    if not page.reading:
+        return None
+    return for_page(load(page.reading), *page_of(page.reading))
 
 
 def _warm(config: DemoConfig) -> dict[str, object]:
@@ -230,6 +243,8 @@ def test_fault_pages_its_alert_and_layer(fleet, name):
     assert page.layer == scenario.layer
     assert page.receiver == ("pager" if page.severity == "critical" else "default"), page
     assert page.runbook == f"{RUNBOOKS}#{page.alert.lower()}"
+    assert page.reading.startswith("http://127.0.0.1:")
+    assert f"/reading?alert={page.alert}&" in page.reading
     assert f"FIRING {page.alert} layer={page.layer}" in page.line()
     late_s = page.received_at - run.injected_at
     late_steps = sum(t <= page.received_at for t in run.step_ends) - scenario.inject_at
@@ -237,6 +252,57 @@ def test_fault_pages_its_alert_and_layer(fleet, name):
     if scenario.layer == "1-gradient" and page.severity == "critical":
         downstream = [(p.alert, p.layer) for p in mine if p.layer in DOWNSTREAM]
         assert downstream == [], "a layer-1 gate fired: its run's layer 2-4 and optimizer pages must be inhibited"
+
+
+def _rows(run: Run, kind: str) -> list[dict]:
+    """The rows of ``kind`` in the newest window of the reading set the run's page linked."""
+    assert run.reading is not None, "the page linked no reading set"
+    return run.reading["windows"][0]["rows"][kind]
+
+
+def _run(fleet, name: str) -> Run:
+    return next(r for r in fleet[0] if r.scenario == name and not r.also)
+
+
+def test_the_reward_hack_page_brings_the_hacked_answers(fleet):
+    """The reading set a GRPORewardHackSuspected page links (seed: 人工阅读 reward 最高和增长最快的样本, read the
+    highest-reward and fastest-rising samples by hand): its top rows are the hack, well-formed answers opening
+    with the paid symbol, paid by the format component (2x a correct answer) while the verifier says wrong."""
+    run = _run(fleet, "reward-hack")
+    paid = chr(ord("a"))  # the demo's decode writes FIRST_SYMBOL as "a"
+    assert FIRST_SYMBOL == 4
+    for kind in ("highest_reward", "rising_component"):
+        rows = _rows(run, kind)
+        hacked = [r for r in rows if r["reward_components"] == {"correctness": 0.0, "format": 1.0}
+                  and r["reward"] >= 2.0 and r["completion"].startswith(paid) and r["completion"].endswith("<eos>")]
+        assert rows, kind
+        assert len(hacked) >= len(rows) / 2, (kind, rows)
+    assert "truncated" not in run.reading["windows"][0]["rows"]  # only what this page needs
+
+
+def test_the_truncation_page_brings_answers_cut_short(fleet):
+    """The reading set a GRPOTruncationSurge page links: truncated completions, cut at the new maximum length (3
+    tokens) before their end-of-sequence, beside a control of the same window."""
+    run = _run(fleet, "truncation")
+    rows = _rows(run, "truncated")
+    assert rows
+    assert all(r["truncated"] and r["length"] == 3 and "<eos>" not in r["completion"] and len(r["completion"]) == 3
+               for r in rows), rows
+    assert _rows(run, "control")
+
+
+def test_the_collapse_page_brings_groups_of_identical_answers(fleet):
+    """The reading set a GRPOEntropyCollapse page links: groups whose completions became one completion, copied
+    across the group, and the groups of lowest entropy."""
+    run = _run(fleet, "entropy-collapse")
+    group = SCENARIOS["entropy-collapse"].config(run.seed).group_size
+    repeated = _rows(run, "repeated_groups")
+    assert repeated
+    assert repeated[0]["copies"] >= group / 2, repeated
+    assert all(r["completion"].endswith("<eos>") for r in repeated)
+    low = _rows(run, "lowest_entropy_groups")
+    assert low
+    assert low[0]["group_entropy_nats"] < 0.1, low
 
 
 @pytest.mark.parametrize(("gate", "downstream"), list(COMBOS))

@@ -1,8 +1,11 @@
-"""One step, one device-to-host transfer: every way a tensor reaches the host is counted during the call,
-except the step's reads of its own host copy after the transfer (``reading_host_copy``: on the CPU the host copy
-is the device block itself, so only the step can tell those apart)."""
+"""One step, one device-to-host transfer: every way a tensor reaches the host is counted during the call, on the
+training thread (the monitor's own threads, e.g. the reading set's, take their rows off the step), except the
+step's reads of its own host copy after the transfer (``reading_host_copy``: on the CPU the host copy is the
+device block itself, so only the step can tell those apart)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -18,11 +21,12 @@ HOST_METHODS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__boo
 @pytest.fixture
 def host_calls(monkeypatch):
     calls: list[str] = []
+    training = threading.get_ident()
     for name in HOST_METHODS:
         original = getattr(torch.Tensor, name)
 
         def spy(self, *args, __name=name, __original=original, **kwargs):
-            if not reading_host_copy():
+            if not reading_host_copy() and threading.get_ident() == training:
                 calls.append(__name)
             return __original(self, *args, **kwargs)
 

@@ -263,7 +263,8 @@ ROUTING_SPLIT = ("agrees", "differs")  # the tokens whose MoE routing agrees wit
 ROUTING_SIDES = ("trainer", "engine")
 TURNS = ("1", "2", "3", "4", "5+")  # the model turns of a multi-turn completion; the last gathers the later ones
 STAGES = ("rollout", "update", "grad", "guard", "publish", "scrape", "distributed")
-ERROR_STAGES = (*STAGES, "recorder", "targets")  # threads of their own: the flight recorder, the target file
+# threads of their own: the flight recorder, the reading set, the target file
+ERROR_STAGES = (*STAGES, "recorder", "reading", "targets")
 #: why a stage call of a monitor with compile_step="auto" took the eager step (grpo_exporter.runtime.compilation)
 COMPILE_FALLBACKS = ("compiler", "run", "recompile", "late", "busy", "pending")
 
@@ -1055,6 +1056,14 @@ CATALOG: tuple[Metric, ...] = (
         "grpo_recorder_removed_incidents_total", C,
         "Incidents removed, oldest first, to keep recorder_dir within recorder_disk_budget_bytes.",
         L, "incidents", inputs=("recorder_dir",), source=Source.MONITOR,
+    ),
+    Metric(
+        "grpo_reading_rollouts", GA,
+        "Rollouts held in the run's reading set (reading_rows per kind and window: the highest rewards, the "
+        "fastest-rising component, truncations, repeated and low-entropy groups, a control), served at /reading on "
+        "the metrics port by the serving rank; every page of layers 1-4 links them, from `scheme` and the "
+        "scrape's `instance`. Absent where nothing serves. Text is kept only with reading_text.",
+        L, labels=(Label("scheme", ("http", "https")),), inputs=("reading_rows",), source=Source.MONITOR,
     ),
     Metric(
         "grpo_reference_baseline", GA,

@@ -242,6 +242,21 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read(args: argparse.Namespace) -> int:
+    from grpo_exporter.recorder.reading_doc import ReadingQueryError, dumps, for_page, render_text
+    from grpo_exporter.recorder.reading_source import ReadingSourceError, load, page_of
+
+    alert, layer = page_of(args.source)
+    try:
+        page = for_page(load(args.source, args.user, args.ca_file), args.alert or alert, args.layer or layer,
+                        args.windows)
+    except (ReadingSourceError, ReadingQueryError) as exc:
+        print(f"grpo-exporter read: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(dumps(page).decode() + "\n" if args.json else render_text(page, args.rows))
+    return 0
+
+
 def _scenario_names() -> list[str]:
     from grpo_exporter.demo.scenarios import SCENARIOS
 
@@ -336,6 +351,27 @@ def _add_inspect(commands: Subparsers) -> None:
     inspect.set_defaults(run=_inspect)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
+def _add_read(commands: Subparsers) -> None:
+    read = commands.add_parser("read", help="the rollouts to read before the curves: a run's reading set, one "
+                               "rollout at a time with its reward components")
+    read.add_argument("source", metavar="SOURCE", help="the link a page gives (the exporter's /reading), a reading "
+                      "file (reading-<run>-r<rank>.json), an incident directory, or a recorder_dir")
+    read.add_argument("--alert", help="only the rollouts this alert's page needs (default: the link's)")
+    read.add_argument("--layer", help="only the rollouts this layer's pages need, e.g. 2-reward")
+    read.add_argument("--windows", type=_positive, default=None, help="the newest N windows only")
+    read.add_argument("--rows", type=_positive, default=None, help="rows per kind and window to show")
+    read.add_argument("--user", help="basic auth user; the password is read from GRPO_EXPORTER_READ_PASSWORD")
+    read.add_argument("--ca-file", type=Path, help="the CA bundle that signed the exporter's TLS certificate")
+    read.add_argument("--json", action="store_true", help="print the reading set as JSON, for tools")
+    read.set_defaults(run=_read)
+
+
 def _add_hash_password(commands: Subparsers) -> None:
     hashing = commands.add_parser("hash-password", help="print a basic_auth_password_hash for the exporter config")
     hashing.add_argument("--password", help="the password (prompted for when omitted)")
@@ -375,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"grpo-exporter {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (_add_catalog, _add_rules, _add_dashboards, _add_kubernetes, _add_reference, _add_demo, _add_bench,
-                _add_inspect, _add_hash_password, _add_targets):
+                _add_inspect, _add_read, _add_hash_password, _add_targets):
         add(commands)
     return parser
 

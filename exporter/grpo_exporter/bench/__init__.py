@@ -57,7 +57,8 @@ class SizeResult:
     anomalous_s: float = 0.0  # the step with the recorder on, every step anomalous (a NaN reward)
     anomalous_host_reads: int = 0
     naive_core_s: float = 0.0  # the naive code on the seed's core metrics only
-    same_set_s: float = 0.0  # the monitor's step with its edit-distance job off: the naive code's metric set
+    same_set_s: float = 0.0  # the monitor's step with its edit-distance job and reading set off: the naive code's set
+    unread_s: float = 0.0  # the monitor's step with its reading set off (reading_rows=0)
     page_faults: float = 0.0  # minor page faults of the process during the monitor step (median)
     syncs: int | None = None  # CUDA: synchronising calls per step (set_sync_debug_mode("warn"))
     update_sync_error: str = ""  # CUDA: what "error" mode around the micro-batch updates raised
@@ -92,6 +93,11 @@ class SizeResult:
     def vs_recorder(self) -> float:
         """recorder on / off: 1 = free."""
         return self.recorder_s / self.monitor_s
+
+    @property
+    def vs_reading(self) -> float:
+        """the monitor's step (its reading set on, the default) / the same with it off: 1 = free."""
+        return self.monitor_s / self.unread_s
 
     @property
     def vs_anomalous(self) -> float:
@@ -190,11 +196,12 @@ class _Monitors:
         self.fixed = new_monitor(edit_distance_groups=0)
         self.mon = new_monitor()
         self.recording = new_monitor(recorder_dir=self.records.name)
-        self.same_set = new_monitor(edit_distance_groups=0)
+        self.same_set = new_monitor(edit_distance_groups=0, reading_rows=0)
         self.anomalous = new_monitor(recorder_dir=self.records.name)
+        self.unread = new_monitor(reading_rows=0)
 
     def close(self) -> None:
-        for monitor in (self.mon, self.recording, self.same_set, self.anomalous, self.fixed):
+        for monitor in (self.mon, self.recording, self.same_set, self.anomalous, self.fixed, self.unread):
             monitor.close()
         self.records.cleanup()
 
@@ -208,8 +215,8 @@ def _timed_rounds(m: _Monitors, rounds: int) -> dict[str, float]:
         step = r + 1
         sample: dict[str, float] = {}
         runs = [("monitor", m.mon, w, "worker"), ("recorder", m.recording, w, "_"),
-                ("anomalous", m.anomalous, m.bad, "_"), ("same_set", m.same_set, w, "_")]
-        for key, monitor, work, after in runs[r % 4:] + runs[: r % 4]:
+                ("anomalous", m.anomalous, m.bad, "_"), ("same_set", m.same_set, w, "_"), ("unread", m.unread, w, "_")]
+        for key, monitor, work, after in runs[r % 5:] + runs[: r % 5]:
             faults = minor_faults()
             sample[key] = _timed(functools.partial(monitor_step, monitor, work, step))
             if key == "monitor":
@@ -270,6 +277,7 @@ def measure_size(loss_tokens: int, rounds: int, device: torch.device, shape: str
         loss_tokens=w.loss_tokens, n=w.n, t=w.t, monitor_s=median["monitor"], naive_s=median["naive"],
         floor_s=median["floor"], worker_s=median["worker"], recorder_s=median["recorder"],
         anomalous_s=median["anomalous"], naive_core_s=median["naive_core"], same_set_s=median["same_set"],
+        unread_s=median["unread"],
         page_faults=median["faults"], fixed_s=median["fixed"], shape=shape, **found,
     )
 
@@ -335,8 +343,8 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
         "| naive / monitor, same metric set | naive, core / monitor step | monitor step / floor | worker after step "
         "| aten ops / step | host reads / step | tensors from Python data / step | scrape render | exposition "
         "| recorder on / off | host reads, recorder on | anomalous step, recorder on / off | host reads, anomalous "
-        "| page faults / step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| page faults / step | reading set on / off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
@@ -346,7 +354,7 @@ def table(results: Sequence[SizeResult], long: LongRun, workers: Sequence[Worker
             f"| {r.worker_s * 1e3:.1f} ms "
             f"| {r.operators} | {r.host_reads} | {r.from_python} | {r.render_s * 1e3:.2f} ms "
             f"| {r.exposition_bytes / 1024:.1f} KiB | {r.vs_recorder:.2f}x | {r.recorder_host_reads} "
-            f"| {r.vs_anomalous:.2f}x | {r.anomalous_host_reads} | {r.page_faults:,.0f} |"
+            f"| {r.vs_anomalous:.2f}x | {r.anomalous_host_reads} | {r.page_faults:,.0f} | {r.vs_reading:.2f}x |"
         )
     lines += [
         "",

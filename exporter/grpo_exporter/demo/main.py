@@ -43,10 +43,7 @@ def run_demo(
         out(f"note: {INSTALL_HINT}; running the exporter and its in-process guard only")
         stack = False
     pages: list[str] = []
-
-    def page(p: Page) -> None:
-        pages.append(p.line())
-        out(p.line())
+    page = _pager(pages, out, s.expected_alerts)
 
     cfg = s.config(seed)
     # the demo's own stack stops before the exporter closes (below): nobody is left to see the end, so no linger
@@ -81,3 +78,29 @@ def run_demo(
         out(f"flight recorder: {len(written)} incident(s) in {record}"
             + (f"; read the latest with: grpo-exporter inspect {written[-1]}" if written else ""))
     return pages
+
+
+def _pager(pages: list[str], out: Callable[[str], None], expected: tuple[str, ...]) -> Callable[[Page], None]:
+    """What the demo's receiver does with a page: print it, and for the first page of an expected alert the
+    rollouts it links (read first: what the person on call sees)."""
+    read: set[str] = set()
+
+    def page(p: Page) -> None:
+        pages.append(p.line())
+        out(p.line())
+        if p.status == "firing" and p.alert in expected and p.alert not in read and p.reading:
+            read.add(p.alert)
+            out(_reading(p.reading))
+
+    return page
+
+
+def _reading(url: str) -> str:
+    """The newest window of the reading set a page links, two rows a kind, as ``grpo-exporter read`` prints it."""
+    from grpo_exporter.recorder.reading_doc import for_page, render_text
+    from grpo_exporter.recorder.reading_source import ReadingSourceError, load, page_of
+
+    try:
+        return f"read first (grpo-exporter read {url}):\n" + render_text(for_page(load(url), *page_of(url), 1), 2)
+    except ReadingSourceError as exc:
+        return f"the rollouts to read could not be fetched: {exc}"

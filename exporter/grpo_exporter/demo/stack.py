@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import shutil
 import signal
 import socket
@@ -56,6 +57,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def reading_link(description: str) -> str:
+    """The link a page's description gives to the rollouts to read first (:func:`~grpo_exporter.mixin.promql.
+    reading_link`), or ''."""
+    found = re.search(r"Rollouts to read first: (\S+)", description)
+    return found.group(1) if found else ""
+
+
 @dataclass(frozen=True)
 class Page:
     receiver: str
@@ -66,6 +74,7 @@ class Page:
     run: str
     summary: str
     runbook: str
+    reading: str = ""  # the link to the rollouts to read first, from the description (empty without a reading set)
     received_at: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
@@ -87,7 +96,8 @@ class _Receiver:
                     labels, notes = alert.get("labels", {}), alert.get("annotations", {})
                     page = Page(self.path.strip("/"), alert.get("status", ""), labels.get("alertname", ""),
                                 labels.get("layer", ""), labels.get("severity", ""), labels.get("run", ""),
-                                notes.get("summary", ""), notes.get("runbook_url", ""))
+                                notes.get("summary", ""), notes.get("runbook_url", ""),
+                                reading_link(notes.get("description", "")))
                     with lock:
                         receiver.pages.append(page)
                     on_page(page)

@@ -104,9 +104,10 @@ class DemoConfig:
     routing_replay: bool = False
 
     def monitor_settings(self) -> dict[str, Any]:
-        """The GRPOMonitor settings this loop implies (its group size, clip, fuse and experts per MoE layer)."""
+        """The GRPOMonitor settings this loop implies (its group size, clip, fuse and experts per MoE layer); the
+        reading set keeps its text (the demo's prompts are synthetic: nothing private)."""
         return {"group_size": self.group_size, "clip_eps": self.clip_eps, "log_ratio_clamp": self.log_ratio_clamp,
-                "moe_experts": self.experts or None}
+                "moe_experts": self.experts or None, "reading_text": True}
 
 
 @dataclass

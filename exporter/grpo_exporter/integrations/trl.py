@@ -269,7 +269,7 @@ class _RolloutReading(TrainerBase):
             "tool_mask": completion_mask & ~output["tool_mask"].bool() if "tool_mask" in output else None,
             "old_logprobs": output.get("old_per_token_logps"),
             "rollout_logprobs": output.get("sampling_per_token_logps"),
-            "prompt_tokens": output.get("prompt_ids"),  # read by the flight recorder only
+            "prompt_tokens": output.get("prompt_ids"),  # read by the flight recorder and the reading set only
         }
         if self._grpo_generated is not None and len(self._grpo_generated[0]) == n:
             truncated, lengths = self._grpo_generated
@@ -375,7 +375,8 @@ class GRPOMonitorMixin(_RolloutReading, UpdateReading):
                 **({"correctness_component": verifier} if verifier else {}), **(monitor_settings or {}),
             }
             tok = self.processing_class
-            decode = (lambda ids: tok.decode(ids)) if hasattr(tok, "decode") else None  # the flight recorder's rows
+            # the text of the flight recorder's and the reading set's rows
+            decode = (lambda ids: tok.decode(ids)) if hasattr(tok, "decode") else None
             monitor = GRPOMonitor(**settings, decode=decode)
         say_what_differs(self.args, monitor, self._grpo_owns_monitor, norm, loss, verifier,
                           bool(self.args.use_vllm or self.rollout_func))

@@ -204,7 +204,7 @@ def observe_dataproto(
             "completion_mask": window,
             "old_logprobs": old,
             "rollout_logprobs": engine,
-            "prompt_tokens": rows.take(_tensor(batch, "prompts")),  # read by the flight recorder only
+            "prompt_tokens": rows.take(_tensor(batch, "prompts")),  # read by the recorder and reading set only
         }
         device = responses.device
         rollout |= _verdicts(rows, correct_key, _prompt_ids(monitor, rows, prompt_key, batch), component_keys,

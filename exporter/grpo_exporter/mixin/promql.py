@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from grpo_exporter.catalog import Layer
 from grpo_exporter.mixin.config import MixinConfig, Severity
+from grpo_exporter.recorder.reading_doc import BY_LAYER
 
 BY = "job, run"
 
@@ -56,26 +57,43 @@ class Alert:
             rule["keep_firing_for"] = c.window(c.trend_window_steps)
         elif self.event:
             rule["keep_firing_for"] = c.window()  # one episode per burst of events, not one per event
+        layer = self.layer.value if isinstance(self.layer, Layer) else self.layer
         return rule | {
             "labels": {
                 "severity": c.severities.get(self.name, self.severity),
-                "layer": self.layer.value if isinstance(self.layer, Layer) else self.layer,
+                "layer": layer,
                 "family": self.family,
             },
             "annotations": {
                 "summary": self.summary,
-                "description": self.description + (INCIDENT if self.severity != "none" else ""),
+                "description": self.description + (INCIDENT + reading_link(self.name, layer)
+                                                   if self.severity != "none" else ""),
                 "runbook_url": f"{c.runbook_url}#{self.name.lower()}",
             },
         }
 
 
+#: the layers whose pages link the rollouts to read (a liveness page has none)
+READING_LAYERS = tuple(BY_LAYER)
 # Every page's description ends with where the flight recorder's latest incident of the run lies, when it wrote one
 INCIDENT = (
     '{{ with printf "grpo_recorder_latest_incident_step{run=%q}" $labels.run | query }}{{ with first . }} Flight '
     'recorder: incident {{ label "incident" . }} (first anomalous step {{ value . | printf "%.0f" }}) in '
     '{{ label "directory" . }}; read it with `grpo-exporter inspect`.{{ end }}{{ end }}'
 )
+
+
+def reading_link(alert: str, layer: str) -> str:
+    """Where the rollouts this page needs lie (the serving exporter's ``/reading``, read before any curve), for an
+    alert of layers 1-4 of a run that publishes a reading set; the link is the scheme the exporter serves and the
+    address Prometheus scrapes it at (``instance``)."""
+    if layer not in READING_LAYERS:
+        return ""
+    query = f"alert={alert}&layer={layer}&format=text"
+    return ('{{ with printf "grpo_reading_rollouts{job=%q,run=%q}" $labels.job $labels.run | query }}'
+            '{{ with first . }} Rollouts to '
+            f'read first: {{{{ label "scheme" . }}}}://{{{{ label "instance" . }}}}/reading?{query} (or '
+            "`grpo-exporter read` that URL).{{ end }}{{ end }}")
 
 
 def template_value(fmt: str = "%.3g") -> str:

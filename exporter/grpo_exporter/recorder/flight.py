@@ -40,6 +40,7 @@ from torch import Tensor
 from grpo_exporter import catalog
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.inputs import StepInputs
+from grpo_exporter.recorder.reading_doc import dumps
 from grpo_exporter.recorder.rows import Decode, describe_rows, json_number, row_bytes, select_rows, take_rows
 from grpo_exporter.recorder.store import (
     INCIDENT_PREFIX,
@@ -179,6 +180,7 @@ class FlightRecorder:
         self._queued: list[Future[None]] = []
         self._pool = DaemonExecutor("grpo-exporter-recorder", initializer=worker_thread)
         self.between_files: Callable[[], None] | None = None  # test hook: called after each file written
+        self.reading: Callable[[], dict[str, Any]] | None = None  # the run's reading set, written beside incidents
         # counters start at 0, so the first incident is an increase; the usage of what the directory holds
         publication.add({_INCIDENTS.key(): 0.0, _REMOVED.key(): 0.0})
         publication.merge({_USAGE.key(): float(sum(size_of(p) for p in incidents(self.root)))})
@@ -325,7 +327,11 @@ class FlightRecorder:
             "stop_lines": self._lines.model_dump(), "torch_initial_seed": torch.initial_seed(),
             "history": incident.history, "states": described,
         }
+        if self.reading is not None:  # the rollouts the layers' pages read, as they stand when it is written
+            files["reading.json"] = dumps(self.reading())
         files["incident.json"] = json.dumps(manifest, indent=1, allow_nan=False).encode()
+        if sum(len(b) for b in files.values()) > self._budget:  # the reading set goes first, then the rows
+            files.pop("reading.json", None)
         if sum(len(b) for b in files.values()) > self._budget:  # the rows alone break the budget: keep the summary
             files = {"incident.json": json.dumps(manifest | {"raw_rows": "left out: over the disk budget"},
                                                  indent=1, allow_nan=False).encode()}

@@ -53,7 +53,7 @@ def _spread_index(n: int, rows: int, device: torch.device) -> Tensor:
     return torch.tensor(spread_rows(n, rows), dtype=torch.long, device=device)  # made once per shape and device
 
 
-def _positions(x: StepInputs) -> Tensor | None:
+def positions_of(x: StepInputs) -> Tensor | None:
     """(N, T) completion positions: the completion mask, else positions below the completion lengths."""
     if x.completion_mask is not None:
         return x.completion_mask
@@ -64,9 +64,9 @@ def _positions(x: StepInputs) -> Tensor | None:
     return completion_positions(x.completion_lengths, width)
 
 
-def _tokens(x: StepInputs) -> Tensor | None:
+def tokens_of(x: StepInputs) -> Tensor | None:
     """The (N, T) tokens the step's metrics read: the loss mask, else the completion positions."""
-    return x.loss_mask if x.loss_mask is not None else _positions(x)
+    return x.loss_mask if x.loss_mask is not None else positions_of(x)
 
 
 def _masked_abs(a: Tensor, b: Tensor, mask: Tensor | None) -> Tensor:
@@ -79,7 +79,7 @@ def row_scores(x: StepInputs, cfg: MetricsConfig | None = None) -> dict[str, Ten
     """(N,) float scores per kind, each > 0 only on rows that can drive its trigger; kinds whose inputs are
     missing are absent. With ``cfg`` the advantage score is |A| only on rows above their group's normalisation
     bound (the rows the ``advantage_bound`` trigger counted), else |A| on every row."""
-    mask = _tokens(x)
+    mask = tokens_of(x)
     scores: dict[str, Tensor] = {}
     bad = None
     for name in TOKEN_FLOATS:
@@ -99,7 +99,7 @@ def row_scores(x: StepInputs, cfg: MetricsConfig | None = None) -> dict[str, Ten
             bad = c if bad is None else bad + c
     if bad is not None:
         scores["nonfinite"] = bad.float()
-    positions = _positions(x)
+    positions = positions_of(x)
     if x.loss_mask is not None and positions is not None:
         outside = (x.loss_mask & ~positions).sum(1)
         scores["mask"] = (outside + (x.loss_mask.sum(1) - positions.sum(1)).abs()).float()
@@ -192,23 +192,27 @@ def json_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-def _text(ids: list[int], decode: Decode | None) -> str | list[int]:
+def decoded(ids: list[int], decode: Decode) -> str:
     """The row's text by ``decode``, whatever it returns or raises: a string as given; bytes as UTF-8 (bad
     bytes replaced); anything else as its repr; an exception (SystemExit and a cancellation included: the user's
     callback must never end the writer or escape close()) as its ids, and why. Ctrl-C still stops it."""
-    if decode is None:
-        return ids[:TEXT_IDS]
     try:
         text: object = decode(ids)
         if isinstance(text, bytes | bytearray):
-            text = bytes(text).decode("utf-8", "replace")
-        elif not isinstance(text, str):
-            text = f"<decode returned {type(text).__name__}> {text!r}"
-        return str(text)[:TEXT_CHARS]
+            return bytes(text).decode("utf-8", "replace")
+        if not isinstance(text, str):
+            return f"<decode returned {type(text).__name__}> {text!r}"
+        return text
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a tokenizer that fails on this row: its ids instead, and why
-        return f"<decode failed: {type(exc).__name__}> {ids}"[:TEXT_CHARS]
+        return f"<decode failed: {type(exc).__name__}> {ids}"
+
+
+def _text(ids: list[int], decode: Decode | None) -> str | list[int]:
+    """The row's text (:func:`decoded`), at most :data:`TEXT_CHARS`; its first :data:`TEXT_IDS` ids without
+    ``decode``."""
+    return ids[:TEXT_IDS] if decode is None else decoded(ids, decode)[:TEXT_CHARS]
 
 
 def _on_tokens(t: Tensor, mask: Tensor | None) -> Tensor:

@@ -161,7 +161,7 @@ def inputs_reference() -> str:
         *(_row(name, spec) for name, spec in keywords.items()), "",
         "`observe_rollout` also takes `prompt_ids` (N,) the prompt each completion answers (integers or strings, "
         "hashed; the solve-rate model and the flight recorder group by it), `prompt_tokens` (N, S) for the flight "
-        "recorder, and `dropped_stale_total`. `observe_regression(step, correct)` and `observe_retrieval(step, "
-        "scores, own_prompt)` take evaluation results.", "",
+        "recorder and the reading set's text, and `dropped_stale_total`. `observe_regression(step, correct)` and "
+        "`observe_retrieval(step, scores, own_prompt)` take evaluation results.", "",
         RULES,
     ])

@@ -1,6 +1,7 @@
-"""A monitor's parts, built once from its validated config: the publication and its reporter, the run's state,
-the rank reducer (several ranks, ``distributed="merge"``), the stitcher, the edit-distance worker, the flight
-recorder (``recorder_dir``), the stages that drive them, and the scrape endpoint (served on rank 0)."""
+"""A monitor's parts, built once from its validated config: the publication and its reporter, the run's state, the rank
+reducer (several ranks, ``distributed="merge"``), the stitcher, the edit-distance worker, the flight recorder
+(``recorder_dir``), the reading set (``reading_rows``), the stages that drive them, and the scrape endpoint (served
+on rank 0)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from collections.abc import Callable
 
 from prometheus_client.registry import CollectorRegistry
 
+from grpo_exporter import catalog
 from grpo_exporter.ranks import distributed
 from grpo_exporter.ranks.layout import Layout
 from grpo_exporter.recorder.flight import FlightRecorder
+from grpo_exporter.recorder.reading_doc import respond
+from grpo_exporter.recorder.reading_set import ReadingSet
 from grpo_exporter.recorder.store import FreeFloor
 from grpo_exporter.runtime.anchors import RunAnchors
 from grpo_exporter.runtime.background import EditDistanceWorker
@@ -29,6 +33,7 @@ from grpo_exporter.step import families_of
 from grpo_exporter.stitching import StepStitcher
 
 log = logging.getLogger("grpo_exporter")
+_ROLLOUTS = catalog.metric("grpo_reading_rollouts")
 
 
 def _flight_recorder(config: MonitorConfig, rank: int, world: int, publication: Publication, report: Reporter,
@@ -45,6 +50,33 @@ def _flight_recorder(config: MonitorConfig, rank: int, world: int, publication: 
         state_bytes=config.recorder_max_state_bytes, publication=publication,
         on_error=lambda exc: report.error("recorder", exc, "flight recorder"), decode=decode, metrics=config,
     )
+
+
+def _reading_set(config: MonitorConfig, rank: int, world: int, publication: Publication, report: Reporter,
+                 decode: Callable[[list[int]], str] | None) -> ReadingSet | None:
+    """The reading set ``reading_rows`` asks for (None at 0)."""
+    if not config.reading_rows:
+        return None
+
+    def on_error(exc: BaseException) -> None:  # from the reading thread: counted, logged and published
+        with publication.writing:
+            report.error("reading", exc, "reading set")
+            publication.publish()
+
+    return ReadingSet(run=config.run, rank=rank, world=world, rows=config.reading_rows,
+                      window_steps=config.reading_window_steps, windows=config.reading_windows,
+                      text=config.reading_text, group_size=config.group_size, decode=decode, on_error=on_error)
+
+
+def _link_reading(reading: ReadingSet | None, endpoint: Endpoint, publication: Publication) -> None:
+    """Where the endpoint serves ``/reading``, publish how many rollouts it holds, labelled with the scheme the
+    pages' links need (:data:`~grpo_exporter.mixin.promql.READING`)."""
+    scheme = endpoint.scheme
+    if reading is None or scheme is None:
+        return
+    key = _ROLLOUTS.key(scheme=scheme)
+    reading.on_held = lambda held: publication.commit(merge={key: float(held)}, families=[_ROLLOUTS.name])
+    reading.on_held(reading.held_rows())
 
 
 def _reducer(config: MonitorConfig, world: int, report: Reporter) -> distributed.Reducer | None:
@@ -95,16 +127,19 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
     edit_worker = EditDistanceWorker(
         publication, lambda exc: report.error("rollout", exc, "edit distance worker"), config.edit_distance_budget_s,
     )
+    reading = _reading_set(config, rank, world, publication, report, decode)
     stages = Stages(config, RunState(config), publication, report, _reducer(config, world, report),
                     StepStitcher(config.max_pending_micro_steps), edit_worker,
-                    _flight_recorder(config, rank, world, publication, report, decode))
+                    _flight_recorder(config, rank, world, publication, report, decode), reading)
     publication.merge(static_values(config))
     publication.publish()
     try:
         endpoint = Endpoint(publication, config.run, registry, lambda exc: report.error("scrape", exc),
                             _listen(config) if rank == 0 else None,
                             None if config.strict else lambda exc, port: _busy_port(report, exc, port, config),
-                            None if config.strict else lambda exc: _target_error(report, publication, exc))
+                            None if config.strict else lambda exc: _target_error(report, publication, exc),
+                            (lambda query: respond(reading.document(), query)) if reading is not None else None)
+        _link_reading(reading, endpoint, publication)
     except BaseException:  # a failed construction leaves no thread running and the registry as it was
         stages.stop_workers()
         raise

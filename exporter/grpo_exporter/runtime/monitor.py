@@ -120,14 +120,14 @@ class GRPOMonitor:
         ``group_ids`` and ``prompt_ids`` may be integer tensors or sequences of strings or integers (verl's
         ``uid``, prompt text): strings are hashed stably (:mod:`grpo_exporter.ids`), a host-to-device copy of N
         integers. ``prompt_tokens`` (N, S) prompt token ids are read only by the flight recorder
-        (``recorder_dir``), for its rows. Multi-turn and asynchronous loops add what they count themselves:
-        ``turns`` (N,) model turns per completion, ``partial`` (N,) completions generated over more than one
-        policy version, ``tool_calls`` and ``tool_failures`` this batch's tool calls and failed ones (ints),
-        ``tool_mask`` (N, T) the positions tools wrote (the readings are of the model's tokens; the mask audit
-        names loss on tool output and lengths that count tool tokens), ``aborted_completions`` the completions
-        the rollout aborted (an int), and ``dropped_stale_total`` the loop's running total of completions it
-        dropped as too stale (an int). A
-        dynamic-sampling loop (DAPO) hands the kept batch with ``generated_groups`` and
+        (``recorder_dir``) and the reading set (with ``reading_text``), for their rows. Multi-turn and
+        asynchronous loops add what they count themselves: ``turns`` (N,) model turns per completion, ``partial``
+        (N,) completions generated over more than one policy version, ``tool_calls`` and ``tool_failures`` this
+        batch's tool calls and failed ones (ints), ``tool_mask`` (N, T) the positions tools wrote (the readings
+        are of the model's tokens; the mask audit names loss on tool output and lengths that count tool tokens),
+        ``aborted_completions`` the completions the rollout aborted (an int), and ``dropped_stale_total`` the
+        loop's running total of completions it dropped as too stale (an int). A dynamic-sampling loop (DAPO)
+        hands the kept batch with ``generated_groups`` and
         ``filtered_all_correct_groups``/``filtered_all_incorrect_groups``, what its filter counted (ints)."""
         step = self._check_call("observe_rollout", step)
         check_keywords("observe_rollout", fields)
@@ -230,9 +230,11 @@ class GRPOMonitor:
         return self._publication.snapshot()
 
     def wait_for_workers(self, timeout: float = 10.0) -> None:
-        """Block until the off-thread jobs (the edit-distance job, the flight recorder's writes) are done; for
-        tests and shutdown."""
+        """Block until the off-thread jobs (the edit-distance job, the reading set's merges, the flight recorder's
+        writes) are done; for tests and shutdown."""
         self._stages.edit_worker.wait(timeout)
+        if self._stages.reading is not None:
+            self._stages.reading.wait(timeout)
         if self._stages.recorder is not None:
             self._stages.recorder.wait(timeout)
 
@@ -249,9 +251,7 @@ class GRPOMonitor:
             return
         with contextlib.suppress(guard.TrainingSignalError):
             self.end_step()
-        if self._stages.recorder is not None:
-            with self._report.contained("recorder", "flight recorder", publish=True):
-                self._stages.recorder.close()
+        self._stages.close_readers()
         with self._publication.writing:
             self._stages.publish_held_audit()
             self._publication.merge({catalog.key("grpo_run_finished"): 1.0})

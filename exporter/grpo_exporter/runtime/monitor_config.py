@@ -1,6 +1,6 @@
 """The monitor's configuration: the metric math plus run identity, guard and baselines; the HTTP endpoint's and the
-flight recorder's fields come from their own modules (:mod:`grpo_exporter.serving.settings`,
-:mod:`grpo_exporter.recorder.settings`).
+flight recorder's and the reading set's fields come from their own modules (:mod:`grpo_exporter.serving.settings`,
+:mod:`grpo_exporter.recorder.settings`, :mod:`grpo_exporter.recorder.reading_settings`).
 
 One pydantic model, validated once at construction. Sources, later ones winning: defaults, a YAML file
 (read within limits: :mod:`grpo_exporter.config_files`), ``GRPO_EXPORTER_*`` environment variables (each parsed
@@ -21,6 +21,7 @@ from rapidfuzz import process
 from grpo_exporter import catalog
 from grpo_exporter.config import MetricsConfig
 from grpo_exporter.config_files import Oversized, check_value_size, load_yaml_mapping, short_repr
+from grpo_exporter.recorder.reading_settings import ReadingSettings
 from grpo_exporter.recorder.settings import RecorderSettings
 from grpo_exporter.runtime.config_environment import environment_settings, naming_variables
 from grpo_exporter.serving.settings import ServingSettings
@@ -30,7 +31,7 @@ from grpo_exporter.thresholds import EventLines, StopLines
 HOUR_S, DAY_S = 3600.0, 86400.0
 
 
-class MonitorConfig(MetricsConfig, StopLines, EventLines, RecorderSettings, ServingSettings):
+class MonitorConfig(MetricsConfig, StopLines, EventLines, RecorderSettings, ReadingSettings, ServingSettings):
     """Everything :class:`~grpo_exporter.runtime.monitor.GRPOMonitor` needs; the metric knobs are inherited."""
 
     run: str = Field(min_length=1, max_length=128, description="run id: the `run` label of every series")

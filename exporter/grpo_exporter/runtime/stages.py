@@ -1,5 +1,5 @@
 """The two stages of a step, run for the monitor: validate the inputs, compute the step (merged across ranks),
-update the run's state, publish, hand rows to the flight recorder, and say the guard's verdict.
+update the run's state, publish, hand rows to the flight recorder and the reading set, and say the guard's verdict.
 
 A rollout is computed at once (:meth:`Stages.rollout`); an update's micro-steps are held by the stitcher
 (:meth:`Stages.add_update`, :meth:`Stages.record_grad`) and computed together when the step ends
@@ -22,6 +22,7 @@ from grpo_exporter.ids import id_tensor
 from grpo_exporter.inputs import InputError, StepInputs, check_count, check_step, describe
 from grpo_exporter.ranks import distributed
 from grpo_exporter.recorder.flight import FlightRecorder
+from grpo_exporter.recorder.reading_set import ReadingSet
 from grpo_exporter.runtime import guard
 from grpo_exporter.runtime.background import EditDistanceWorker, edit_distance_carry
 from grpo_exporter.runtime.compilation import CompiledStages
@@ -65,15 +66,18 @@ def prompt_tokens_for(tokens: Tensor | None, inputs: StepInputs | None) -> Tenso
 
 class Stages:
     """The stage computations of one monitor, over the parts it owns (state, publication, reporter, rank
-    reducer, stitcher, edit-distance worker, flight recorder)."""
+    reducer, stitcher, edit-distance worker, flight recorder, reading set)."""
 
     def __init__(
         self, config: MonitorConfig, state: RunState, publication: Publication, report: Reporter,
         reducer: distributed.Reducer | None, stitcher: StepStitcher, edit_worker: EditDistanceWorker,
-        recorder: FlightRecorder | None,
+        recorder: FlightRecorder | None, reading: ReadingSet | None = None,
     ) -> None:
         self.config, self.state, self.publication, self.report = config, state, publication, report
         self.reducer, self.stitcher, self.edit_worker, self.recorder = reducer, stitcher, edit_worker, recorder
+        self.reading = reading
+        if recorder is not None and reading is not None:  # written beside each incident, and in recorder_dir
+            recorder.reading, reading.directory = reading.document, recorder.root
         self.compiled = CompiledStages(config, config.compile_step, config.compile_min_positions)
         if config.compile_step != "off":  # the counters exist from the start, at 0, so that rate() sees them
             fallbacks = catalog.metric("grpo_exporter_compiled_fallbacks_total")
@@ -110,13 +114,20 @@ class Stages:
             if inputs.completion_ids is not None:
                 self.edit_worker.submit(result.carried, inputs.completion_ids.shape[1])
         violations += self._publish_rollout(result)
+        if self.recorder is None and self.reading is None:
+            return violations
+        tokens = None
+        if self.recorder is not None or self.config.reading_text:  # read for their text only
+            with self.report.contained("recorder" if self.recorder else "reading",
+                                       "prompt_tokens (the rows are kept without)"):
+                tokens = prompt_tokens_for(prompt_tokens, inputs)
+        extra = {"prompt_ids": prompt_ids, "prompt_tokens": tokens}
         if self.recorder is not None:
             with self.report.contained("recorder", "flight recorder"):
-                tokens = None
-                with self.report.contained("recorder", "flight recorder: prompt_tokens (the rows are kept without)"):
-                    tokens = prompt_tokens_for(prompt_tokens, inputs)
-                extra = {"prompt_ids": prompt_ids, "prompt_tokens": tokens}
                 self.recorder.observe("rollout", step, inputs, result.metrics, extra)
+        if self.reading is not None:
+            with self.report.contained("reading", "reading set"):
+                self.reading.observe(step, inputs, result.metrics, extra)
         return violations
 
     def _publish_rollout(self, result: StepResult) -> list[guard.Violation]:
@@ -276,9 +287,18 @@ class Stages:
         return self.report.check(metrics)
 
     def stop_workers(self) -> None:
-        """End the off-thread parts (compiler, edit-distance worker, flight recorder), waiting a bounded time."""
+        """End the off-thread parts (compiler, edit-distance worker, flight recorder, reading set), waiting a
+        bounded time."""
         self.compiled.close()
         self.edit_worker.shutdown()
+        self.close_readers()
+
+    def close_readers(self) -> None:
+        """Write what the reading set and the flight recorder hold (the reading set first: an incident written at
+        close carries it), then end their threads."""
+        if self.reading is not None:
+            with self.report.contained("reading", "reading set", publish=True):
+                self.reading.close()
         if self.recorder is not None:
             with self.report.contained("recorder", "flight recorder", publish=True):
                 self.recorder.close()

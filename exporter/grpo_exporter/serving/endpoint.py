@@ -1,6 +1,6 @@
 """The run's scrape endpoint: the catalogue collector registered on the registry, and, where this rank serves,
-the process collector, the HTTP server (``/metrics``, ``/healthz``) and the run's announced target file; at the end
-it lingers for one more scrape, then withdraws the target and stops serving."""
+the process collector, the HTTP server (``/metrics``, ``/healthz``, ``/reading``) and the run's announced target
+file; at the end it lingers for one more scrape, then withdraws the target and stops serving."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from grpo_exporter.serving.collector import CatalogCollector
 from grpo_exporter.serving.health import health
 from grpo_exporter.serving.publication import Publication
+from grpo_exporter.serving.reading import Render
 from grpo_exporter.serving.server import MetricsServer, PortInUseError
 from grpo_exporter.serving.targets import Announcement, TargetFile
 
@@ -43,16 +44,19 @@ class Endpoint:
     def __init__(self, publication: Publication, run: str, registry: CollectorRegistry,
                  on_error: Callable[[Exception], None], listen: Listen | None,
                  on_busy: Callable[[PortInUseError, int], None] | None = None,
-                 on_announce_error: Callable[[Exception], None] | None = None) -> None:
-        """``on_busy``: when the port is taken, serve on a free one and say so to it (with the error and the
-        chosen port); None raises PortInUseError (strict mode). ``on_announce_error``: the target file could not be
-        written (or touched, or removed): told to it, from the file's own thread, and serving goes on; None (strict
-        mode) raises a failed first write here and logs later failures."""
+                 on_announce_error: Callable[[Exception], None] | None = None,
+                 reading: Render | None = None) -> None:
+        """``reading``: the answer of ``/reading`` (the run's reading set), None: no such path. ``on_busy``: when the
+        port is taken, serve on a free one and say so to it (with the error and the chosen port); None raises
+        PortInUseError (strict mode). ``on_announce_error``: the target file could not be written (or touched, or
+        removed): told to it, from the file's own thread, and serving goes on; None (strict mode) raises a failed
+        first write here and logs later failures.
+        """
         self._registry = registry
         self._owned: list[Collector] = []
         self._server: MetricsServer | None = None
         self._target: TargetFile | None = None
-        self._publication, self._run = publication, run
+        self._publication, self._run, self._reading = publication, run, reading
         self._collector = CatalogCollector(publication, run, on_error=on_error)
         closing = _take(registry, run)
         try:
@@ -96,7 +100,8 @@ class Endpoint:
     def _serve(self, registry: CollectorRegistry, listen: Listen, port: int) -> MetricsServer:
         publication, run = self._publication, self._run
         return MetricsServer(registry, listen.host, port, listen.tls_cert, listen.tls_key, listen.auth_user,
-                             listen.auth_password_hash, health=lambda: health(run, publication.snapshot()))
+                             listen.auth_password_hash, health=lambda: health(run, publication.snapshot()),
+                             reading=self._reading)
 
     def _announce(self, listen: Listen, announce: Announcement,
                   on_error: Callable[[Exception], None] | None) -> None:
@@ -120,6 +125,11 @@ class Endpoint:
     @property
     def url(self) -> str | None:
         return self._server.url if self._server else None
+
+    @property
+    def scheme(self) -> str | None:
+        """``http`` or ``https`` where this endpoint serves, else None."""
+        return self._server.scheme if self._server else None
 
     def close(self, linger_s: float) -> None:
         """Stop serving once one more scrape has rendered the publication (at most ``linger_s``; not at all when

@@ -51,6 +51,7 @@ from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 
 from grpo_exporter.serving.health import WithHealth
+from grpo_exporter.serving.reading import Render, WithReading
 from grpo_exporter.serving.settings import hash_password, parse_password_hash, verify_password
 
 WORKERS = 8
@@ -334,11 +335,15 @@ class MetricsServer:
         auth_user: str | None = None,
         auth_password_hash: str | None = None,
         health: Callable[[], dict[str, Any]] | None = None,
+        reading: Render | None = None,
     ) -> None:
-        """``health``: the document of ``/healthz`` (:mod:`grpo_exporter.serving.health`); None: no such path."""
+        """``health``: the document of ``/healthz`` (:mod:`grpo_exporter.serving.health`); ``reading``: the
+        answer of ``/reading`` (:mod:`grpo_exporter.serving.reading`); None: no such path."""
         app: Callable[..., Iterable[bytes]] = make_wsgi_app(registry)
         if health is not None:
             app = WithHealth(app, health)
+        if reading is not None:
+            app = WithReading(app, reading)
         auth = None
         if auth_user and auth_password_hash:
             app = auth = BasicAuth(app, auth_user, auth_password_hash)
