@@ -120,13 +120,17 @@ def test_two_ranks_publish_the_concatenated_batch(ranks):
 
 
 def test_every_rank_holds_the_reduced_values_and_only_rank_zero_serves(ranks):
-    # per-process self metrics, and the edit distance of rank-local sampled groups (computed off-thread)
-    local = ("grpo_observe_duration_seconds", "grpo_last_step_timestamp_seconds", "grpo_edit_distance")
+    # per-process self metrics, the edit distance of rank-local sampled groups (computed off-thread), and the
+    # rollouts the serving rank's reading set holds (published where it serves)
+    local = ("grpo_observe_duration_seconds", "grpo_last_step_timestamp_seconds", "grpo_edit_distance",
+             "grpo_reading_rollouts")
     step_metrics = [{k: v for k, v in r["metrics"].items() if not k.startswith(local)} for r in ranks]
     assert step_metrics[0] == step_metrics[1]
     assert ranks[0]["served"]
     assert ranks[0]["scraped"]
     assert not ranks[1]["served"]
+    assert any(k.startswith("grpo_reading_rollouts{") for k in ranks[0]["metrics"])
+    assert not any(k.startswith("grpo_reading_rollouts") for k in ranks[1]["metrics"])
 
 
 def test_two_collectives_per_reduction(ranks):

@@ -389,3 +389,15 @@ def test_prompt_ids_not_one_per_row_are_left_out_not_indexed(monkeypatch):
     assert rows
     assert all("prompt_id" not in r and "prompt" not in r and "completion" in r for r in rows)
     assert reading.errors == []  # type: ignore[attr-defined]
+
+
+def test_a_batch_the_step_rejects_is_counted_once():
+    """6 completions in groups of 4 (no group_ids): the rollout's own step counts the input error; the reading set
+    leaves the batch out without counting it again."""
+    fields = {k: v[:6] if isinstance(v, torch.Tensor) else {c: t[:6] for c, t in v.items()}  # type: ignore[union-attr]
+              for k, v in _rollout(0).items()}
+    with GRPOMonitor(run="odd", group_size=G, port=None, guard="off", edit_distance_groups=0) as mon:
+        mon.observe_rollout(0, **fields)  # type: ignore[arg-type]
+        mon.wait_for_workers()
+        errors = {k: v for k, v in mon.metrics().items() if k.startswith("grpo_exporter_errors_total") and v}
+    assert errors == {'grpo_exporter_errors_total{stage="rollout"}': 1.0}

@@ -366,7 +366,7 @@ def _add_read(commands: Subparsers) -> None:
     read.add_argument("--layer", help="only the rollouts this layer's pages need, e.g. 2-reward")
     read.add_argument("--windows", type=_positive, default=None, help="the newest N windows only")
     read.add_argument("--rows", type=_positive, default=None, help="rows per kind and window to show")
-    read.add_argument("--user", help="basic auth user; the password is read from GRPO_EXPORTER_READ_PASSWORD")
+    read.add_argument("--user", help="basic auth user; the password is read from GRPO_READ_PASSWORD")
     read.add_argument("--ca-file", type=Path, help="the CA bundle that signed the exporter's TLS certificate")
     read.add_argument("--json", action="store_true", help="print the reading set as JSON, for tools")
     read.set_defaults(run=_read)

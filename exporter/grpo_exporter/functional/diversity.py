@@ -90,17 +90,36 @@ def sequence_hashes(completion_ids: Tensor, positions: Tensor) -> Tensor:
 _GROUP_MIX = 0x9E3779B97F4A7C15 - 2**64  # an odd 64-bit constant (as int64): mixes the group into the key
 
 
-def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Ratio:
-    """Mean over groups of (distinct completions in the group) / (group size), by exact token identity up
-    to the hash above. One key per completion, fingerprint + group x an odd constant (mod 2^64: completions of
-    different groups collide with probability ~2^-64 too), one sort: equal neighbours are the repeats. No host
-    sync."""
+class Repeats(NamedTuple):
+    """The batch's completions sorted by their key (fingerprint and group): ``order`` (N,) the rows in that order,
+    ``first`` (N,) int64 1 where a new completion starts in it. Equal neighbours are the repeats."""
+
+    order: Tensor
+    first: Tensor
+
+
+def repeats(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Repeats:
+    """:class:`Repeats` of the batch: one key per completion, fingerprint + group x an odd constant (mod 2^64:
+    completions of different groups collide with probability ~2^-64 too), one sort. Remembered per
+    ``completion_ids`` for this grouping: the distinct-completion share and the reading set's repeated groups
+    read one sort. No host sync."""
+    return groups.remembered("repeats", completion_ids, lambda: _repeats(completion_ids, positions, groups))
+
+
+def _repeats(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Repeats:
     key = sequence_hashes(completion_ids, positions).add_(groups.index * _GROUP_MIX)
     order = torch.argsort(key)
     ordered = key[order]
-    first = torch.ones(ordered.shape[0], dtype=torch.int64, device=key.device)  # 1 where a new key starts
+    first = torch.ones(ordered.shape[0], dtype=torch.int64, device=key.device)
     first[1:] = ordered[1:] != ordered[:-1]
-    distinct = torch.zeros(groups.bins, dtype=torch.int64, device=key.device).index_add_(
+    return Repeats(order, first)
+
+
+def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Ratio:
+    """Mean over groups of (distinct completions in the group) / (group size), by exact token identity up
+    to the hash above (:func:`repeats`)."""
+    order, first = repeats(completion_ids, positions, groups)
+    distinct = torch.zeros(groups.bins, dtype=torch.int64, device=first.device).index_add_(
         0, groups.index[order], first
     )
     sizes = groups.sizes()

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.diversity import sequence_hashes
+from grpo_exporter.functional.diversity import repeats
 from grpo_exporter.functional.groups import Groups
 
 KINDS = ("highest_reward", "rising_component", "truncated", "repeated_groups", "lowest_entropy_groups", "control")
@@ -103,15 +103,10 @@ def _per_group(row_score: Tensor, valid: Tensor, groups: Groups, k: int, detail:
 
 def copies_in_group(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Tensor:
     """(N,) int64: how many completions of each row's group are token for token the row's own (itself included),
-    by the completions' fingerprints (:func:`~grpo_exporter.functional.diversity.sequence_hashes`)."""
-    n = completion_ids.shape[0]
-    key = sequence_hashes(completion_ids, positions).add_(groups.index * (0x9E3779B97F4A7C15 - 2**64))
-    order = torch.argsort(key)
-    ordered = key[order]
-    first = torch.ones(n, dtype=torch.int64, device=key.device)
-    first[1:] = ordered[1:] != ordered[:-1]
+    from the sort the distinct-completion share made (:func:`~grpo_exporter.functional.diversity.repeats`)."""
+    order, first = repeats(completion_ids, positions, groups)
     run = first.cumsum(0) - 1
-    sizes = torch.zeros(n, dtype=torch.int64, device=key.device).index_add_(0, run, torch.ones_like(run))
+    sizes = torch.zeros_like(run).index_add_(0, run, torch.ones_like(run))
     return torch.empty_like(run).scatter_(0, order, sizes[run])
 
 
@@ -122,13 +117,13 @@ def repeated_groups(copies: Tensor, groups: Groups, k: int) -> Pick:
     return _per_group(detail, copies >= 2, groups, k, detail)
 
 
-def row_entropy(per_token: Tensor, tokens: Tensor) -> Tensor:
-    """(N,) fp64 mean of ``per_token`` (nats) over each row's ``tokens`` (finite entries); NaN for a row without
-    one. ``per_token`` is the policy's entropy, or the sampled tokens' -log p (its unbiased estimate)."""
-    valid = tokens & torch.isfinite(per_token)
-    total = torch.where(valid, per_token.double(), 0.0).sum(1)
-    count = valid.sum(1)
-    return torch.where(count > 0, total / count.clamp(min=1), math.nan)
+def row_entropy(per_token: Tensor, tokens: Tensor, sign: float = 1.0) -> Tensor:
+    """(N,) fp64 mean of ``sign`` x ``per_token`` (nats) over each row's ``tokens``; NaN for a row without one, or
+    with a non-finite value on one (left out of the pick). ``per_token`` is the policy's entropy (``sign`` 1), or
+    the sampled tokens' log p (``sign`` -1: -log p, the entropy's unbiased estimate). Three passes over (N, T)."""
+    total = torch.where(tokens, per_token, 0.0).sum(1, dtype=torch.float64)
+    count = tokens.sum(1)
+    return torch.where(count > 0, sign * total / count.clamp(min=1), math.nan)
 
 
 def lowest_entropy_groups(entropy: Tensor, groups: Groups, k: int) -> Pick:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.functional import rows_to_read as pick
-from grpo_exporter.inputs import StepInputs
+from grpo_exporter.inputs import InputError, StepInputs
 from grpo_exporter.recorder.reading_doc import FORMAT, KINDS, dumps
 from grpo_exporter.recorder.rows import Decode, decoded, json_number, positions_of, tokens_of
 from grpo_exporter.runtime.background import DaemonExecutor, worker_thread
@@ -184,7 +184,10 @@ class ReadingSet:
     def _pick(self, step: int, x: StepInputs, extra: Mapping[str, Tensor | None], rising: str | None,
               rise: float) -> Picked | None:
         n, k = x.n or 0, self._rows
-        groups = x.groups(self._group_size)
+        try:
+            groups = x.groups(self._group_size)
+        except InputError:  # counted once, by the rollout's own step
+            return None
         if groups is None:
             return None
         picks: dict[str, pick.Pick] = {}
@@ -226,7 +229,7 @@ class ReadingSet:
         lp = x.rollout_logprobs if x.rollout_logprobs is not None else x.old_logprobs
         if lp is None:
             return None, ""
-        return pick.row_entropy(-lp, tokens), "the sampled tokens' -log p"
+        return pick.row_entropy(lp, tokens, sign=-1.0), "the sampled tokens' -log p"
 
     def _fields(self, x: StepInputs, groups: Any, extra: Mapping[str, Tensor | None]) -> dict[str, Tensor]:
         """The (N, ...) tensors a read row is taken from: numbers always, prompt and completion ids with text."""
@@ -264,7 +267,7 @@ class ReadingSet:
             scores, details = picked.score.tolist(), picked.detail.tolist()
             k = self._rows
             if self._closing(picked.step):  # the newest window is complete: written before a new one pushes it out
-                self._write()
+                self._write_contained()
                 first = picked.step - picked.step % self._window_steps
                 with self._lock:
                     self._windows.append(Window(first, first + self._window_steps - 1))
@@ -335,11 +338,25 @@ class ReadingSet:
             with contextlib.suppress(Exception):
                 job.result(timeout=max(0.0, deadline - time.monotonic()))
 
+    def _write_contained(self) -> None:
+        """:meth:`_write`, its failure (a full disk) counted and logged: the set goes on with its next window."""
+        try:
+            self._write()
+        except Exception as exc:
+            self._on_error(exc)
+
     def close(self, timeout: float = 2.0) -> None:
-        """Wait for the queued merges (at most ``timeout``), drop those not started, and write the set."""
+        """Write the set once the queued merges are done, on the reading thread (a stuck filesystem never holds
+        the caller), waiting at most ``timeout``; then the thread takes no more work."""
+        deadline = time.monotonic() + timeout
         self.wait(timeout)
-        self._pool.shutdown(0.0, cancel_futures=True)
-        self._write()
+        try:
+            final = self._pool.submit(self._write_contained)
+        except RuntimeError:  # closed before
+            return
+        self._pool.shutdown(0.0)
+        with contextlib.suppress(Exception):
+            final.result(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def file_name(run: str, rank: int) -> str:

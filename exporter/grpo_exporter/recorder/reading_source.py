@@ -21,7 +21,7 @@ from grpo_exporter.recorder.store import incidents
 # a reading set's bound: 10 windows x 6 kinds x 16 rows x (2,000 + 4,000 characters, up to 12 bytes each escaped)
 MAX_BYTES = 80 << 20
 TIMEOUT_S = 10.0
-PASSWORD_VARIABLE = "GRPO_EXPORTER_READ_PASSWORD"  # basic auth's password: never on the command line
+PASSWORD_VARIABLE = "GRPO_READ_PASSWORD"  # basic auth's password: never on the command line
 INCIDENT_FILE = "reading.json"
 
 
