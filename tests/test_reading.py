@@ -191,7 +191,7 @@ def test_the_window_keeps_each_kinds_best_and_says_why():
     try:
         for step in range(10):
             _observe(reading, step)
-        reading.wait(10)
+            reading.wait(10)  # no step left out: the thread keeps up (8 steps behind, a step is skipped)
         window = reading.document()["windows"][0]
     finally:
         reading.close()
@@ -314,6 +314,7 @@ def test_the_recorder_directory_and_incidents_hold_the_reading_set(tmp_path, cap
                 fields["rewards"] = fields["rewards"].clone()  # type: ignore[union-attr]
                 fields["rewards"][0] = float("nan")  # type: ignore[index]
             mon.observe_rollout(step, **fields)  # type: ignore[arg-type]
+            mon.wait_for_workers()  # every step read (a thread 8 steps behind skips one)
     written = root / "reading-rec-r0.json"
     assert written.stat().st_mode & 0o777 == 0o600
     assert json.loads(written.read_bytes())["windows"][0]["first_step"] == 8

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from grpo_exporter.functional.diversity import repeats
-from grpo_exporter.functional.groups import Groups
+from grpo_exporter.functional.groups import Groups, group_stats
 
 KINDS = ("highest_reward", "rising_component", "truncated", "repeated_groups", "lowest_entropy_groups", "control")
 _MIX_STEP, _MIX_SLOT = 0x9E3779B1, 0x85EBCA77  # odd constants: the control rows' per-step spread
@@ -69,12 +69,10 @@ def highest_reward(rewards: Tensor, groups: Groups, k: int) -> Pick:
 
 
 def rising_component(component: Tensor, groups: Groups, k: int) -> Pick:
-    """Rows by ``component`` minus its group's mean (finite entries): the excess the advantage rewards, one row per
-    group. Only rows above their group's mean qualify."""
+    """Rows by ``component`` minus its group's mean (finite entries; the statistics the reward blocks took of this
+    tensor): the excess the advantage rewards, one row per group. Only rows above their group's mean qualify."""
     valid = torch.isfinite(component)
-    x = torch.where(valid, component.double(), 0.0)
-    mean = groups.sum(x) / groups.count(valid).clamp(min=1).double()
-    excess = x - mean[groups.index]
+    excess = torch.where(valid, component.double(), 0.0) - group_stats(component, groups).mean[groups.index]
     return _per_group(excess, valid & (excess > 0), groups, k, torch.zeros_like(excess))
 
 

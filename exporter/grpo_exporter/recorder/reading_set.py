@@ -134,7 +134,6 @@ class ReadingSet:
         self._means: dict[str, deque[float]] = {}  # component -> its last 2 x window_steps step means
         self._random = random.Random(f"{run}/{rank}")
         self._lock = threading.Lock()  # the windows, against readers (the server, an incident's writer)
-        self._writing = threading.Lock()  # the reading file
         self._pending: list[Any] = []
         self._pool = DaemonExecutor("grpo-exporter-reading", initializer=worker_thread, stopped_at_exit=True)
         self.skipped = 0  # steps whose picks were skipped: the reading thread was behind
@@ -208,7 +207,8 @@ class ReadingSet:
             picks["lowest_entropy_groups"] = pick.lowest_entropy_groups(entropy, groups, k)
         picks["control"] = pick.control_rows(n, k, step, x.device)
         index = torch.cat([p.rows for p in picks.values()])
-        taken = {name: t.detach().index_select(0, index) for name, t in self._fields(x, groups, extra).items()}
+        fields = self._fields(x, groups, positions, extra)
+        taken = {name: t.detach().index_select(0, index) for name, t in fields.items()}
         taken["_row"] = index
         picked = Picked(step, tuple(picks), taken, torch.stack([p.score for p in picks.values()]),
                         torch.stack([p.detail for p in picks.values()]), rising if component is not None else None,
@@ -231,8 +231,10 @@ class ReadingSet:
             return None, ""
         return pick.row_entropy(lp, tokens, sign=-1.0), "the sampled tokens' -log p"
 
-    def _fields(self, x: StepInputs, groups: Any, extra: Mapping[str, Tensor | None]) -> dict[str, Tensor]:
-        """The (N, ...) tensors a read row is taken from: numbers always, prompt and completion ids with text."""
+    def _fields(self, x: StepInputs, groups: Any, positions: Tensor | None,
+                extra: Mapping[str, Tensor | None]) -> dict[str, Tensor]:
+        """The (N, ...) tensors a read row is taken from: numbers always, prompt and completion ids (and the
+        completion's positions, to cut it) with text."""
         found: dict[str, Tensor] = {"_group": groups.index, "_group_size": groups.sizes()[groups.index]}
         for name in ("rewards", "correct", "truncated", "completion_lengths", "group_ids"):
             t = getattr(x, name)
@@ -243,14 +245,13 @@ class ReadingSet:
         ids = extra.get("prompt_ids")
         if self._text and _one_per_row(ids, x):  # a hash of the prompt's text, where prompts are strings
             found["prompt_ids"] = ids  # type: ignore[assignment]
-        positions = positions_of(x)
-        if positions is not None:
-            found["_positions"] = positions
         if "completion_lengths" not in found and positions is not None:
             found["completion_lengths"] = positions.sum(1)
         if self._text:
             if x.completion_ids is not None:
                 found["completion_ids"] = x.completion_ids
+                if positions is not None:
+                    found["_positions"] = positions
             tokens = extra.get("prompt_tokens")
             if _one_per_row(tokens, x):
                 found["prompt_tokens"] = tokens  # type: ignore[assignment]
@@ -317,19 +318,18 @@ class ReadingSet:
             return sum(len(rows) for w in self._windows for rows in w.kept.values())
 
     def _write(self) -> None:
-        """:func:`file_name` in the directory, owner-only, fsynced and renamed into place (one writer at a time:
-        the reading thread at a window's end, close())."""
+        """:func:`file_name` in the directory, owner-only, fsynced and renamed into place; by the reading thread
+        only (at a window's end, and for close())."""
         if self.directory is None or not self._windows:
             return
         path = self.directory / file_name(self._run, self._rank)
         partial = path.with_name(f".{path.name}.partial")  # this rank's own: a write a kill cut short is redone
-        with self._writing:
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as out:
-                out.write(dumps(self.document()))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(partial, path)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(dumps(self.document()))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
 
     def wait(self, timeout: float) -> None:
         """Block until the picks handed to the reading thread are merged (at most ``timeout``; tests, close)."""

@@ -5,6 +5,7 @@ on rank 0)."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 from collections.abc import Callable
@@ -57,20 +58,15 @@ def _reading_set(config: MonitorConfig, rank: int, world: int, publication: Publ
     """The reading set ``reading_rows`` asks for (None at 0)."""
     if not config.reading_rows:
         return None
-
-    def on_error(exc: BaseException) -> None:  # from the reading thread: counted, logged and published
-        with publication.writing:
-            report.error("reading", exc, "reading set")
-            publication.publish()
-
     return ReadingSet(run=config.run, rank=rank, world=world, rows=config.reading_rows,
                       window_steps=config.reading_window_steps, windows=config.reading_windows,
-                      text=config.reading_text, group_size=config.group_size, decode=decode, on_error=on_error)
+                      text=config.reading_text, group_size=config.group_size, decode=decode,
+                      on_error=lambda exc: _thread_error(report, publication, "reading", "reading set", exc))
 
 
 def _link_reading(reading: ReadingSet | None, endpoint: Endpoint, publication: Publication) -> None:
     """Where the endpoint serves ``/reading``, publish how many rollouts it holds, labelled with the scheme the
-    pages' links need (:data:`~grpo_exporter.mixin.promql.READING`)."""
+    pages' links need (:func:`~grpo_exporter.mixin.promql.reading_link`)."""
     scheme = endpoint.scheme
     if reading is None or scheme is None:
         return
@@ -137,7 +133,8 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
         endpoint = Endpoint(publication, config.run, registry, lambda exc: report.error("scrape", exc),
                             _listen(config) if rank == 0 else None,
                             None if config.strict else lambda exc, port: _busy_port(report, exc, port, config),
-                            None if config.strict else lambda exc: _target_error(report, publication, exc),
+                            None if config.strict else functools.partial(_thread_error, report, publication, "targets",
+                                                                         "target file"),
                             (lambda query: respond(reading.document(), query)) if reading is not None else None)
         _link_reading(reading, endpoint, publication)
     except BaseException:  # a failed construction leaves no thread running and the registry as it was
@@ -146,10 +143,11 @@ def assemble(config: MonitorConfig, registry: CollectorRegistry,
     return stages, endpoint
 
 
-def _target_error(report: Reporter, publication: Publication, exc: Exception) -> None:
-    """A target file's failure, from its own thread: counted, logged and published (no step publishes it)."""
+def _thread_error(report: Reporter, publication: Publication, stage: str, where: str, exc: BaseException) -> None:
+    """A failure on a thread of its own (the target file's, the reading set's): counted, logged and published (no
+    step publishes it)."""
     with publication.writing:
-        report.error("targets", exc, "target file")
+        report.error(stage, exc, where)
         publication.publish()
 
 
