@@ -172,6 +172,8 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         # the collapse window: GRPOPolicyCollapseOnset reads pass@G and pass@1 over it
         {"record": "run:grpo_pass_at_group_size:collapse_mean",
          "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.window(c.collapse_window_steps)}]))"},
+        {"record": "run:grpo_pass_at_1:window_mean",
+         "expr": windowed_mean(c, "grpo_pass_at_k_ratio", k="1")},
         {"record": "run:grpo_pass_at_1:collapse_mean",
          "expr": windowed_mean(c, "grpo_pass_at_k_ratio", steps=c.collapse_window_steps, k="1")},
         {"record": "run:grpo_pass_at_1:trend_mean",

@@ -23,11 +23,37 @@ def _pass_falls_towards_pass_1(c: MixinConfig, window: str, level: str) -> str:
     return (
         f"run:grpo_pass_at_group_size:{window}_mean < on(job, run) ({level} - on(job, run) "
         f"clamp_min({c.collapse_standard_errors:g} * {early_window_sampling_error(window, level)}, "
-        f"{c.pass_drop_margin:g})) and on(job, run) (run:grpo_pass_at_group_size:{window}_mean - on(job, run) "
-        f"run:grpo_pass_at_1:{window}_mean) < on(job, run) (run:grpo_pass_at_group_size:anchor - on(job, run) "
-        f"run:grpo_pass_at_1:anchor - {c.pass_drop_margin:g}) and on(job, run) "
+        f"{c.pass_drop_margin:g})) and on(job, run) {_towards_pass_1(c, window)} and on(job, run) "
         f"run:grpo_groups:{window}_increase >= {c.collapse_min_groups}"
     )
+
+
+def _towards_pass_1(c: MixinConfig, window: str, op: str = "<") -> str:
+    """The spread pass@G - pass@1 over ``window`` narrower than over the run's early window by
+    ``pass_drop_margin``: pass@G falls towards pass@1 (the seed's collapse, 第 2 篇 (diversity monitoring) ③:
+    pass@1 holds while pass@k falls), not with it (a run getting worse at everything). ``op`` ">=": the
+    opposite, the spread no narrower (pass@1 fell as far as pass@G)."""
+    return (f"(run:grpo_pass_at_group_size:{window}_mean - on(job, run) run:grpo_pass_at_1:{window}_mean) {op} "
+            f"on(job, run) (run:grpo_pass_at_group_size:anchor - on(job, run) run:grpo_pass_at_1:anchor - "
+            f"{c.pass_drop_margin:g})")
+
+
+def _onset(c: MixinConfig) -> str:
+    """GRPOPolicyCollapseOnset's expression (see its runbook): entropy below its alarm line, and pass@G falling
+    towards pass@1 by ``collapse_standard_errors`` over a window of at least ``collapse_min_groups``."""
+    # the level pass@G over the collapse window is held to: the early window, or the trailing baseline where
+    # the run has learned since (a collapse after hours of learning falls from there, and may stay above where
+    # the run began). The trend and long (baseline) windows are judged where the shorter ones hold too few
+    # groups (8 groups a step fill a trend window, 4 a long one) and compared with the early window's mean only:
+    # against the trailing baseline, a median of 5-step means, a mean over hours near pass@G 1 reads low by its
+    # dips alone (a healthy run of 4 groups a step at G = 16 paged at 19 h that way)
+    level = ("(run:grpo_pass_at_group_size:baseline_median > on(job, run) run:grpo_pass_at_group_size:anchor or "
+             "on(job, run) run:grpo_pass_at_group_size:anchor)")
+    falls = " or on(job, run) ".join(
+        f"({_pass_falls_towards_pass_1(c, w, level if w == 'collapse' else 'run:grpo_pass_at_group_size:anchor')})"
+        for w in ("collapse", "trend", "long"))
+    return (f"run:grpo_entropy_mean_nats:window_mean < on(job, run) ({c.entropy_alarm_factor:g} * "
+            f"run:grpo_entropy_mean_nats:anchor) and on(job, run) ({falls})")
 
 
 def alerts(c: MixinConfig) -> list[Alert]:
@@ -52,27 +78,18 @@ def alerts(c: MixinConfig) -> list[Alert]:
         "run:grpo_pass_at_group_size:long_mean < on(job, run) (run:grpo_pass_at_group_size:anchor - "
         f"on(job, run) clamp_min(2 * {anchor_sampling_error()}, {c.peak_drop_margin:g}))"
     )
-    pass_g_falls = f"{pass_g_sharp} or on(job, run) {pass_g_slow} or on(job, run) {pass_g_long}"
+    # the same legs, each silenced where pass@1 fell as far as pass@G over its window (GRPODiversityCollapse: a
+    # transient dip of a run that got worse at everything for a while is no collapse; without pass@1 or the
+    # early window the legs judge as before)
+    pass_g_narrows = " or on(job, run) ".join(
+        f"({leg} unless on(job, run) {_towards_pass_1(c, window, '>=')})"
+        for leg, window in ((pass_g_sharp, "window"), (pass_g_slow, "trend"), (pass_g_long, "long")))
     # the seed's signature early (第 2 篇 ③: pass@1 holds or rises while pass@k falls; entropy only the alarm):
-    # pass@G over the collapse window below the level it held by more than their sampling error, and the spread
-    # pass@G - pass@1 narrower than early (pass@G falls towards pass@1, not with it), while entropy is below
-    # its alarm line. A collapse over 8 h pages within its first half; a task being learned (pass@G holds or
-    # rises, pass@1 rises) and a run that gets worse at everything (pass@1 falls as far) do not. The level:
-    # the early window, or the trailing baseline where the run has learned since (a collapse after hours of
-    # learning falls from there, and may stay above where the run began)
-    level = ("(run:grpo_pass_at_group_size:baseline_median > on(job, run) run:grpo_pass_at_group_size:anchor or "
-             "on(job, run) run:grpo_pass_at_group_size:anchor)")
-    # judged over the collapse window, and over the trend and the long (baseline) window where the shorter ones
-    # hold too few groups to judge (collapse_min_groups): 8 groups a step fill a trend window, 4 a long one.
-    # The longer windows' means are compared with the early window's mean only: against the trailing baseline,
-    # a median of 5-step means, a mean over hours near pass@G 1 reads low by its dips alone (a healthy run of 4
-    # groups a step at G = 16 paged at 19 h that way)
-    anchor_level = "run:grpo_pass_at_group_size:anchor"
-    falls = " or on(job, run) ".join(
-        f"({_pass_falls_towards_pass_1(c, window, level if window == 'collapse' else anchor_level)})"
-        for window in ("collapse", "trend", "long"))
-    onset = (f"run:grpo_entropy_mean_nats:window_mean < on(job, run) ({c.entropy_alarm_factor:g} * "
-             f"run:grpo_entropy_mean_nats:anchor) and on(job, run) ({falls})")
+    # pass@G below the level it held by more than their sampling error, and the spread pass@G - pass@1
+    # narrower than early (pass@G falls towards pass@1, not with it), while entropy is below its alarm line. A
+    # task being learned (pass@G holds or rises, pass@1 rises) and a run that gets worse at everything (pass@1
+    # falls as far) do not page
+    onset = _onset(c)
     return [
         Alert(
             "GRPOEntropyCollapse", Layer.DIVERSITY, "entropy", "warning",
@@ -117,8 +134,8 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"({c.edit_distance_drop_factor:g} * run:grpo_edit_distance_median_ratio:anchor)) "
             # the seed's collapse is pass@k falling (第 2 篇 (diversity monitoring) ③): identical completions while pass@G holds are a
             # learned task (one right answer), at any pass@1 and any warm start
-            f"and on(job, run) ({pass_g_falls})", 900,
-            "Completions of the same prompt became (nearly) identical while pass@G falls.",
+            f"and on(job, run) ({pass_g_narrows})", 900,
+            "Completions of the same prompt became (nearly) identical while pass@G falls towards pass@1.",
             "Run {{ $labels.run }}: in-group diversity " + template_value("%.3g") + f" over {w} (distinct share below "
             f"{c.unique_ratio_min:g}, or median edit distance below {c.edit_distance_drop_factor:g}x its baseline "
             + template_query("max(run:grpo_edit_distance_median_ratio:baseline_median{run=%q})") + " or early window "
