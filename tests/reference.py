@@ -369,11 +369,14 @@ def _reference(batch: Batch, cfg: Any) -> dict[str, float]:
                 values.append(1 - math.comb(size - hits, k) / math.comb(size, k))
         if values:
             out[f'grpo_pass_at_k_ratio{{k="{k}"}}'] = float(np.mean(values))
-    unique = []
+    unique, repeated_wrong = [], []
     for idx in members:
-        seqs = {tuple(a["completion_ids"][i, : lengths[i]].tolist()) for i in idx}
-        unique.append(len(seqs) / len(idx))
+        seqs = [tuple(a["completion_ids"][i, : lengths[i]].tolist()) for i in idx]
+        unique.append(len(set(seqs)) / len(idx))
+        most = max(seqs.count(q) for q in seqs)
+        repeated_wrong.append(not any(bool(a["correct"][i]) for i in idx) and most >= 2 and 2 * most >= len(idx))
     out["grpo_unique_completions_ratio"] = float(np.mean(unique))
+    out["grpo_repeated_wrong_groups_ratio"] = float(np.mean(repeated_wrong))
     return out
 
 

@@ -57,6 +57,7 @@ class Knobs:
     staleness: int = 0  # policy versions between the rollout and the update
     distinct: float = 1.0  # share of a group's completions that are distinct
     same_answer: float = 0.0  # share of groups whose samples all repeat their first sample's outcome (collapse)
+    wrong_repeat: float = 0.0  # share of all-wrong groups whose samples repeat one wrong completion (no outcome moves)
     verifier_zero: bool = False  # the verifier scores this batch 0 (one noisy batch)
     onpolicy_noise: float = 1e-5  # sd of the on-policy recomputation |log r|
     engine_gap: float = 1e-4  # sd of rollout vs trainer log-probs
@@ -95,8 +96,8 @@ class SimulatedRun:
         self.difficulty = self.rng.normal(0.0, 1.5, size=512)  # fixed per prompt: spread solve rates
         self.collapsed = 0.0  # the share of the last batch's groups that repeat one outcome (Knobs.same_answer)
 
-    def _draw(self, k: Knobs) -> tuple[np.ndarray, np.ndarray]:
-        """One generation batch: its prompts and each completion's correctness."""
+    def _draw(self, k: Knobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One generation batch: its prompts, each completion's correctness, and which groups collapsed."""
         rng, g = self.rng, self.group_size
         ids = rng.choice(len(self.difficulty), size=self.prompts, replace=False)
         logit = math.log(k.solve / (1 - k.solve)) + self.difficulty[ids]
@@ -104,19 +105,19 @@ class SimulatedRun:
         n = len(p)
         correct = rng.random(n) < p
         first = np.repeat(correct.reshape(-1, g)[:, 0], g)
-        # a collapsed group repeats its first sample's outcome, again and again; the draw per sample keeps every
+        # a collapsed group repeats its first sample, again and again; the draw per sample keeps every
         # scenario's random stream, a group reads its first
         groups = rng.random(n).reshape(-1, g)[:, 0] < k.same_answer
         self.collapsed = float(groups.mean())
-        return ids, np.where(np.repeat(groups, g), first, correct)
+        return ids, np.where(np.repeat(groups, g), first, correct), groups
 
-    def _filled(self, k: Knobs) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    def _filled(self, k: Knobs) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
         """A DAPO batch: generation batches drawn until ``prompts`` groups with both outcomes are kept (at most
         64 batches; a pool that cannot fill it is topped up with filtered groups), and the filter's counts."""
-        g, kept_ids, kept = self.group_size, [], []
+        g, kept_ids, kept, kept_same = self.group_size, [], [], []
         counts = {"generated_groups": 0, "filtered_all_correct_groups": 0, "filtered_all_incorrect_groups": 0}
         for _ in range(64):
-            ids, correct = self._draw(k)
+            ids, correct, same = self._draw(k)
             hits = correct.reshape(-1, g).sum(axis=1)
             counts["generated_groups"] += len(ids)
             counts["filtered_all_correct_groups"] += int((hits == g).sum())
@@ -124,22 +125,28 @@ class SimulatedRun:
             mixed = (hits > 0) & (hits < g)
             kept_ids += list(ids[mixed])
             kept += list(correct.reshape(-1, g)[mixed])
+            kept_same += list(same[mixed])
             if len(kept_ids) >= self.prompts:
                 break
         short = self.prompts - len(kept_ids)
         if short > 0:
             kept_ids += list(ids[:short])
             kept += list(correct.reshape(-1, g)[:short])
-        return np.array(kept_ids[:self.prompts]), np.concatenate(kept[:self.prompts]), counts
+            kept_same += list(same[:short])
+        return (np.array(kept_ids[:self.prompts]), np.concatenate(kept[:self.prompts]),
+                np.array(kept_same[:self.prompts], dtype=bool), counts)
 
     def step(self, mon: GRPOMonitor, step: int, k: Knobs) -> None:
         rng, g, width = self.rng, self.group_size, self.width
         counts: dict[str, int] = {}
         if k.dynamic_sampling:
-            ids, correct, counts = self._filled(k)
+            ids, correct, same, counts = self._filled(k)
         else:
-            ids, correct = self._draw(k)
+            ids, correct, same = self._draw(k)
         n = len(correct)
+        if k.wrong_repeat:  # drawn only when set: the other runs' draws stay as they were
+            wrong = correct.reshape(-1, g).sum(axis=1) == 0
+            same = same | (wrong & (rng.random(len(wrong)) < k.wrong_repeat))
         correctness = np.zeros(n) if k.verifier_zero else correct.astype(float)
         fmt = np.full(n, k.format_pays)
         if k.format_jitter:  # drawn only when set: the other runs' draws stay as they were
@@ -151,12 +158,19 @@ class SimulatedRun:
         lengths = rng.integers(4, width - 4, size=n) + np.where(correct, k.longer_correct, k.longer_incorrect)
         cut = rng.random(n) < k.truncated
         lengths = np.where(cut, width, lengths)
-        mask = np.arange(width)[None, :] < lengths[:, None]
-        loss_mask = mask | (np.arange(width)[None, :] == lengths[:, None]) if k.mask_padding else mask
         adv = adv * k.advantage_scale
         distinct = max(1, round(k.distinct * g))
         templates = rng.integers(4, 40, size=(self.prompts, distinct, width))
         pick = np.concatenate([rng.permutation(np.arange(g) % distinct) for _ in range(self.prompts)])
+        # one completion per (group, template), token for token: a copy of a template takes its first member's
+        # length and cut, and a collapsed group's samples are all its first sample's (drawn above, in order)
+        source = np.arange(n).reshape(-1, g)
+        twin = (pick.reshape(-1, g)[:, :, None] == pick.reshape(-1, g)[:, None, :]).argmax(axis=2)
+        source = np.where(np.repeat(same, g).reshape(-1, g), source[:, :1], np.take_along_axis(source, twin, 1))
+        source = source.reshape(-1)
+        lengths, cut, pick = lengths[source], cut[source], pick[source]
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        loss_mask = mask | (np.arange(width)[None, :] == lengths[:, None]) if k.mask_padding else mask
         completion_ids = np.where(mask, templates[np.repeat(np.arange(self.prompts), g), pick], 0)
         old = np.log(rng.uniform(0.3, 0.8, size=(n, width)))
         rollout = old + rng.normal(0.0, k.engine_gap, size=old.shape)

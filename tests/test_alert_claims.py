@@ -158,6 +158,8 @@ SILENT_TESTS: dict[str, tuple[str, ...]] = {
         "GRPODiversityCollapse's to judge)",
         "GRPOPolicyCollapseOnset at 4 groups a step is judged over the long window; silent at 1 group a step (no "
         "window holds 100 groups) and without pass@1",
+        "GRPOPolicyCollapseOnset pages a slow fall early where the prompts that lose their solution repeat one wrong "
+        "completion; silent where unsolved prompts narrow onto one wrong answer while pass@G holds",
     ),
     "GRPODiversityCollapse": (
         "GRPODiversityCollapse stays silent on convergence (pass@1 rose, pass@G holds)",

@@ -105,6 +105,16 @@ def slow_collapse(shape: str) -> Scenario:
                                      same_answer=0.8 * fall(hours), distinct=1.0 - 0.6 * fall(hours), grad_norm=4.5)
 
 
+def unsolved_narrow(step: int, hours: float) -> Knobs:
+    """A healthy run whose unsolved prompts narrow onto one wrong answer: from hour 4, over 8 h, entropy falls
+    1.0 -> 0.4 and the distinct share with it, and every group that solves nothing comes to repeat one wrong
+    completion, while pass@1 rises 0.45 -> 0.55 as in :func:`slow_collapse` and no prompt loses its solution
+    (pass@G holds)."""
+    x = min(1.0, max(0.0, (hours - 4) / 8))
+    return Knobs(solve=0.45 + 0.1 * min(1.0, hours / 12), entropy=1.0 - 0.6 * x, distinct=1.0 - 0.6 * x,
+                 wrong_repeat=x, grad_norm=4.5)
+
+
 def learning(step: int, hours: float) -> Knobs:
     """A healthy run that learns for 12 h: pass@1 0.3 -> 0.8, entropy 1.0 -> 0.5, no group repeats an answer."""
     x = min(1.0, hours / 12)
@@ -139,6 +149,7 @@ def cases(cadence_s: float) -> dict[str, Case]:
         # the seed's collapse pages in its first half (GRPOPolicyCollapseOnset), entropy's own alarm later
         "slow-entropy-collapse": Case((Segment("a", entropy_decline, 15.0),), 16.0,
                                       (("GRPOPolicyCollapseOnset", 3.0, 4.0),
+                                       ("GRPODiversityCollapse", 3.0, 12.0),
                                        ("GRPOEntropyCollapse", decline_onset),
                                        ("GRPOZeroVarianceAbovePrediction", 3.0, 11.0),
                                        ("GRPOFewGroupsCarrySignal", 3.0, 11.0))),
@@ -184,19 +195,32 @@ def cases(cadence_s: float) -> dict[str, Case]:
         # (docs/runbooks.md#grpopolicycollapseonset has the table, 10-min steps included)
         found["slow-collapse-learning-4-groups"] = Case(
             (Segment("a", learning, 19.5, prompts=4, group_size=16),), 20.0)
-        if cadence_s < 300:
+        if cadence_s >= 300:
+            # at 10-min steps the groups that repeat one wrong completion page the first half: 8 groups a step the
+            # linear fall by 8 h, 16 the fast-last one by its half-way (9.7 h); unsolved prompts that narrow onto
+            # one wrong answer while pass@G holds page nothing for 20 h
             found["slow-collapse-linear-8-groups"] = Case(
                 (Segment("a", slow_collapse("linear"), 9.5, prompts=8),), 10.0,
-                (("GRPOPolicyCollapseOnset", 4.0, 5.0),))
+                (("GRPOPolicyCollapseOnset", 4.0, 4.0),))
+            found["slow-collapse-late-16-groups"] = Case(
+                (Segment("a", slow_collapse("late"), 10.0),), 10.5,
+                (("GRPOPolicyCollapseOnset", 4.0, 5.7),))
+            found["unsolved-prompts-narrow-8-groups"] = Case(
+                (Segment("a", unsolved_narrow, 19.5, prompts=8),), 20.0)
+        else:
+            found["slow-collapse-linear-8-groups"] = Case(
+                (Segment("a", slow_collapse("linear"), 9.5, prompts=8),), 10.0,
+                (("GRPOPolicyCollapseOnset", 4.0, 5.0), ("GRPODiversityCollapse", 4.0, 6.0)))
             found["slow-collapse-early-4-groups"] = Case(
                 (Segment("a", slow_collapse("early"), 8.5, prompts=4, group_size=16),), 9.0,
-                (("GRPOPolicyCollapseOnset", 4.0, 4.0),))
+                (("GRPOPolicyCollapseOnset", 4.0, 4.0), ("GRPODiversityCollapse", 4.0, 5.0)))
     if cadence_s < 60:
         found["bf16-healthy"] = Case((Segment("a", bf16, 9 * u),), 10 * u, (notice,))
         # the slow collapse's first half at 20 s steps (its whole 16 h would be 2880 steps of replay)
         found["slow-entropy-collapse-first-half"] = Case(
             (Segment("a", entropy_decline, 7.5),), 8.0,
-            (("GRPOPolicyCollapseOnset", 3.0, 4.0), ("GRPOZeroVarianceAbovePrediction", 3.0, 5.0)))
+            (("GRPOPolicyCollapseOnset", 3.0, 4.0), ("GRPODiversityCollapse", 3.0, 5.0),
+             ("GRPOZeroVarianceAbovePrediction", 3.0, 5.0)))
     return found
 
 
@@ -230,6 +254,7 @@ def _a_day(folder: Path) -> subprocess.CompletedProcess[str]:
               Expect("GRPORolloutsStale", 9 * 3600.0, within),
               # the collapse pages in its first half (by 18 h), then again when entropy halves
               Expect("GRPOPolicyCollapseOnset", 14 * 3600.0, 4 * 3600.0),
+              Expect("GRPODiversityCollapse", 14 * 3600.0, 10 * 3600.0),
               Expect("GRPOEntropyCollapse", collapse * 3600, within + 3600),
               # repeating one answer empties the groups of reward variance: layer 3 pages it too, once each
               Expect("GRPOZeroVarianceAbovePrediction", 14 * 3600.0, 10 * 3600.0),

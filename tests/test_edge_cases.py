@@ -283,6 +283,40 @@ def test_distinct_completions_match_a_set_of_token_sequences():
     assert float(got.value) == 0.5
 
 
+def test_repeated_wrong_groups_match_a_count_of_token_sequences():
+    """A group counts when every sample is incorrect and its most repeated completion (as a Python Counter of the
+    (position, token) sequences sees it) has at least two copies and half the group: groups in any order and of
+    any size, masks arbitrary. By hand: a group of 4 with one wrong completion twice counts; with one of them
+    right, or with each wrong completion once, it does not."""
+    from collections import Counter
+
+    from grpo_exporter.functional import diversity
+    from grpo_exporter.functional.groups import groups_from_ids
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        n, t = int(torch.randint(1, 48, (1,), generator=gen)), int(torch.randint(1, 12, (1,), generator=gen))
+        ids = torch.randint(0, 2, (3, t), generator=gen)[torch.randint(0, 3, (n,), generator=gen)]
+        positions = torch.rand(n, t, generator=gen) < 0.9
+        group_ids = torch.randint(0, 6, (n,), generator=gen)
+        correct = torch.rand(n, generator=gen) < (0.1 if trial % 2 else 0.4)
+        groups = groups_from_ids(group_ids)
+        got = diversity.repeated_wrong_groups(diversity.copies_in_group(ids, positions, groups), correct, groups)
+        counted = []
+        for g in group_ids.unique().tolist():
+            rows = (group_ids == g).nonzero().flatten().tolist()
+            most = max(Counter(tuple((j, int(ids[i, j])) for j in range(t) if positions[i, j]) for i in rows).values())
+            counted.append(not correct[rows].any() and most >= 2 and 2 * most >= len(rows))
+        assert float(got.value) == pytest.approx(sum(counted) / len(counted), abs=1e-12), trial
+    ids = torch.tensor([[5, 6], [5, 6], [7, 8], [9, 9]] * 2)
+    groups = groups_from_ids(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+    copies = diversity.copies_in_group(ids, torch.ones(8, 2, dtype=torch.bool), groups)
+    correct = torch.tensor([0, 0, 0, 0, 0, 0, 1, 0], dtype=torch.bool)
+    assert float(diversity.repeated_wrong_groups(copies, correct, groups).value) == 0.5
+    once = diversity.copies_in_group(torch.arange(16).reshape(8, 2), torch.ones(8, 2, dtype=torch.bool), groups)
+    assert float(diversity.repeated_wrong_groups(once, torch.zeros(8, dtype=torch.bool), groups).value) == 0.0
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_contiguous_groups_reduce_as_the_scatter_of_their_ids(seed):
     """Contiguous groups reduce by a reshape; the same groups given as ids reduce by scatters: per-group sums,

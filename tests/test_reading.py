@@ -18,6 +18,7 @@ import torch
 
 from grpo_exporter import GRPOMonitor
 from grpo_exporter.cli import main
+from grpo_exporter.functional import diversity
 from grpo_exporter.functional import rows_to_read as pick
 from grpo_exporter.functional.groups import contiguous_groups
 from grpo_exporter.inputs import StepInputs
@@ -62,7 +63,7 @@ def test_repeated_groups_count_copies_token_for_token():
     positions = torch.ones_like(ids, dtype=torch.bool)
     positions[10, 2] = False
     groups = contiguous_groups(12, G)
-    copies = pick.copies_in_group(ids, positions, groups)
+    copies = diversity.copies_in_group(ids, positions, groups)
     assert copies.tolist() == [3, 3, 3, 1, 1, 1, 1, 1, 2, 2, 1, 1]
     top = pick.repeated_groups(copies, groups, 3)
     assert top.rows.tolist()[:2] == [0, 8]

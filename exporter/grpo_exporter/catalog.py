@@ -919,6 +919,14 @@ CATALOG: tuple[Metric, ...] = (
         D, "ratio", inputs=("completion_ids", "completion_lengths"), merge=Merge.RATIO,
     ),
     Metric(
+        "grpo_repeated_wrong_groups_ratio", GA,
+        "Share of the last batch's groups whose samples are all incorrect and at least half of them one same "
+        "completion (exact token-sequence identity): prompts answered with one wrong path again and again. Rising "
+        "while pass@G falls: prompts losing their last right sample to a narrowed policy (a collapse); rising while "
+        "pass@G holds: unsolved prompts narrowing onto one wrong answer.",
+        D, "ratio", inputs=("correct", "completion_ids", "completion_lengths"), merge=Merge.RATIO,
+    ),
+    Metric(
         "grpo_edit_distance_median_ratio", GA,
         "Median normalised token edit distance between completions of the same group, over sampled groups "
         "(computed off the training thread).",

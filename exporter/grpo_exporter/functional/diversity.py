@@ -128,6 +128,35 @@ def unique_completion_ratio(completion_ids: Tensor, positions: Tensor, groups: G
     return fraction(share.sum(), populated.sum())
 
 
+def copies_in_group(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Tensor:
+    """(N,) int64: how many completions of each row's group are token for token the row's own (itself included),
+    from the sort the distinct-completion share made (:func:`repeats`). Remembered per ``completion_ids`` for
+    this grouping (the repeated-wrong share and the reading set's repeated groups read it)."""
+    return groups.remembered("copies", completion_ids, lambda: _copies(repeats(completion_ids, positions, groups)))
+
+
+def _copies(rep: Repeats) -> Tensor:
+    run = rep.first.cumsum(0) - 1
+    sizes = torch.zeros_like(run).index_add_(0, run, torch.ones_like(run))
+    return torch.empty_like(run).scatter_(0, rep.order, sizes[run])
+
+
+def repeated_wrong_groups(copies: Tensor, correct: Tensor, groups: Groups) -> Ratio:
+    """Share of the batch's groups whose samples are all incorrect and at least half of them (two at least) one
+    same completion, token for token: prompts the policy answers with one wrong path, again and again.
+
+    The collapse's own count (seed 第 2 篇 (diversity monitoring) ②③: distinct completions fall while pass@k
+    falls): a prompt that loses its last right sample to a policy narrowed onto one path turns into such a group.
+    In a run that learns, an all-wrong group carries no advantage, so no update rewards narrowing it; where
+    the unsolved prompts narrow all the same (a policy sharpening everywhere), pass@G holds, which the rules
+    read beside it. ``copies`` from :func:`copies_in_group`, ``correct`` (N,) bool or 0/1; a group of one never
+    counts (two copies at least)."""
+    sizes = groups.sizes()
+    most = groups.amax(copies, copies > 0)
+    repeated = (sizes > 0) & (groups.count(correct) == 0) & (most >= 2) & (2 * most >= sizes)
+    return fraction(repeated.sum(), (sizes > 0).sum())
+
+
 def retrieval_accuracy(scores: Tensor, own_prompt: Tensor) -> Ratio:
     """Share of completions that score strictly highest under their own prompt (seed 第 2 篇 (diversity monitoring) §5).
 

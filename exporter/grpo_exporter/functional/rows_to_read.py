@@ -26,7 +26,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_exporter.functional.diversity import repeats
 from grpo_exporter.functional.groups import Groups, group_stats
 
 KINDS = ("highest_reward", "rising_component", "truncated", "repeated_groups", "lowest_entropy_groups", "control")
@@ -99,15 +98,6 @@ def _per_group(row_score: Tensor, valid: Tensor, groups: Groups, k: int, detail:
     return Pick(rows, picked.score, detail[rows])
 
 
-def copies_in_group(completion_ids: Tensor, positions: Tensor, groups: Groups) -> Tensor:
-    """(N,) int64: how many completions of each row's group are token for token the row's own (itself included),
-    from the sort the distinct-completion share made (:func:`~grpo_exporter.functional.diversity.repeats`)."""
-    order, first = repeats(completion_ids, positions, groups)
-    run = first.cumsum(0) - 1
-    sizes = torch.zeros_like(run).index_add_(0, run, torch.ones_like(run))
-    return torch.empty_like(run).scatter_(0, order, sizes[run])
-
-
 def repeated_groups(copies: Tensor, groups: Groups, k: int) -> Pick:
     """The groups whose most repeated completion has the most copies (at least 2), one row each: that
     completion. Detail: its copies."""
@@ -143,5 +133,5 @@ def control_rows(n: int, k: int, step: int, device: torch.device) -> Pick:
     return Pick(rows, score, torch.zeros_like(score))
 
 
-__all__ = ["KINDS", "Pick", "control_rows", "copies_in_group", "highest_reward", "lowest_entropy_groups",
+__all__ = ["KINDS", "Pick", "control_rows", "highest_reward", "lowest_entropy_groups",
            "repeated_groups", "rising_component", "row_entropy", "truncated_rows"]

@@ -282,6 +282,26 @@ class MixinConfig(StopLines, EventLines, DeploySettings):
         "moves by whole groups, far from the normal approximation its standard error assumes: at 4 groups a "
         "step, 4 failed groups of 40 read as a fall of 0.08 from 0.98"
     )
+    repeat_standard_errors: float = Field(
+        3.0, gt=0, description="GRPOPolicyCollapseOnset, its repeated-wrong leg: how many standard errors "
+        "(sqrt(p(1-p)(1/groups + 1/groups_early)), p their mean share) the share of groups that repeat one wrong "
+        "completion (`grpo_repeated_wrong_groups_ratio`) over the collapse, trend or long window must exceed the run's "
+        "early window by, and by `pass_drop_margin` at least. Three, not `collapse_standard_errors`: a share near 0 "
+        "moves by whole groups, and its tail is heavier than the normal's"
+    )
+    repeat_min_groups: int = Field(
+        40, ge=1, description="GRPOPolicyCollapseOnset, its repeated-wrong leg: a window is judged when it holds "
+        "this many groups. Fewer than `collapse_min_groups`: the share rises from about 0, where a handful of "
+        "groups is already many standard errors; a smaller window lags a slow collapse less"
+    )
+    repeat_pass_share: float = Field(
+        0.5, gt=0, le=1, description="GRPOPolicyCollapseOnset, its repeated-wrong leg: pass@G must be below its "
+        "early window by at least this share of the repeated-wrong share's rise. In a collapse the groups that "
+        "start to repeat a wrong completion are mostly prompts that lost their solution (pass@G falls by 0.6-0.8 "
+        "of the rise in our replays: the rest were never solved); in a run whose unsolved prompts narrow onto one "
+        "wrong answer (the sweep's weak warm starts: the share rises by 0.1-0.3 while pass@G holds or rises) a "
+        "window's noise alone must make up half of the rise"
+    )
     pass_drop_margin: float = Field(
         0.05, ge=0, lt=1, description="GRPOEntropyCollapse, fast leg: windowed pass@G this far below its trailing "
         "baseline is falling; a solved task's pass@G of ~1 dips by one failed group without falling. "

@@ -136,11 +136,13 @@ def peak_sampling_error() -> str:
             "or on(job, run) 0 * run:grpo_pass_at_group_size:trend_mean)")
 
 
-def early_window_sampling_error(window: str, reference: str = "run:grpo_pass_at_group_size:anchor") -> str:
-    """The standard error of the difference between pass@G's mean over the ``window`` (``window`` or ``trend``)
-    and the run's early window (its anchor: as many groups as a trend window holds), or another ``reference``
-    of at least that many groups: sqrt(p(1-p) (1/groups + 1/groups_anchor)), p their mean."""
-    mean = f"run:grpo_pass_at_group_size:{window}_mean"
+def early_window_sampling_error(window: str, reference: str = "run:grpo_pass_at_group_size:anchor",
+                                share: str = "run:grpo_pass_at_group_size") -> str:
+    """The standard error of the difference between a per-group ``share``'s mean (pass@G's unless named) over
+    the ``window`` (``window``, ``collapse``, ``trend`` or ``long``) and the run's early window (its anchor: as
+    many groups as a trend window holds), or another ``reference`` of at least that many groups:
+    sqrt(p(1-p) (1/groups + 1/groups_anchor)), p their mean."""
+    mean = f"{share}:{window}_mean"
     p = f"(({mean} + on(job, run) {reference}) / 2)"
     return (f"(sqrt({p} * (1 - {p}) * on(job, run) (1 / clamp_min(run:grpo_groups:{window}_increase, 1) + on(job, run) "
             f"1 / clamp_min(run:grpo_groups:trend_increase, 1))) or on(job, run) 0 * {mean})")

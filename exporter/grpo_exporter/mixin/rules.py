@@ -172,6 +172,12 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         # the collapse window: GRPOPolicyCollapseOnset reads pass@G and pass@1 over it
         {"record": "run:grpo_pass_at_group_size:collapse_mean",
          "expr": f"max by ({BY}) (avg_over_time(run:grpo_pass_at_group_size:ratio[{c.window(c.collapse_window_steps)}]))"},
+        {"record": "run:grpo_repeated_wrong_groups:collapse_mean",
+         "expr": windowed_mean(c, "grpo_repeated_wrong_groups_ratio", steps=c.collapse_window_steps)},
+        {"record": "run:grpo_repeated_wrong_groups:trend_mean",
+         "expr": windowed_mean(c, "grpo_repeated_wrong_groups_ratio", steps=c.trend_window_steps)},
+        {"record": "run:grpo_repeated_wrong_groups:long_mean",
+         "expr": f"max by ({BY}) (avg_over_time(grpo_repeated_wrong_groups_ratio{c.matchers()}[{c.baseline_window}]))"},
         {"record": "run:grpo_pass_at_1:window_mean",
          "expr": windowed_mean(c, "grpo_pass_at_k_ratio", k="1")},
         {"record": "run:grpo_pass_at_1:collapse_mean",
@@ -200,6 +206,7 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
                  f"group_left() label_replace({run_info}, \"labels\", \"k='$1'\", \"group_size\", \"(.*)\")) "
                  f"or on({BY}) max by ({BY}) (grpo_reference_baseline{c.matchers(metric='grpo_pass_at_k_ratio')})"},
         {"record": "run:grpo_pass_at_1:anchor", "expr": anchor(c, "grpo_pass_at_k_ratio", "k='1'")},
+        {"record": "run:grpo_repeated_wrong_groups:anchor", "expr": anchor(c, "grpo_repeated_wrong_groups_ratio")},
         # the best the run has shown (its 20-step pass@G, over peak_window_s, or its early window)
         {"record": "run:grpo_pass_at_group_size:peak",
          "expr": f"max by ({BY}) (max_over_time(run:grpo_pass_at_group_size:trend_mean_full[{c.duration(c.peak_window_s)}]))"

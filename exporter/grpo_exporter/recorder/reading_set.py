@@ -33,6 +33,7 @@ from torch import Tensor
 
 from grpo_exporter import catalog
 from grpo_exporter.functional import rows_to_read as pick
+from grpo_exporter.functional.diversity import copies_in_group
 from grpo_exporter.inputs import InputError, StepInputs
 from grpo_exporter.recorder.reading_doc import FORMAT, KINDS, dumps
 from grpo_exporter.recorder.rows import Decode, decoded, json_number, positions_of, tokens_of
@@ -201,7 +202,7 @@ class ReadingSet:
         positions = positions_of(x)
         if x.completion_ids is not None and positions is not None:
             picks["repeated_groups"] = pick.repeated_groups(
-                pick.copies_in_group(x.completion_ids, positions, groups), groups, k)
+                copies_in_group(x.completion_ids, positions, groups), groups, k)
         entropy, source = self._entropy(x)
         if entropy is not None:
             picks["lowest_entropy_groups"] = pick.lowest_entropy_groups(entropy, groups, k)

@@ -22,6 +22,7 @@ ANCHORED_FAMILIES = (
     "grpo_ess_ratio",
     "grpo_edit_distance_median_ratio",
     "grpo_unique_completions_ratio",
+    "grpo_repeated_wrong_groups_ratio",
     "grpo_regression_accuracy_ratio",
     "grpo_kept_groups_ratio",
     "grpo_routing_decision_mismatch_ratio",

@@ -28,6 +28,30 @@ def _pass_falls_towards_pass_1(c: MixinConfig, window: str, level: str) -> str:
     )
 
 
+def _repeats_wrong_answer(c: MixinConfig, window: str) -> str:
+    """The share of groups that repeat one wrong completion over ``window`` (``collapse``, ``trend`` or ``long``) above
+    the run's early window by ``repeat_standard_errors`` of its sampling error and ``pass_drop_margin``, pass@G
+    below its early window by at least ``repeat_pass_share`` of that rise, and falling towards pass@1; judged
+    when the window holds ``repeat_min_groups``. Both against the early window: a trailing median of a few
+    groups' pass@G per step reads 1 (most steps solve every prompt).
+
+    The collapse's own count: a prompt turns into such a group when the policy, narrowed onto one path, loses its
+    last right sample, so pass@G falls with it. A run whose unsolved prompts merely narrow onto one wrong answer
+    raises the share while pass@G holds: no page. It rises from about 0, so it shows a collapse hours before
+    pass@G's own fall is several standard errors out at a few groups a step."""
+    share = "run:grpo_repeated_wrong_groups"
+    error = early_window_sampling_error(window, f"{share}:anchor", share)
+    rise = f"({share}:{window}_mean - on(job, run) {share}:anchor)"
+    return (
+        f"{share}:{window}_mean > on(job, run) ({share}:anchor + on(job, run) "
+        f"clamp_min({c.repeat_standard_errors:g} * {error}, {c.pass_drop_margin:g})) and on(job, run) "
+        f"run:grpo_pass_at_group_size:{window}_mean < on(job, run) (run:grpo_pass_at_group_size:anchor - "
+        f"on(job, run) {c.repeat_pass_share:g} * {rise}) and "
+        f"on(job, run) {_towards_pass_1(c, window)} and on(job, run) "
+        f"run:grpo_groups:{window}_increase >= {c.repeat_min_groups}"
+    )
+
+
 def _towards_pass_1(c: MixinConfig, window: str, op: str = "<") -> str:
     """The spread pass@G - pass@1 over ``window`` narrower than over the run's early window by
     ``pass_drop_margin``: pass@G falls towards pass@1 (the seed's collapse, 第 2 篇 (diversity monitoring) ③:
@@ -40,7 +64,8 @@ def _towards_pass_1(c: MixinConfig, window: str, op: str = "<") -> str:
 
 def _onset(c: MixinConfig) -> str:
     """GRPOPolicyCollapseOnset's expression (see its runbook): entropy below its alarm line, and pass@G falling
-    towards pass@1 by ``collapse_standard_errors`` over a window of at least ``collapse_min_groups``."""
+    towards pass@1 by ``collapse_standard_errors`` over a window of at least ``collapse_min_groups``, or the
+    groups that repeat one wrong completion rising while it falls (:func:`_repeats_wrong_answer`)."""
     # the level pass@G over the collapse window is held to: the early window, or the trailing baseline where
     # the run has learned since (a collapse after hours of learning falls from there, and may stay above where
     # the run began). The trend and long (baseline) windows are judged where the shorter ones hold too few
@@ -49,9 +74,11 @@ def _onset(c: MixinConfig) -> str:
     # dips alone (a healthy run of 4 groups a step at G = 16 paged at 19 h that way)
     level = ("(run:grpo_pass_at_group_size:baseline_median > on(job, run) run:grpo_pass_at_group_size:anchor or "
              "on(job, run) run:grpo_pass_at_group_size:anchor)")
+    levels = {"collapse": level, "trend": "run:grpo_pass_at_group_size:anchor",
+              "long": "run:grpo_pass_at_group_size:anchor"}
     falls = " or on(job, run) ".join(
-        f"({_pass_falls_towards_pass_1(c, w, level if w == 'collapse' else 'run:grpo_pass_at_group_size:anchor')})"
-        for w in ("collapse", "trend", "long"))
+        [f"({_pass_falls_towards_pass_1(c, w, levels[w])})" for w in ("collapse", "trend", "long")]
+        + [f"({_repeats_wrong_answer(c, w)})" for w in ("collapse", "trend", "long")])
     return (f"run:grpo_entropy_mean_nats:window_mean < on(job, run) ({c.entropy_alarm_factor:g} * "
             f"run:grpo_entropy_mean_nats:anchor) and on(job, run) ({falls})")
 
@@ -120,9 +147,11 @@ def alerts(c: MixinConfig) -> list[Alert]:
             + template_query("max(run:grpo_pass_at_group_size:anchor{run=%q})") + " early (trailing baseline "
             + template_query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + "), and pass@1 "
             + template_query("max(run:grpo_pass_at_1:collapse_mean{run=%q})") + " against "
-            + template_query("max(run:grpo_pass_at_1:anchor{run=%q})") + ": fewer prompts keep a solution among "
-            "their samples while the best path holds. Read the groups' diversity (distinct completions, edit "
-            "distance) and the zero-variance share before the collapse reaches them.",
+            + template_query("max(run:grpo_pass_at_1:anchor{run=%q})") + ", groups repeating one wrong completion "
+            + template_query("max(run:grpo_repeated_wrong_groups:collapse_mean{run=%q})") + " against "
+            + template_query("max(run:grpo_repeated_wrong_groups:anchor{run=%q})") + " early: fewer prompts keep a "
+            "solution among their samples while the best path holds. Read the groups' diversity (distinct "
+            "completions, edit distance) and the zero-variance share before the collapse reaches them.",
             for_steps=2, trend=True,
         ),
         Alert(

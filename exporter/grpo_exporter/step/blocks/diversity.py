@@ -34,12 +34,13 @@ def pass_at_k(out: Gather, ctx: Context) -> None:
         out.each("grpo_pass_at_k_ratio", diversity.pass_at_ks(ctx.x.correct, ctx.groups, ks), "k", [str(k) for k in ks])
 
 
-@produces("grpo_unique_completions_ratio", stages=("rollout",))
+@produces("grpo_unique_completions_ratio", "grpo_repeated_wrong_groups_ratio", stages=("rollout",))
 def distinct_completions(out: Gather, ctx: Context) -> None:
     x = ctx.x
-    if x.completion_ids is None or ctx.groups is None:
-        return
     positions = ctx.positions
-    if positions is not None:
-        ratio = diversity.unique_completion_ratio(x.completion_ids, positions, ctx.groups)
-        out.add("grpo_unique_completions_ratio", ratio)
+    if x.completion_ids is None or ctx.groups is None or positions is None:
+        return
+    out.add("grpo_unique_completions_ratio", diversity.unique_completion_ratio(x.completion_ids, positions, ctx.groups))
+    if x.correct is not None:
+        copies = diversity.copies_in_group(x.completion_ids, positions, ctx.groups)
+        out.add("grpo_repeated_wrong_groups_ratio", diversity.repeated_wrong_groups(copies, x.correct, ctx.groups))
