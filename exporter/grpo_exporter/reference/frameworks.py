@@ -57,7 +57,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "GRPOFewGroupsCarrySignal": ("rollout",), "GRPOLowerClipDominant": ("ratios",),
     "GRPOClipFractionHigh": ("ratios",), "GRPORolloutsStale": ("staleness",),
     "GRPODynamicSamplingPoolShrinking": ("rollout", "filtering"),
-    "GRPOEntropyCollapse": ("verdicts", "entropy"), "GRPOPolicyCollapseOnset": ("verdicts", "entropy"),
+    "GRPOEntropyCollapse": ("verdicts", "entropy"), "GRPOPolicyCollapseOnset": ("rollout", "verdicts", "entropy"),
     "GRPODiversityCollapse": ("rollout", "verdicts"), "GRPOPassAtGBelowBase": ("verdicts",),
     "GRPORetrievalNearChance": ("retrieval",), "GRPOMasteredPromptsRegressed": ("regression",),
 }
