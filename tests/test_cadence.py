@@ -380,9 +380,11 @@ FAULT_RUNS: dict[str, tuple[dict[str, object], dict[str, object], tuple[str, ...
                     ("GRPORewardHackSuspected", "GRPOZeroVarianceAbovePrediction?")),
     "long-incorrect": ({"longer_incorrect": 3}, {}, ("GRPOLengthGrowthIncorrectOnly",)),
     "long-correct": ({"longer_correct": 3}, {}, ("GRPOLengthHack",)),
-    # each group repeats one answer: pass@G falls to pass@1, below the base model's, and groups lose variance
+    # each group repeats one answer, token for token: pass@G falls to pass@1, below the base model's, and groups
+    # lose variance (and their distinct completions: GRPODiversityCollapse may page it too)
     "below-base": ({"same_answer": 1.0}, {"reference_baseline": {'grpo_pass_at_k_ratio{k="8"}': 0.6}},
-                   ("GRPOPassAtGBelowBase", "GRPOZeroVarianceAbovePrediction", "GRPOFewGroupsCarrySignal")),
+                   ("GRPOPassAtGBelowBase", "GRPOZeroVarianceAbovePrediction", "GRPOFewGroupsCarrySignal",
+                    "GRPODiversityCollapse?")),
     "template-collapse": ({"retrieval": 0.07}, {}, ("GRPORetrievalNearChance",)),
     # the mastered prompts fail again (forgetting behind a full batch): 0.95 -> 0.6 on the held set
     "forgetting": ({"regression": 0.6}, {}, ("GRPOMasteredPromptsRegressed",)),
