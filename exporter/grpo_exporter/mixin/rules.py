@@ -211,6 +211,13 @@ def recording_rules(c: MixinConfig) -> list[dict[str, Any]]:
         {"record": "run:grpo_pass_at_group_size:peak",
          "expr": f"max by ({BY}) (max_over_time(run:grpo_pass_at_group_size:trend_mean_full[{c.duration(c.peak_window_s)}]))"
                  " > on(job, run) run:grpo_pass_at_group_size:anchor or on(job, run) run:grpo_pass_at_group_size:anchor"},
+        # the level GRPOPolicyCollapseOnset holds pass@G over the collapse and trend windows to: the run's trend
+        # mean baseline_offset ago (its steps just before the collapse window), where the run has learned above its
+        # early window since, else the early window. A mean, not a median: a few groups' per-step pass@G takes a
+        # few values (8 groups: eighths), and their median moves by a whole eighth or not at all
+        {"record": "run:grpo_pass_at_group_size:collapse_level",
+         "expr": f"run:grpo_pass_at_group_size:trend_mean_full offset {c.baseline_offset} > on(job, run) "
+                 "run:grpo_pass_at_group_size:anchor or on(job, run) run:grpo_pass_at_group_size:anchor"},
         {"record": "run:grpo_edit_distance_median_ratio:anchor", "expr": anchor(c, "grpo_edit_distance_median_ratio")},
         # rolling baselines: the run's own history, ending baseline_offset ago
         {"record": "run:grpo_grad_norm_pre_clip:baseline_median",

@@ -66,16 +66,12 @@ def _onset(c: MixinConfig) -> str:
     """GRPOPolicyCollapseOnset's expression (see its runbook): entropy below its alarm line, and pass@G falling
     towards pass@1 by ``collapse_standard_errors`` over a window of at least ``collapse_min_groups``, or the
     groups that repeat one wrong completion rising while it falls (:func:`_repeats_wrong_answer`)."""
-    # the level pass@G over the collapse window is held to: the early window, or the trailing baseline where
-    # the run has learned since (a collapse after hours of learning falls from there, and may stay above where
-    # the run began). The trend and long (baseline) windows are judged where the shorter ones hold too few
-    # groups (8 groups a step fill a trend window, 4 a long one) and compared with the early window's mean only:
-    # against the trailing baseline, a median of 5-step means, a mean over hours near pass@G 1 reads low by its
-    # dips alone (a healthy run of 4 groups a step at G = 16 paged at 19 h that way)
-    level = ("(run:grpo_pass_at_group_size:baseline_median > on(job, run) run:grpo_pass_at_group_size:anchor or "
-             "on(job, run) run:grpo_pass_at_group_size:anchor)")
-    levels = {"collapse": level, "trend": "run:grpo_pass_at_group_size:anchor",
-              "long": "run:grpo_pass_at_group_size:anchor"}
+    # the level pass@G over the collapse and trend windows is held to: the early window, or the run's trend mean
+    # just before them where it has learned since (a collapse after hours of learning falls from there, and may
+    # stay above where the run began). The long (baseline) window is judged against the early window only: it
+    # spans hours of the collapse itself
+    level = "run:grpo_pass_at_group_size:collapse_level"
+    levels = {"collapse": level, "trend": level, "long": "run:grpo_pass_at_group_size:anchor"}
     falls = " or on(job, run) ".join(
         [f"({_pass_falls_towards_pass_1(c, w, levels[w])})" for w in ("collapse", "trend", "long")]
         + [f"({_repeats_wrong_answer(c, w)})" for w in ("collapse", "trend", "long")])
@@ -144,8 +140,9 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "window " + template_query("max(run:grpo_entropy_mean_nats:anchor{run=%q})") + f"; alarm line "
             f"{c.entropy_alarm_factor:g}x) while pass@G over {c.window(c.collapse_window_steps)} is "
             + template_query("max(run:grpo_pass_at_group_size:collapse_mean{run=%q})") + " against "
-            + template_query("max(run:grpo_pass_at_group_size:anchor{run=%q})") + " early (trailing baseline "
-            + template_query("max(run:grpo_pass_at_group_size:baseline_median{run=%q})") + "), and pass@1 "
+            + template_query("max(run:grpo_pass_at_group_size:anchor{run=%q})") + " early (level "
+            + template_query("max(run:grpo_pass_at_group_size:collapse_level{run=%q})") + ", its mean before "
+            "the window where it has learned since), and pass@1 "
             + template_query("max(run:grpo_pass_at_1:collapse_mean{run=%q})") + " against "
             + template_query("max(run:grpo_pass_at_1:anchor{run=%q})") + ", groups repeating one wrong completion "
             + template_query("max(run:grpo_repeated_wrong_groups:collapse_mean{run=%q})") + " against "
